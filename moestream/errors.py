@@ -1,0 +1,17 @@
+"""Errors that reach the user as one line (the CLI prints them without a traceback)."""
+
+
+class MoestreamError(Exception):
+    """An error the user can act on; str(e) says what is wrong and what to do."""
+
+
+class ModelFileError(MoestreamError):
+    """The model file is missing, damaged, or not one we can run."""
+
+
+class BudgetError(MoestreamError):
+    """The memory budget cannot hold what one token needs."""
+
+
+class ContextError(MoestreamError):
+    """The prompt (plus the tokens asked for) does not fit in the context."""
