@@ -1,0 +1,124 @@
+"""`moestream` command line. Every user error ends as one line on stderr and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moestream.errors import MoestreamError
+
+EXIT_USER_ERROR = 2
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", required=True, help="GGUF model file")
+    p.add_argument("--ram-budget-mb", type=int, default=None,
+                   help="RAM the whole process may use; experts are cached in what is left (default: what the "
+                        "machine has available, minus 1 GB)")
+    p.add_argument("--ctx", type=int, default=None, help="context length (default: min(model's, 4096))")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--io-threads", type=int, default=4, help="parallel reads in flight (default 4)")
+    p.add_argument("--ubatch", type=int, default=128, help="prompt tokens per micro-batch (default 128)")
+    p.add_argument("--buffered", action="store_true", help="read experts with buffered I/O instead of O_DIRECT")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy, the default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise MoestreamError(f"{name} must be a positive number, got {value}")
+
+
+def open_engine(args: argparse.Namespace):
+    from moestream.engine import Engine
+
+    _positive("--ram-budget-mb", args.ram_budget_mb)
+    _positive("--ctx", args.ctx)
+    _positive("--threads", args.threads)
+    _positive("--io-threads", args.io_threads)
+    _positive("--ubatch", args.ubatch)
+    return Engine(
+        args.model,
+        ram_budget_mb=args.ram_budget_mb,
+        ctx=args.ctx,
+        threads=args.threads,
+        io_threads=args.io_threads,
+        ubatch=args.ubatch,
+        direct=False if args.buffered else None,
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from moestream.sampling import Sampler
+
+    _positive("-n", args.n)
+    engine = open_engine(args)
+    try:
+        tok = engine.tokenizer
+        prompt = args.prompt
+        if args.chat:
+            from moestream.chat_template import render_chat
+
+            if not tok.chat_template:
+                raise MoestreamError("this model has no chat template; drop --chat")
+            prompt = render_chat(tok.chat_template, [{"role": "user", "content": prompt}])
+        ids = tok.encode(prompt)
+        sampler = Sampler(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        decoder = tok.stream_decoder()
+        out = sys.stdout
+
+        def on_token(t: int) -> None:
+            if t in tok.stop_ids:
+                return
+            text = decoder.push(t)
+            if text:
+                out.write(text)
+                out.flush()
+
+        gen = engine.generate(ids, args.n, sampler, stop_ids=tok.stop_ids, on_token=on_token)
+        out.write(decoder.flush() + "\n")
+        if engine.plan is not None:
+            print(engine.plan.describe(), file=sys.stderr)
+        print(gen.stats.line(), file=sys.stderr)
+    finally:
+        engine.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moestream", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="generate text from a prompt")
+    _add_engine_args(p)
+    _add_sampling_args(p)
+    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("-n", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except MoestreamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print("error: out of memory; lower --ram-budget-mb or --ctx", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

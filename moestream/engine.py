@@ -1,0 +1,268 @@
+"""The engine: one model file, its resident weights, the expert cache behind a budget, and generation."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from moestream import linear, quants
+from moestream.budget import MB, BudgetPlan, peak_rss_bytes, plan_slots, rss_bytes
+from moestream.errors import ContextError, ModelFileError
+from moestream.expert_cache import ExpertCache
+from moestream.expert_store import ExpertStore
+from moestream.gguf_file import GGUFFile
+from moestream.models import ARCHITECTURES
+from moestream.reader import ExpertReader
+from moestream.sampling import Sampler
+
+DEFAULT_UBATCH = 128  # SDQ seed 5.1: small micro-batches keep compute buffers and the expert union small
+FLOAT_TYPES = {0, 1}  # F32, F16: computed in float32 (exact mode)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prompt_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    read_wait_s: float = 0.0
+    decode_bytes_read: int = 0
+    decode_read_wait_s: float = 0.0
+    n_slots: int = 0
+    peak_rss: int = 0
+    finish_reason: str = "length"
+
+    @property
+    def prompt_tps(self) -> float:
+        computed = self.prompt_tokens - self.reused_tokens
+        return computed / self.prompt_s if self.prompt_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def line(self) -> str:
+        per_tok = self.decode_bytes_read / MB / self.decode_tokens if self.decode_tokens else 0.0
+        wait_ms = 1e3 * self.decode_read_wait_s / self.decode_tokens if self.decode_tokens else 0.0
+        tok_ms = 1e3 * self.decode_s / self.decode_tokens if self.decode_tokens else 0.0
+        return (
+            f"prompt {self.prompt_tokens} tok @ {self.prompt_tps:.1f} tok/s | "
+            f"decode {self.decode_tokens} tok @ {self.decode_tps:.2f} tok/s "
+            f"({tok_ms:.1f} ms/tok, {wait_ms:.1f} waiting on reads) | "
+            f"expert hit rate {100 * self.hit_rate:.1f}% | disk {per_tok:.1f} MB/tok | "
+            f"cache slots {self.n_slots} | peak RSS {self.peak_rss / MB:.0f} MB"
+        )
+
+
+@dataclass
+class Generation:
+    tokens: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def _is_float_model(f: GGUFFile) -> bool:
+    return all(t.ggml_type in FLOAT_TYPES for t in f.tensors.values() if len(t.shape) >= 2)
+
+
+def _check_types(f: GGUFFile) -> None:
+    for t in f.tensors.values():
+        if t.ggml_type not in quants.SUPPORTED_TYPES:
+            raise ModelFileError(
+                f"{f.path}: tensor {t.name} has weight type {t.type_name}, which moestream does not support yet "
+                "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K); use a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file"
+            )
+
+
+class Engine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        ram_budget_mb: int | None = None,
+        ctx: int | None = None,
+        threads: int | None = None,
+        io_threads: int = 4,
+        direct: bool | None = None,
+        exact: bool | None = None,
+        ubatch: int = DEFAULT_UBATCH,
+        n_slots: int | None = None,
+        reserve_mb: int | None = None,
+    ):
+        if threads:
+            torch.set_num_threads(threads)
+        self.gguf = f = GGUFFile(model_path)
+        model_cls = ARCHITECTURES.get(f.arch)
+        if model_cls is None:
+            raise ModelFileError(
+                f"{model_path}: architecture {f.arch or '(none)'!r} is not supported "
+                f"(supported: {', '.join(sorted(ARCHITECTURES))})"
+            )
+        _check_types(f)
+        self.exact = _is_float_model(f) if exact is None else exact
+        self.ubatch = ubatch
+        cfg = model_cls.config_from_gguf(f)
+        self.ctx = min(ctx or min(cfg.context_length, 4096), cfg.context_length)
+        self.store = ExpertStore(f, cfg.n_layers, cfg.n_experts, self.exact)
+        reader_buffers = io_threads * (self.store.max_segment_nbytes + 3 * 4096)
+        compute = model_cls.compute_nbytes(cfg, ubatch, self.ctx)
+        max_slots = cfg.n_layers * cfg.n_experts
+
+        # Refuse before loading anything if the dense weights alone break the budget.
+        dense_estimate = _dense_estimate(f, self.exact)
+        kv_estimate = model_cls.kv_nbytes(cfg, self.ctx, self.exact)
+        kw = dict(budget_mb=ram_budget_mb, compute=compute, reader=reader_buffers,
+                  slot_nbytes=self.store.slot_nbytes, min_slots=cfg.top_k, max_slots=max_slots)
+        if reserve_mb is not None:
+            kw["reserve_mb"] = reserve_mb
+        if n_slots is None:
+            plan_slots(resident=rss_bytes() + dense_estimate + kv_estimate, **kw)
+
+        self.model = model_cls(f, None, self.exact)
+        self.cfg = self.model.cfg
+        self.kv = self.model.new_kv(self.ctx)
+        self._kv_tokens: list[int] = []
+        if n_slots is None:
+            self.plan: BudgetPlan | None = plan_slots(resident=rss_bytes(), **kw)
+            n_slots = self.plan.n_slots
+        else:
+            self.plan = None
+        self.reader = ExpertReader(f.path, self.store.max_segment_nbytes, threads=io_threads, direct=direct)
+        self.cache = ExpertCache(self.store, self.reader, n_slots)
+        self.model.experts = self.cache
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from moestream.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
+        return self._tokenizer
+
+    def reset(self) -> None:
+        """Forget the conversation held in the KV cache."""
+        self._kv_tokens = []
+        self.kv.truncate(0)
+
+    def generate(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        sampler: Sampler | None = None,
+        stop_ids: set[int] | None = None,
+        on_token: Callable[[int], bool | None] | None = None,
+    ) -> Generation:
+        """Greedy/sampled generation; on_token(id) returning True stops early (a client went away)."""
+        if not prompt:
+            raise ContextError("the prompt is empty; give at least one token of text")
+        if len(prompt) >= self.ctx:
+            raise ContextError(
+                f"the prompt has {len(prompt)} tokens but the context holds {self.ctx}; "
+                "shorten the prompt or raise --ctx"
+            )
+        sampler = sampler or Sampler()
+        stop_ids = stop_ids or set()
+        max_new_tokens = min(max_new_tokens, self.ctx - len(prompt))
+        gen = Generation()
+        st = gen.stats
+        cs = self.cache.stats
+        h0, m0, b0, w0 = cs.hits, cs.misses, cs.bytes_read, cs.read_wait_s
+
+        # Reuse the KV cache for the longest prefix this prompt shares with what it holds.
+        common = 0
+        for a, b in zip(self._kv_tokens, prompt):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(prompt) - 1)  # the last prompt token must run to give logits
+        self.kv.truncate(common)
+        self._kv_tokens = list(prompt[:common])
+        st.prompt_tokens = len(prompt)
+        st.reused_tokens = common
+
+        t0 = time.perf_counter()
+        self.cache.phase = "prompt"
+        logits = None
+        pos = common
+        with torch.inference_mode():
+            while pos < len(prompt):
+                chunk = prompt[pos : pos + self.ubatch]
+                logits = self.model.forward(chunk, self.kv, pos)
+                pos += len(chunk)
+                self._kv_tokens.extend(chunk)
+            st.prompt_s = time.perf_counter() - t0
+            self.cache.phase = "decode"
+            b1, w1 = cs.bytes_read, cs.read_wait_s
+            t1 = time.perf_counter()
+            assert logits is not None
+            while len(gen.tokens) < max_new_tokens:
+                tok = sampler(logits)
+                gen.tokens.append(tok)
+                stop = tok in stop_ids
+                if on_token is not None and on_token(tok):
+                    st.finish_reason = "cancelled"
+                    break
+                if stop:
+                    st.finish_reason = "stop"
+                    break
+                if len(gen.tokens) >= max_new_tokens:
+                    break
+                logits = self.model.forward([tok], self.kv, pos)
+                self._kv_tokens.append(tok)
+                pos += 1
+            st.decode_tokens = len(gen.tokens)
+            st.decode_s = time.perf_counter() - t1
+        st.hits, st.misses = cs.hits - h0, cs.misses - m0
+        st.bytes_read = cs.bytes_read - b0
+        st.read_wait_s = cs.read_wait_s - w0
+        st.decode_bytes_read = cs.bytes_read - b1
+        st.decode_read_wait_s = cs.read_wait_s - w1
+        st.n_slots = self.cache.n_slots
+        st.peak_rss = peak_rss_bytes()
+        return gen
+
+    def close(self) -> None:
+        self.cache.close()
+        self.reader.close()
+        self.gguf.close()
+
+
+def _dense_estimate(f: GGUFFile, exact: bool) -> int:
+    """Bytes the resident weights will take, from the tensor table alone (checked before loading)."""
+    total = 0
+    for t in f.tensors.values():
+        if "_exps." in t.name:
+            continue
+        if len(t.shape) != 2 or "ffn_gate_inp" in t.name:
+            total += _numel(t.shape) * 4  # norms, routers: float32
+        elif t.name == "token_embd.weight":
+            total += t.nbytes
+            if "output.weight" not in f.tensors:
+                total += linear.packed_nbytes(t.ggml_type, t.shape[0], t.shape[1], exact)
+        else:
+            total += linear.packed_nbytes(t.ggml_type, t.shape[0], t.shape[1], exact)
+    return total
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def default_threads() -> int:
+    return max(1, os.cpu_count() or 1)

@@ -1,0 +1,87 @@
+"""Where every routed expert lives in the model file.
+
+In a GGUF, `blk.L.ffn_{gate,up,down}_exps.weight` are 3-D tensors [E, rows, cols]; expert e of layer L is
+the e-th contiguous slice of each of the three. The store turns (layer, expert) into three byte ranges, and
+says how many bytes the expert takes once packed into the form the kernels compute from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moestream import linear
+from moestream.errors import ModelFileError
+from moestream.gguf_file import GGUFFile
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One of an expert's three matrices: W [n, k] stored as GGUF blocks at file offset `offset`."""
+
+    offset: int
+    nbytes: int
+    ggml_type: int
+    n: int
+    k: int
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Shape and type of one layer's experts; every expert of the layer shares it."""
+
+    gate: tuple[int, int, int]  # (ggml_type, n, k)
+    up: tuple[int, int, int]
+    down: tuple[int, int, int]
+    packed: tuple[int, int, int]  # bytes of each matrix in compute form, in gate/up/down order
+
+    @property
+    def packed_nbytes(self) -> int:
+        return sum(self.packed)
+
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+class ExpertStore:
+    def __init__(self, gguf: GGUFFile, n_layers: int, n_experts: int, exact: bool):
+        self.path = gguf.path
+        self.n_layers = n_layers
+        self.n_experts = n_experts
+        self.exact = exact
+        self._base: list[tuple[Segment, Segment, Segment]] = []  # expert 0's segments per layer
+        self.layouts: list[ExpertLayout] = []
+        for layer in range(n_layers):
+            segs = []
+            for proj in PROJECTIONS:
+                info = gguf.tensor(f"blk.{layer}.ffn_{proj}_exps.weight")
+                if len(info.shape) != 3 or info.shape[0] != n_experts:
+                    raise ModelFileError(
+                        f"{gguf.path}: {info.name} has shape {info.shape}, expected [{n_experts}, rows, cols]"
+                    )
+                per_expert = info.nbytes // n_experts
+                segs.append(Segment(info.offset, per_expert, info.ggml_type, info.shape[1], info.shape[2]))
+            self._base.append(tuple(segs))
+            self.layouts.append(
+                ExpertLayout(
+                    *((s.ggml_type, s.n, s.k) for s in segs),
+                    packed=tuple(linear.packed_nbytes(s.ggml_type, s.n, s.k, exact) for s in segs),
+                )
+            )
+        # A slot holds any layer's expert, so it is sized for the largest (Q4_K_M mixes Q4_K and Q6_K downs).
+        self.slot_nbytes = _round_up(max(lay.packed_nbytes + 3 * 64 for lay in self.layouts), 4096)
+        self.max_segment_nbytes = max(s.nbytes for segs in self._base for s in segs)
+        self.expert_file_nbytes = [sum(s.nbytes for s in segs) for segs in self._base]
+
+    def segments(self, layer: int, expert: int) -> tuple[Segment, Segment, Segment]:
+        out = []
+        for s in self._base[layer]:
+            out.append(Segment(s.offset + expert * s.nbytes, s.nbytes, s.ggml_type, s.n, s.k))
+        return tuple(out)  # type: ignore[return-value]
+
+    @property
+    def total_file_nbytes(self) -> int:
+        return sum(self.expert_file_nbytes) * self.n_experts
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a

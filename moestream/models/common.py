@@ -1,0 +1,103 @@
+"""Pieces every architecture file shares: RMSNorm, rotary embeddings, the KV cache, the expert provider."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from moestream.linear import QLinear
+
+Expert = tuple[QLinear, QLinear, QLinear]  # gate, up, down
+
+
+class ExpertProvider(Protocol):
+    """What a model sees of the streaming machinery: ask for experts of a layer, receive weights."""
+
+    def fetch(self, layer: int, ids: list[int], admit: bool = True) -> Iterator[tuple[int, Expert]]: ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class RoPE:
+    """NeoX-style rotary embedding (rotate the two halves), optionally on the first `rot_dim` dims only."""
+
+    def __init__(self, head_dim: int, theta: float, rot_dim: int | None = None):
+        self.rot_dim = rot_dim or head_dim
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.rot_dim, 2, dtype=torch.float64) / self.rot_dim))
+
+    def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """x [T, heads, head_dim] at positions pos..pos+T-1."""
+        T = x.shape[0]
+        t = torch.arange(pos, pos + T, dtype=torch.float64)
+        ang = torch.outer(t, self.inv_freq)
+        cos = ang.cos().float()[:, None, :]
+        sin = ang.sin().float()[:, None, :]
+        r = self.rot_dim
+        half = r // 2
+        x1, x2 = x[..., :half], x[..., half:r]
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        if r == x.shape[-1]:
+            return rotated
+        return torch.cat([rotated, x[..., r:]], dim=-1)
+
+
+class KVCache:
+    """Keys and values for every attention layer at the full context, allocated once up front.
+
+    Allocating at the full context is what keeps the memory budget honest: the cache cannot grow after the
+    expert cache has been sized around it.
+    """
+
+    def __init__(self, kv_heads: list[int], head_dim: int, ctx: int, dtype: torch.dtype):
+        self.ctx = ctx
+        self.dtype = dtype
+        self.length = 0  # positions filled
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        for h in kv_heads:
+            if h:
+                self.k.append(torch.zeros(ctx, h, head_dim, dtype=dtype))
+                self.v.append(torch.zeros(ctx, h, head_dim, dtype=dtype))
+            else:
+                self.k.append(None)
+                self.v.append(None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+    def update(
+        self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kc, vc = self.k[layer], self.v[layer]
+        assert kc is not None and vc is not None
+        T = k.shape[0]
+        kc[pos : pos + T] = k.to(self.dtype)
+        vc[pos : pos + T] = v.to(self.dtype)
+        return kc[: pos + T], vc[: pos + T]
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int) -> torch.Tensor:
+        """Causal attention of q [T, H, D] (positions pos..) over keys/values [S, Hkv, D]; returns [T, H, D]."""
+        T, S = q.shape[0], keys.shape[0]
+        qh = q.transpose(0, 1).unsqueeze(0)
+        kh = keys.float().transpose(0, 1).unsqueeze(0)
+        vh = values.float().transpose(0, 1).unsqueeze(0)
+        mask = None
+        if T > 1:
+            qpos = torch.arange(pos, pos + T)[:, None]
+            mask = torch.arange(S)[None, :] <= qpos
+        gqa = q.shape[1] != keys.shape[1]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
+        return out.squeeze(0).transpose(0, 1)
+
+    def advance(self, length: int) -> None:
+        self.length = length
+
+    def truncate(self, length: int) -> None:
+        """Forget positions >= length (a follow-up prompt that diverges there recomputes from it)."""
+        self.length = min(self.length, length)

@@ -1,0 +1,220 @@
+"""Qwen3-MoE (GGUF arch `qwen3moe`): Qwen3-30B-A3B, Qwen3-235B-A22B.
+
+Decoder layer: x += Attn(RMSNorm(x)); x += MoE(RMSNorm(x)).
+Attention: grouped-query, RMSNorm on each head of q and k, NeoX-style RoPE (rotate halves), no biases.
+MoE: softmax router over all experts, top-k, the k weights renormalised to sum to 1, SwiGLU experts
+(down(silu(gate(x)) * up(x))). The routed experts come from an expert provider (the streaming cache);
+everything else is resident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from moestream import linear, quants
+from moestream.errors import ModelFileError
+from moestream.gguf_file import GGUFFile
+from moestream.models.common import ExpertProvider, KVCache, RoPE, rms_norm
+
+
+@dataclass
+class Qwen3MoeConfig:
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    expert_ffn: int
+    vocab_size: int
+    context_length: int
+    rope_theta: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    norm_topk_prob: bool = True
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> Qwen3MoeConfig:
+        def req(key: str) -> int:
+            v = f.arch_key(key)
+            if v is None:
+                raise ModelFileError(f"{f.path}: metadata {f.arch}.{key} is missing; the file is incomplete")
+            return v
+
+        hidden = int(req("embedding_length"))
+        n_heads = int(req("attention.head_count"))
+        emb = f.tensor("token_embd.weight")
+        return cls(
+            n_layers=int(req("block_count")),
+            hidden=hidden,
+            n_heads=n_heads,
+            n_kv_heads=int(f.arch_key("attention.head_count_kv", n_heads)),
+            head_dim=int(f.arch_key("attention.key_length", hidden // n_heads)),
+            n_experts=int(req("expert_count")),
+            top_k=int(req("expert_used_count")),
+            expert_ffn=int(req("expert_feed_forward_length")),
+            vocab_size=emb.shape[0],
+            context_length=int(f.arch_key("context_length", 4096)),
+            rope_theta=float(f.arch_key("rope.freq_base", 1_000_000.0)),
+            rms_eps=float(f.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
+            norm_topk_prob=bool(f.arch_key("expert_weights_norm", True)),
+        )
+
+
+class Attention:
+    def __init__(self, f: GGUFFile, i: int, cfg: Qwen3MoeConfig, load):
+        p = f"blk.{i}."
+        self.q = load(p + "attn_q.weight")
+        self.k = load(p + "attn_k.weight")
+        self.v = load(p + "attn_v.weight")
+        self.o = load(p + "attn_output.weight")
+        self.q_norm = load(p + "attn_q_norm.weight", vector=True)
+        self.k_norm = load(p + "attn_k_norm.weight", vector=True)
+        self.cfg = cfg
+
+    def __call__(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        q = self.q(x).view(T, cfg.n_heads, cfg.head_dim)
+        k = self.k(x).view(T, cfg.n_kv_heads, cfg.head_dim)
+        v = self.v(x).view(T, cfg.n_kv_heads, cfg.head_dim)
+        q = rope(rms_norm(q, self.q_norm, cfg.rms_eps), pos)
+        k = rope(rms_norm(k, self.k_norm, cfg.rms_eps), pos)
+        keys, values = kv.update(layer, pos, k, v)
+        out = kv.attend(q, keys, values, pos)
+        return self.o(out.reshape(T, cfg.n_heads * cfg.head_dim))
+
+
+class MoE:
+    def __init__(self, f: GGUFFile, i: int, cfg: Qwen3MoeConfig, load):
+        self.router = load(f"blk.{i}.ffn_gate_inp.weight", vector=True)  # [E, H] float32: routing stays exact
+        self.layer = i
+        self.cfg = cfg
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(x @ self.router.T, dim=-1)
+        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def __call__(self, x: torch.Tensor, experts: ExpertProvider) -> torch.Tensor:
+        weights, ids = self.route(x)
+        return run_experts(x, weights, ids, self.layer, experts)
+
+
+def run_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, layer: int, experts: ExpertProvider
+) -> torch.Tensor:
+    """sum_k w_k * expert_k(x) for each token, experts taken in whatever order the provider delivers them.
+
+    Results are summed in a fixed order (by expert id) once all are in, so the output does not depend on
+    which experts were cached: streaming must never change the result.
+    """
+    T = x.shape[0]
+    if T == 1:
+        id_list = ids[0].tolist()
+        w = dict(zip(id_list, weights[0].tolist()))
+        outs: dict[int, torch.Tensor] = {}
+        for e, (gate, up, down) in experts.fetch(layer, id_list):
+            outs[e] = down(F.silu(gate(x)) * up(x)) * w[e]
+        return torch.stack([outs[e] for e in sorted(outs)]).sum(0)
+    needed = torch.unique(ids).tolist()
+    partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for e, (gate, up, down) in experts.fetch(layer, needed):
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        xe = x[rows]
+        partial[e] = (rows, down(F.silu(gate(xe)) * up(xe)) * weights[rows, slot, None])
+    out = torch.zeros_like(x)
+    for e in sorted(partial):
+        rows, y = partial[e]
+        out.index_add_(0, rows, y)
+    return out
+
+
+class Qwen3Moe:
+    """The resident part of the model plus the forward pass; routed experts come from `experts`."""
+
+    arch = "qwen3moe"
+
+    def __init__(self, f: GGUFFile, experts: ExpertProvider | None, exact: bool):
+        self.cfg = cfg = Qwen3MoeConfig.from_gguf(f)
+        self.exact = exact
+        self.experts = experts
+        self.dense_nbytes = 0
+
+        def load(name: str, vector: bool = False):
+            info = f.tensor(name)
+            raw = f.read(name)
+            if vector:  # norms and routers: small, kept in float32
+                t = torch.from_numpy(quants.dequantize(raw, info.ggml_type, info.shape).copy())
+                self.dense_nbytes += t.numel() * 4
+                return t
+            n, k = info.shape
+            lin = linear.from_gguf(raw, info.ggml_type, n, k, exact)
+            self.dense_nbytes += lin.nbytes
+            return lin
+
+        emb = f.tensor("token_embd.weight")
+        self._embd_raw = f.read("token_embd.weight")  # rows decoded on lookup; never expanded to float
+        self._embd_type = emb.ggml_type
+        self.dense_nbytes += self._embd_raw.nbytes
+        self.layers = []
+        for i in range(cfg.n_layers):
+            self.layers.append(
+                (
+                    load(f"blk.{i}.attn_norm.weight", vector=True),
+                    Attention(f, i, cfg, load),
+                    load(f"blk.{i}.ffn_norm.weight", vector=True),
+                    MoE(f, i, cfg, load),
+                )
+            )
+        self.norm = load("output_norm.weight", vector=True)
+        if "output.weight" in f.tensors:
+            self.output = load("output.weight")
+        else:  # tied embeddings: the head reads the same bytes as the embedding table
+            self.output = linear.from_gguf(self._embd_raw, emb.ggml_type, emb.shape[0], emb.shape[1], exact)
+            self.dense_nbytes += self.output.nbytes
+        self.rope = RoPE(cfg.head_dim, cfg.rope_theta)
+
+    @staticmethod
+    def config_from_gguf(f: GGUFFile) -> Qwen3MoeConfig:
+        return Qwen3MoeConfig.from_gguf(f)
+
+    @staticmethod
+    def kv_nbytes(cfg: Qwen3MoeConfig, ctx: int, exact: bool) -> int:
+        return 2 * cfg.n_layers * ctx * cfg.n_kv_heads * cfg.head_dim * (4 if exact else 2)
+
+    @staticmethod
+    def compute_nbytes(cfg: Qwen3MoeConfig, ubatch: int, ctx: int) -> int:
+        """Peak transient memory of one micro-batch: attention scores and float keys, activations, logits."""
+        scores = ubatch * ctx * cfg.n_heads * 4 * 2
+        keys = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4
+        acts = ubatch * (4 * cfg.hidden + 3 * cfg.n_heads * cfg.head_dim + 3 * cfg.expert_ffn * cfg.top_k) * 4 * 2
+        return scores + keys + acts + cfg.vocab_size * 4 * 2
+
+    def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
+        cfg = self.cfg
+        dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
+        return KVCache([cfg.n_kv_heads] * cfg.n_layers, cfg.head_dim, ctx, dtype)
+
+    def embed(self, tokens: list[int]) -> torch.Tensor:
+        rows = quants.dequantize_rows(self._embd_raw, self._embd_type, self.cfg.hidden, np.asarray(tokens))
+        return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+
+    def forward(self, tokens: list[int], kv: KVCache, pos: int, all_logits: bool = False) -> torch.Tensor:
+        """Run tokens at positions pos..pos+T-1; returns logits of the last position ([V]) or all ([T, V])."""
+        assert self.experts is not None, "no expert provider attached"
+        x = self.embed(tokens)
+        for i, (attn_norm, attn, ffn_norm, moe) in enumerate(self.layers):
+            x = x + attn(rms_norm(x, attn_norm, self.cfg.rms_eps), i, kv, pos, self.rope)
+            x = x + moe(rms_norm(x, ffn_norm, self.cfg.rms_eps), self.experts)
+        kv.advance(pos + len(tokens))
+        if not all_logits:
+            x = x[-1:]
+        logits = self.output(rms_norm(x, self.norm, self.cfg.rms_eps))
+        return logits if all_logits else logits[0]
