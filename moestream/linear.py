@@ -1,0 +1,196 @@
+"""The compute form of one weight matrix: GGUF bytes in, `y = x @ W.T` out.
+
+Three forms, picked per tensor by `compute_kind`:
+  int4  Q4_0 / Q4_K kept at 4 bits in torch's CPU int4pack layout and multiplied with
+        `_weight_int4pack_mm_for_cpu` (the fastest CPU matvec we measured; both formats map onto it
+        exactly up to bf16 rounding of each group's scale and zero).
+  bf16  every other quantized type (and BF16): decoded once, F.linear in bf16.
+  f32   F32/F16 weights, and everything when exact=True (logits checked against a float reference).
+
+`pack_into` writes the form into memory the caller owns (the expert cache's slots) and returns views of
+it; the conversion runs in C with the GIL released so reader threads convert in parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+
+from moestream import native, quants
+
+GROUP = 32  # int4 group size along K: one Q4_0 block or one Q4_K sub-block
+INT4_BLOCK_N = 64  # rows per block of torch's CPU int4 layout
+ALIGN = 64
+
+INT4_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K)})
+F32_TYPES = frozenset({int(T.F32), int(T.F16)})
+
+
+@dataclass
+class QLinear:
+    """y = x @ W.T for a weight read from GGUF bytes, held in the form our kernels compute from."""
+
+    out_features: int
+    in_features: int
+    kind: str  # 'int4' | 'bf16' | 'f32'
+    weight: torch.Tensor  # int4: uint8 [N, K/2] packed; bf16/f32: [N, K]
+    scales_zeros: torch.Tensor | None = None  # int4 only: bf16 [K/32, N, 2]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x float32 [..., K] -> float32 [..., N]."""
+        lead = x.shape[:-1]
+        if self.kind == "int4":
+            # the int4 kernel's fast path takes bf16 activations (float32 ones hit a ~25x slower path)
+            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, GROUP, self.scales_zeros)
+            return y.float().reshape(*lead, self.out_features)
+        if self.kind == "bf16":
+            return F.linear(x.to(torch.bfloat16), self.weight).float()
+        return F.linear(x, self.weight)
+
+    def dense(self) -> torch.Tensor:
+        """W as float32 [N, K] (tests, debugging; slow for int4)."""
+        if self.kind != "int4":
+            return self.weight.float()
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight, GROUP, self.scales_zeros)
+        return w_t.float().T.contiguous()
+
+
+def compute_kind(ggml_type: int, n: int, k: int, exact: bool) -> str:
+    """Which form a [n, k] weight of `ggml_type` is computed in."""
+    quants.tensor_nbytes(ggml_type, k)  # raises for an unsupported type or a ragged row
+    if exact or ggml_type in F32_TYPES:
+        return "f32"
+    if ggml_type in INT4_TYPES and n % INT4_BLOCK_N == 0 and k % GROUP == 0:
+        return "int4"
+    return "bf16"
+
+
+def _int4_sizes(n: int, k: int) -> tuple[int, int]:
+    return n * k // 2, (k // GROUP) * n * 2 * 2
+
+
+def packed_nbytes(ggml_type: int, n: int, k: int, exact: bool) -> int:
+    """Bytes of the compute form (what `pack_into` needs in `out`)."""
+    kind = compute_kind(ggml_type, n, k, exact)
+    if kind == "int4":
+        return sum(_int4_sizes(n, k))
+    return n * k * (2 if kind == "bf16" else 4)
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] whose first byte is 64-byte aligned."""
+    buf = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = (-buf.data_ptr()) % ALIGN
+    return buf[skip : skip + nbytes]
+
+
+def _raw_array(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int) -> np.ndarray:
+    arr = quants.as_bytes(raw)
+    need = quants.tensor_nbytes(ggml_type, n * k)
+    if arr.size < need:
+        raise ValueError(
+            f"{quants.type_name(ggml_type)} [{n}, {k}] needs {need} bytes of GGUF data, got {arr.size}"
+        )
+    arr = arr[:need]
+    # the C decoders read F32/F16/BF16 as arrays of that type: keep them naturally aligned
+    if arr.ctypes.data % 4:
+        arr = arr.copy()
+    return arr
+
+
+def _check_out(out: torch.Tensor, nbytes: int) -> None:
+    if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError("out must be a contiguous 1-D uint8 CPU tensor")
+    if out.numel() < nbytes:
+        raise ValueError(f"out holds {out.numel()} bytes, the compute form needs {nbytes}")
+    if out.data_ptr() % ALIGN:
+        raise ValueError(f"out must start on a {ALIGN}-byte boundary")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch/numpy fallbacks: same results as the C path, used when it is unavailable (and by the tests)
+
+
+def int4_parts_numpy(raw: np.ndarray, ggml_type: int, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q4_0/Q4_K bytes -> (q uint8 [n, k] in 0..15, scales_zeros float32 [k/32, n, 2])."""
+    if ggml_type == T.Q4_0:
+        b = raw.reshape(n * k // 32, 18)
+        d = b[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+        qs = b[:, 2:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+        scale, zero = d, np.zeros_like(d)
+    elif ggml_type == T.Q4_K:
+        b = raw.reshape(n * k // 256, 144)
+        d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = quants.k_scale_min(b[:, 4:16])
+        q = quants.k_nibbles(b[:, 16:])
+        scale = d * sc.astype(np.float32)
+        # d*sc*q - dmin*m == (q - 8)*scale + (8*scale - dmin*m)
+        zero = np.float32(8.0) * scale - dmin * mn.astype(np.float32)
+    else:
+        raise ValueError(f"{quants.type_name(ggml_type)} has no int4 form")
+    sz = np.stack([scale.reshape(n, k // GROUP), zero.reshape(n, k // GROUP)], axis=-1)
+    return q.reshape(n, k), np.ascontiguousarray(sz.transpose(1, 0, 2))
+
+
+def _pack_int4_torch(
+    raw: np.ndarray, ggml_type: int, n: int, k: int, packed: torch.Tensor, sz: torch.Tensor
+) -> None:
+    q, szf = int4_parts_numpy(raw, ggml_type, n, k)
+    packed.copy_(torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1))
+    sz.copy_(torch.from_numpy(szf))
+
+
+def _dequant_torch(raw: np.ndarray, ggml_type: int, n: int, k: int, w: torch.Tensor) -> None:
+    w.copy_(torch.from_numpy(quants.dequantize(raw, ggml_type, (n, k))))
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def pack_into(
+    raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, out: torch.Tensor, exact: bool
+) -> QLinear:
+    """Fill `out` with the compute form of W [n, k] and return a QLinear whose tensors view `out`.
+
+    `out`: contiguous uint8 CPU tensor, 64-byte aligned start, at least packed_nbytes(...) bytes. Nothing
+    else is allocated on the C path, and the GIL is released during the conversion.
+    """
+    kind = compute_kind(ggml_type, n, k, exact)
+    nbytes = packed_nbytes(ggml_type, n, k, exact)
+    _check_out(out, nbytes)
+    src = _raw_array(raw, ggml_type, n, k)
+    lib = native.lib()
+    if kind == "int4":
+        n_packed, n_sz = _int4_sizes(n, k)
+        packed = out[:n_packed].view(n, k // 2)
+        sz = out[n_packed : n_packed + n_sz].view(torch.bfloat16).view(k // GROUP, n, 2)
+        if lib is not None and native.int4_layout_ok():
+            rc = lib.ms_pack_int4(ggml_type, src.ctypes.data, n, k, packed.data_ptr(), sz.data_ptr())
+            if rc != 0:
+                raise RuntimeError(f"ms_pack_int4 failed ({rc}) for {quants.type_name(ggml_type)} [{n}, {k}]")
+        else:
+            _pack_int4_torch(src, ggml_type, n, k, packed, sz)
+        return QLinear(n, k, kind, packed, sz)
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    w = out[:nbytes].view(dtype).view(n, k)
+    if lib is not None:
+        rc = lib.ms_dequant(ggml_type, src.ctypes.data, n * k, w.data_ptr(), int(kind == "bf16"))
+        if rc != 0:
+            raise RuntimeError(f"ms_dequant failed ({rc}) for {quants.type_name(ggml_type)} [{n}, {k}]")
+    else:
+        _dequant_torch(src, ggml_type, n, k, w)
+    return QLinear(n, k, kind, w)
+
+
+def from_gguf(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, exact: bool) -> QLinear:
+    """As pack_into, in memory of its own (dense weights that live for the whole run)."""
+    out = aligned_empty(packed_nbytes(ggml_type, n, k, exact))
+    return pack_into(raw, ggml_type, n, k, out, exact)

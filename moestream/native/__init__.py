@@ -1,0 +1,200 @@
+"""Loader for the small C library in pack.c (GGUF bytes -> torch compute forms).
+
+The library is compiled on first use with the system C compiler into a per-user cache directory,
+keyed by a hash of the source, the flags, the compiler and the CPU, so a cache shared between machines
+never hands an AVX-512 build to a CPU without it. It is loaded with ctypes.CDLL, which releases the
+GIL for the duration of each call: that is what lets reader threads convert experts in parallel.
+
+If there is no compiler, or the build fails, `lib()` returns None, callers use their torch/numpy
+path, and we warn once. Set MOESTREAM_NO_NATIVE=1 to force that path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("pack.c")
+ABI_VERSION = 1
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing")
+# tried in order: a CPU-tuned build, then a generic one (some compilers reject -march=native)
+FLAG_SETS = (("-march=native",), ())
+
+_lock = threading.Lock()
+_libs: dict[tuple[str, ...], ctypes.CDLL | None] = {}
+_warned = False
+_int4_ok: bool | None = None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "moestream"
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native depends on: the CPU's feature flags (Linux), else the processor name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC", "cc")
+    return shutil.which(cc)
+
+
+def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> Path:
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join(
+            [src, " ".join(flags).encode(), cc.encode(), _cpu_fingerprint().encode(), sys.platform.encode()]
+        )
+    ).hexdigest()[:20]
+    target = out_dir / f"moestream_pack_{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # compile to a private name, then rename: parallel processes never load a half-written file
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=out_dir)
+    os.close(fd)
+    try:
+        cmd = [cc, *flags, "-o", tmp, str(SOURCE)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    vp, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ms_dequant.argtypes = [c_int, vp, i64, vp, c_int]
+    lib.ms_dequant.restype = c_int
+    lib.ms_pack_int4.argtypes = [c_int, vp, i64, i64, vp, vp]
+    lib.ms_pack_int4.restype = c_int
+    lib.ms_abi_version.argtypes = []
+    lib.ms_abi_version.restype = c_int
+    lib.ms_has_simd.argtypes = []
+    lib.ms_has_simd.restype = c_int
+
+
+def _load(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC or install gcc/clang)")
+    errors = []
+    for march in FLAG_SETS:
+        flags = (*BASE_FLAGS, *march, *extra_flags)
+        for out_dir in (cache_dir(), Path(tempfile.gettempdir()) / f"moestream-{os.getuid()}"):
+            try:
+                path = _build(cc, flags, out_dir)
+                lib = ctypes.CDLL(str(path))
+                _declare(lib)
+                if lib.ms_abi_version() != ABI_VERSION:
+                    raise RuntimeError(f"{path}: ABI {lib.ms_abi_version()} != {ABI_VERSION}")
+                log.debug("loaded %s", path)
+                return lib
+            except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+                errors.append(str(exc))
+    raise RuntimeError("; ".join(errors))
+
+
+def lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled library, or None when it cannot be built (warns once).
+
+    extra_flags selects a variant build (tests use ("-DMS_SCALAR",) for the portable C path).
+    """
+    global _warned
+    key = tuple(extra_flags)
+    if key in _libs:
+        return _libs[key]
+    with _lock:
+        if key in _libs:
+            return _libs[key]
+        result = None
+        if os.environ.get("MOESTREAM_NO_NATIVE", "") not in ("", "0"):
+            reason = "MOESTREAM_NO_NATIVE is set"
+        else:
+            try:
+                result = _load(key)
+                reason = ""
+            except RuntimeError as exc:
+                reason = str(exc)
+        if result is None and not _warned:
+            _warned = True
+            warnings.warn(
+                f"moestream: native weight conversion unavailable ({reason}); using the slower torch path",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        _libs[key] = result
+        return result
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def int4_layout_ok() -> bool:
+    """True when our int4 packing matches torch's own packer on this machine (checked once).
+
+    torch's CPU int4 layout depends on its build and the CPU (block of 64 rows with AVX-512; it may
+    differ elsewhere), so the C packer is only trusted after it agrees byte for byte here.
+    """
+    global _int4_ok
+    if _int4_ok is not None:
+        return _int4_ok
+    library = lib()
+    if library is None:
+        _int4_ok = False
+        return False
+    import torch
+
+    n, k = 128, 64
+    rng = np.random.default_rng(1234)
+    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    # Q4_0 blocks with d = 1.0: column j of a block is the low nibble of qs[j], j + 16 the high one
+    blocks = np.empty((n, k // 32, 18), np.uint8)
+    blocks[:, :, 0:2] = np.array([1.0], np.float16).view(np.uint8)
+    qb = q.reshape(n, k // 32, 32)
+    blocks[:, :, 2:] = qb[:, :, :16] | (qb[:, :, 16:] << 4)
+    packed = np.zeros(n * k // 2, np.uint8)
+    sz = np.zeros(k // 32 * n * 2, np.uint16)
+    rc = library.ms_pack_int4(2, _ptr(blocks), n, k, _ptr(packed), _ptr(sz))
+    try:
+        ref = torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
+        ok = rc == 0 and np.array_equal(ref.numpy().reshape(-1), packed)
+    except Exception as exc:  # a torch without this op: the int4 path is not usable at all
+        log.warning("torch int4 packer unavailable: %s", exc)
+        ok = False
+    if not ok:
+        warnings.warn(
+            "moestream: this torch's int4 weight layout differs from the native packer; "
+            "using the slower torch packing path",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    _int4_ok = ok
+    return ok
