@@ -1,0 +1,124 @@
+"""Sampler: greedy, seeding, and the top-k / top-p filters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moestream.sampling import Sampler
+
+
+def random_logits(v: int = 1000, seed: int = 0) -> torch.Tensor:
+    return torch.randn(v, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax() -> None:
+    s = Sampler()
+    for seed in range(20):
+        logits = random_logits(seed=seed)
+        assert s(logits) == int(torch.argmax(logits))
+    assert s(torch.tensor([0.0, 5.0, 1.0], dtype=torch.bfloat16)) == 1
+
+
+def test_top_k_1_is_greedy_at_any_temperature() -> None:
+    s = Sampler(temperature=1.5, top_k=1, seed=0)
+    for seed in range(20):
+        logits = random_logits(seed=seed)
+        assert s(logits) == int(torch.argmax(logits))
+
+
+def test_same_seed_same_sequence() -> None:
+    logits = [random_logits(seed=i) * 0.2 for i in range(30)]  # flat-ish: many candidates
+    a = Sampler(temperature=1.0, top_p=0.95, seed=123)
+    b = Sampler(temperature=1.0, top_p=0.95, seed=123)
+    seq_a = [a(x) for x in logits]
+    torch.manual_seed(999)  # the global RNG must not matter
+    torch.rand(10)
+    seq_b = [b(x) for x in logits]
+    assert seq_a == seq_b
+    c = Sampler(temperature=1.0, top_p=0.95, seed=124)
+    assert [c(x) for x in logits] != seq_a
+
+
+def test_top_k_restricts_candidates() -> None:
+    logits = random_logits(seed=3)
+    top5 = set(torch.topk(logits, 5).indices.tolist())
+    s = Sampler(temperature=2.0, top_k=5, seed=0)
+    drawn = {s(logits) for _ in range(300)}
+    assert drawn <= top5 and len(drawn) > 1
+    probs = s.probs(logits)
+    assert set(torch.nonzero(probs).flatten().tolist()) == top5
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_empirical_frequencies_match_softmax() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    s = Sampler(temperature=0.7, seed=7)
+    n = 20000
+    counts = torch.bincount(torch.tensor([s(logits) for _ in range(n)]), minlength=4).float() / n
+    expected = torch.softmax(logits / 0.7, dim=0)
+    assert torch.allclose(counts, expected, atol=0.015)
+
+
+def test_top_p_example() -> None:
+    # probabilities 0.5, 0.3, 0.15, 0.05
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    assert torch.nonzero(Sampler(1.0, top_p=0.5).probs(logits)).flatten().tolist() == [0]
+    assert torch.nonzero(Sampler(1.0, top_p=0.6).probs(logits)).flatten().tolist() == [0, 1]
+    assert torch.nonzero(Sampler(1.0, top_p=0.8).probs(logits)).flatten().tolist() == [0, 1]
+    assert torch.nonzero(Sampler(1.0, top_p=0.81).probs(logits)).flatten().tolist() == [0, 1, 2]
+    assert Sampler(1.0, top_p=0.6).probs(logits)[:2].tolist() == pytest.approx([0.625, 0.375])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    logits=st.lists(st.floats(-8, 8, allow_nan=False), min_size=1, max_size=12),
+    top_p=st.floats(0.01, 1.0),
+    top_k=st.integers(0, 14),
+    temperature=st.floats(0.3, 3.0),
+)
+def test_filtered_distribution_properties(
+    logits: list[float], top_p: float, top_k: int, temperature: float
+) -> None:
+    x = torch.tensor(logits)
+    s = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=0)
+    probs = s.probs(x)
+    assert probs.sum().item() == pytest.approx(1.0, abs=1e-5)
+    if s.greedy:
+        assert probs[torch.argmax(x)] == 1.0
+        return
+    base = torch.softmax(x / temperature, dim=0)
+    kept = probs > 0
+    # top-k first: the top-p mass is measured on the renormalized top-k distribution
+    if 0 < top_k < len(logits):
+        assert int(kept.sum()) <= top_k
+        k_vals = torch.topk(base, top_k).values
+        base_k = base / k_vals.sum()
+        in_k = base >= k_vals[-1]
+    else:
+        base_k, in_k = base, torch.ones_like(kept)
+    assert bool((kept <= in_k).all())
+    # kept tokens are the most likely ones
+    if (~kept & in_k).any():
+        assert base[kept].min() >= base[~kept & in_k].max() - 1e-7
+    # the kept set reaches top_p, and is the smallest such set: without its least likely token it falls short
+    mass = base_k[kept].sum().item()
+    assert mass >= top_p - 1e-5 or bool((kept == in_k).all())
+    assert mass - base_k[kept].min().item() < top_p + 1e-5
+    # survivors keep their relative odds
+    assert torch.allclose(probs[kept], base[kept] / base[kept].sum(), atol=1e-5)
+    # and a draw only ever lands on a survivor
+    assert all(kept[s(x)] for _ in range(5))
+
+
+def test_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        Sampler(temperature=-1)
+    with pytest.raises(ValueError):
+        Sampler(top_k=-1)
+    with pytest.raises(ValueError):
+        Sampler(top_p=0.0)
+    with pytest.raises(ValueError, match="shape"):
+        Sampler()(torch.zeros(2, 5))
