@@ -52,6 +52,14 @@ class QLinear:
             return F.linear(x.to(torch.bfloat16), self.weight).float()
         return F.linear(x, self.weight)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the compute form."""
+        n = self.weight.numel() * self.weight.element_size()
+        if self.scales_zeros is not None:
+            n += self.scales_zeros.numel() * self.scales_zeros.element_size()
+        return n
+
     def dense(self) -> torch.Tensor:
         """W as float32 [N, K] (tests, debugging; slow for int4)."""
         if self.kind != "int4":

@@ -212,6 +212,27 @@ def dequantize_rows(
     return _decode_flat(picked.reshape(-1), ggml_type, rows.size * n_cols).reshape(rows.size, n_cols)
 
 
+# byte offsets of the fp16 scale fields in each block type
+_FP16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def random_gguf(ggml_type: int, n_elems: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid GGUF bytes for tests: every bit pattern is a valid code except the fp16 scales,
+    which must be finite, so those are drawn from a normal distribution."""
+    block, size = _check_type(ggml_type)
+    if ggml_type == T.F32:
+        return rng.standard_normal(n_elems).astype(np.float32).view(np.uint8)
+    if ggml_type == T.F16:
+        return rng.standard_normal(n_elems).astype(np.float16).view(np.uint8)
+    if ggml_type == T.BF16:
+        bits = rng.standard_normal(n_elems).astype(np.float32).view(np.uint32) >> 16
+        return bits.astype(np.uint16).view(np.uint8)
+    b = rng.integers(0, 256, (n_elems // block, size), dtype=np.uint8)
+    for off in _FP16_FIELDS[ggml_type]:
+        b[:, off : off + 2] = rng.standard_normal((b.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return b.reshape(-1)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # encoders (used to write test models and by the quantize tool; never on the inference path)
 
@@ -219,6 +240,14 @@ def dequantize_rows(
 def _round(x: np.ndarray) -> np.ndarray:
     # half away from zero, like llama.cpp's nearest_int on the values we feed it
     return np.sign(x) * np.floor(np.abs(x) + 0.5)
+
+
+def _f16_up(x: np.ndarray) -> np.ndarray:
+    """x >= 0 -> the smallest float16 >= x, so that x / result never exceeds the integer range it was
+    sized for (plain rounding can go down, and a 6- or 8-bit code would then clip)."""
+    y = x.astype(np.float16)
+    low = y.astype(np.float64) < x
+    return np.where(low, np.nextafter(y, np.float16(np.inf)), y)
 
 
 def _fit_min_scale(x: np.ndarray, nmax: int, n_grid: int = 20) -> tuple[np.ndarray, np.ndarray]:
@@ -276,8 +305,8 @@ def _q4_k_encode(w: np.ndarray, search: bool = True) -> np.ndarray:
         s, o = ((sub.max(1) - lo) / 15).astype(np.float32), lo.astype(np.float32)
     s, m = s.reshape(n, 8), (-o).reshape(n, 8)
     # super-block scales: 6-bit sub-block scales/mins relative to the largest one
-    d = (s.max(1) / 63).astype(np.float16)
-    dmin = (m.max(1) / 63).astype(np.float16)
+    d = _f16_up(s.max(1) / 63)
+    dmin = _f16_up(m.max(1) / 63)
     d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         sc = np.clip(_round(np.where(d32 > 0, s / d32, 0)), 0, 63)
@@ -304,7 +333,7 @@ def _q6_k_encode(w: np.ndarray) -> np.ndarray:
     # map the largest-magnitude weight onto -32 (the asymmetric end of -32..31) so no range is wasted
     imax = np.abs(g).argmax(axis=2)[..., None]
     s = -np.take_along_axis(g, imax, axis=2)[..., 0] / 32  # [n, 16]
-    d = (np.abs(s).max(1) / 127).astype(np.float16)
+    d = _f16_up(np.abs(s).max(1) / 127)
     d32 = d.astype(np.float32)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         sc = np.clip(_round(np.where(d32 > 0, s / d32, 0)), -128, 127)

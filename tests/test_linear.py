@@ -1,0 +1,247 @@
+"""QLinear against x @ W.T with W from gguf's reference decoder; the C kernels against the torch path."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moestream import linear, native, quants
+from moestream.errors import ModelFileError
+
+ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K]
+
+random_gguf = quants.random_gguf
+
+
+def reference(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> np.ndarray:
+    return np.asarray(gq.dequantize(raw.reshape(shape[0], -1), T(ggml_type)), dtype=np.float32).reshape(shape)
+
+
+needs_native = pytest.mark.skipif(native.lib() is None, reason="no C compiler")
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+def test_qlinear_matches_reference(ggml_type, exact):
+    n, k = 128, 512
+    raw = random_gguf(ggml_type, n * k, np.random.default_rng(int(ggml_type)))
+    w = torch.from_numpy(reference(raw, ggml_type, (n, k)))
+    x = torch.randn(2, 3, k)
+    ref = x @ w.T
+    lin = linear.from_gguf(raw, ggml_type, n, k, exact)
+    assert (lin.out_features, lin.in_features) == (n, k)
+    assert lin.kind == linear.compute_kind(ggml_type, n, k, exact)
+    assert lin.nbytes == linear.packed_nbytes(ggml_type, n, k, exact)
+    y = lin(x)
+    assert y.dtype == torch.float32 and y.shape == (2, 3, n)
+    if lin.kind == "f32":
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    else:
+        assert rel_err(y, ref) < 1e-2
+        # bf16 rounding of the weights alone, seen through dense(), stays well inside that
+        assert rel_err(lin.dense(), w) < 1e-2
+
+
+def test_compute_kind_and_sizes():
+    assert linear.compute_kind(T.Q4_0, 768, 2048, False) == "int4"
+    assert linear.compute_kind(T.Q4_K, 768, 2048, False) == "int4"
+    assert linear.compute_kind(T.Q4_K, 96, 2048, False) == "bf16"  # rows not a multiple of 64
+    for t in (T.Q8_0, T.Q5_K, T.Q6_K, T.BF16):
+        assert linear.compute_kind(t, 768, 2048, False) == "bf16"
+    for t in (T.F32, T.F16):
+        assert linear.compute_kind(t, 768, 2048, False) == "f32"
+    for t in ALL_TYPES:
+        assert linear.compute_kind(t, 768, 2048, True) == "f32"
+    assert linear.packed_nbytes(T.Q4_K, 768, 2048, False) == 768 * 1024 + 64 * 768 * 4
+    assert linear.packed_nbytes(T.Q8_0, 768, 2048, False) == 768 * 2048 * 2
+    assert linear.packed_nbytes(T.Q4_0, 768, 2048, True) == 768 * 2048 * 4
+    with pytest.raises(ModelFileError):
+        linear.compute_kind(T.IQ2_XXS, 256, 256, False)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K, T.F16], ids=lambda t: t.name)
+def test_pack_into_stays_inside_out(ggml_type):
+    n, k = 64, 256
+    raw = random_gguf(ggml_type, n * k, np.random.default_rng(0))
+    size = linear.packed_nbytes(ggml_type, n, k, False)
+    arena = linear.aligned_empty(size + 256)
+    arena.fill_(0xAB)
+    out = arena[64 : 64 + size]
+    lin = linear.pack_into(raw, ggml_type, n, k, out, False)
+    assert (arena[:64] == 0xAB).all() and (arena[64 + size :] == 0xAB).all()
+    lo, hi = out.data_ptr(), out.data_ptr() + size
+    for t in (lin.weight, lin.scales_zeros):
+        if t is not None:
+            assert lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
+    # a second pack into the same slot replaces the form in place
+    raw2 = random_gguf(ggml_type, n * k, np.random.default_rng(1))
+    lin2 = linear.pack_into(raw2, ggml_type, n, k, out, False)
+    x = torch.randn(1, k)
+    torch.testing.assert_close(lin(x), lin2(x))
+    torch.testing.assert_close(lin(x), linear.from_gguf(raw2, ggml_type, n, k, False)(x))
+
+
+def test_pack_into_rejects_bad_arguments():
+    n, k = 64, 256
+    raw = random_gguf(T.Q4_K, n * k, np.random.default_rng(0))
+    size = linear.packed_nbytes(T.Q4_K, n, k, False)
+    buf = linear.aligned_empty(size + 64)
+    with pytest.raises(ValueError, match="aligned|boundary"):
+        linear.pack_into(raw, T.Q4_K, n, k, buf[1 : 1 + size], False)
+    with pytest.raises(ValueError, match="needs"):
+        linear.pack_into(raw, T.Q4_K, n, k, buf[: size - 1], False)
+    with pytest.raises(ValueError, match="bytes of GGUF data"):
+        linear.pack_into(raw[:-1], T.Q4_K, n, k, buf[:size], False)
+    with pytest.raises(ValueError):
+        linear.pack_into(raw, T.Q4_K, n, k, buf[:size].view(torch.int8), False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the C path against the torch/numpy fallback
+
+
+def _int4_native(raw, ggml_type, n, k, lib):
+    packed = np.zeros(n * k // 2, np.uint8)
+    sz = np.zeros(k // 32 * n * 2, np.uint16)
+    assert lib.ms_pack_int4(int(ggml_type), raw.ctypes.data, n, k, packed.ctypes.data, sz.ctypes.data) == 0
+    return packed, sz
+
+
+def _int4_torch(raw, ggml_type, n, k):
+    packed = torch.empty(n, k // 2, dtype=torch.uint8)
+    sz = torch.empty(k // 32, n, 2, dtype=torch.bfloat16)
+    linear._pack_int4_torch(raw, ggml_type, n, k, packed, sz)
+    return packed.numpy().reshape(-1), sz.view(torch.uint16).numpy().reshape(-1)
+
+
+@needs_native
+def test_int4_layout_self_check():
+    assert native.int4_layout_ok()
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(
+    ggml_type=st.sampled_from([T.Q4_0, T.Q4_K]),
+    n_blocks=st.integers(1, 3),
+    k_units=st.integers(1, 3),
+    seed=st.integers(0, 2**32 - 1),
+    scalar=st.booleans(),
+)
+def test_int4_pack_native_equals_torch(ggml_type, n_blocks, k_units, seed, scalar):
+    n = 64 * n_blocks
+    k = k_units * (32 if ggml_type == T.Q4_0 else 256)
+    raw = random_gguf(ggml_type, n * k, np.random.default_rng(seed))
+    lib = native.lib(("-DMS_SCALAR",) if scalar else ())
+    packed, sz = _int4_native(raw, ggml_type, n, k, lib)
+    ref_packed, ref_sz = _int4_torch(raw, ggml_type, n, k)
+    np.testing.assert_array_equal(packed, ref_packed)
+    np.testing.assert_array_equal(sz, ref_sz)
+
+
+@needs_native
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+def test_dequant_native_equals_numpy(ggml_type, scalar):
+    n_elems = 4 * 256 + (0 if quants.BLOCK_SIZES[ggml_type][0] > 1 else 3)
+    raw = random_gguf(ggml_type, n_elems, np.random.default_rng(5))
+    lib = native.lib(("-DMS_SCALAR",) if scalar else ())
+    assert lib.ms_has_simd() == (0 if scalar else 1)
+    ref = quants.dequantize(raw, ggml_type, (n_elems,))
+    f32 = np.empty(n_elems, np.float32)
+    bf16 = np.empty(n_elems, np.uint16)
+    assert lib.ms_dequant(int(ggml_type), raw.ctypes.data, n_elems, f32.ctypes.data, 0) == 0
+    assert lib.ms_dequant(int(ggml_type), raw.ctypes.data, n_elems, bf16.ctypes.data, 1) == 0
+    np.testing.assert_array_equal(f32, ref)
+    np.testing.assert_array_equal(bf16, torch.from_numpy(ref).bfloat16().view(torch.uint16).numpy())
+
+
+@needs_native
+def test_dequant_rejects_bad_input():
+    lib = native.lib()
+    buf = np.zeros(1024, np.uint8)
+    assert lib.ms_dequant(int(T.IQ2_XXS), buf.ctypes.data, 256, buf.ctypes.data, 0) < 0
+    assert lib.ms_dequant(int(T.Q4_K), buf.ctypes.data, 100, buf.ctypes.data, 0) < 0
+    assert lib.ms_pack_int4(int(T.Q4_0), buf.ctypes.data, 32, 32, buf.ctypes.data, buf.ctypes.data) < 0
+    assert lib.ms_pack_int4(int(T.Q8_0), buf.ctypes.data, 64, 32, buf.ctypes.data, buf.ctypes.data) < 0
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K, T.BF16], ids=lambda t: t.name)
+def test_pack_into_without_native(monkeypatch, ggml_type):
+    n, k = 128, 512
+    raw = random_gguf(ggml_type, n * k, np.random.default_rng(9))
+    with_c = linear.from_gguf(raw, ggml_type, n, k, False)
+    monkeypatch.setattr(native, "lib", lambda extra_flags=(): None)
+    without = linear.from_gguf(raw, ggml_type, n, k, False)
+    assert torch.equal(with_c.weight, without.weight)
+    if with_c.scales_zeros is not None:
+        assert torch.equal(with_c.scales_zeros.view(torch.int16), without.scales_zeros.view(torch.int16))
+
+
+@needs_native
+def test_reader_threads_pack_in_parallel():
+    n, k = 256, 1024
+    raws = [random_gguf(T.Q4_K, n * k, np.random.default_rng(i)) for i in range(8)]
+    size = linear.packed_nbytes(T.Q4_K, n, k, False)
+    arena = linear.aligned_empty(size * len(raws))
+    results: dict[int, linear.QLinear] = {}
+
+    def work(i: int) -> None:
+        results[i] = linear.pack_into(raws[i], T.Q4_K, n, k, arena[i * size : (i + 1) * size], False)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(raws))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    x = torch.randn(1, k)
+    for i, raw in enumerate(raws):
+        torch.testing.assert_close(results[i](x), linear.from_gguf(raw, T.Q4_K, n, k, False)(x))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the loader
+
+
+@needs_native
+def test_build_is_atomic_under_concurrency(tmp_path):
+    cc = native._compiler()
+    flags = (*native.BASE_FLAGS, "-DMS_SCALAR")
+    paths, errors = [], []
+
+    def build() -> None:
+        try:
+            paths.append(native._build(cc, flags, tmp_path))
+        except Exception as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(paths)) == 1
+    assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]  # no temp files left behind
+
+
+def test_missing_compiler_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(native, "_libs", {})
+    monkeypatch.setattr(native, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="native weight conversion unavailable"):
+        assert native.lib() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.lib(("-DOTHER",)) is None
