@@ -25,7 +25,7 @@ def reference(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> np.nda
     return np.asarray(gq.dequantize(raw.reshape(shape[0], -1), T(ggml_type)), dtype=np.float32).reshape(shape)
 
 
-needs_native = pytest.mark.skipif(native.lib() is None, reason="no C compiler")
+needs_native = pytest.mark.skipif(native.lib() is None, reason="native library unavailable")
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -52,6 +52,8 @@ def test_qlinear_matches_reference(ggml_type, exact):
         assert rel_err(y, ref) < 1e-2
         # bf16 rounding of the weights alone, seen through dense(), stays well inside that
         assert rel_err(lin.dense(), w) < 1e-2
+        if lin.kind == "int4":
+            torch.testing.assert_close(lin.dense(), _eye_dense(lin), rtol=0, atol=0)
 
 
 def test_compute_kind_and_sizes():
@@ -209,6 +211,47 @@ def test_reader_threads_pack_in_parallel():
     x = torch.randn(1, k)
     for i, raw in enumerate(raws):
         torch.testing.assert_close(results[i](x), linear.from_gguf(raw, T.Q4_K, n, k, False)(x))
+
+
+def _eye_dense(lin: linear.QLinear) -> torch.Tensor:
+    """W as the int4 kernel itself sees it: the kernel applied to the identity."""
+    eye = torch.eye(lin.in_features, dtype=torch.bfloat16)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, lin.weight, 32, lin.scales_zeros).float().T
+
+
+@needs_native
+@pytest.mark.parametrize("scalar", [False, True])
+def test_int4_expansion_equals_kernel(scalar):
+    n, k = 192, 512
+    lin = linear.from_gguf(random_gguf(T.Q4_K, n * k, np.random.default_rng(3)), T.Q4_K, n, k, False)
+    lib = native.lib(("-DMS_SCALAR",) if scalar else ())
+    full = torch.empty(n, k, dtype=torch.bfloat16)
+    lin._expand(lib, 0, n, full)
+    assert torch.equal(full.float(), _eye_dense(lin))
+    part = torch.empty(64, k, dtype=torch.bfloat16)
+    lin._expand(lib, 64, 128, part)
+    assert torch.equal(part, full[64:128])
+    bad = lib.ms_int4_to_bf16(
+        lin.weight.data_ptr(), lin.scales_zeros.data_ptr(), n, k, 32, 96, part.data_ptr()
+    )
+    assert bad < 0
+
+
+@needs_native
+@pytest.mark.parametrize("scratch", [linear.EXPAND_SCRATCH_BYTES, 64 * 512 * 2])
+def test_many_rows_use_bf16_gemm(monkeypatch, scratch):
+    monkeypatch.setattr(linear, "EXPAND_SCRATCH_BYTES", scratch)  # small: expands 64 rows at a time
+    n, k = 192, 512
+    raw = random_gguf(T.Q4_0, n * k, np.random.default_rng(4))
+    lin = linear.from_gguf(raw, T.Q4_0, n, k, False)
+    x = torch.randn(linear.INT4_GEMM_MIN_ROWS + 3, k)
+    ref = x @ torch.from_numpy(reference(raw, T.Q4_0, (n, k))).T
+    y = lin(x)
+    assert rel_err(y, ref) < 1e-2
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.bfloat16(), lin.weight, 32, lin.scales_zeros
+    ).float()
+    assert rel_err(y, kernel) < 1e-2
 
 
 # ---------------------------------------------------------------------------------------------------------

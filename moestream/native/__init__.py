@@ -94,6 +94,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_dequant.restype = c_int
     lib.ms_pack_int4.argtypes = [c_int, vp, i64, i64, vp, vp]
     lib.ms_pack_int4.restype = c_int
+    lib.ms_int4_to_bf16.argtypes = [vp, vp, i64, i64, i64, i64, vp]
+    lib.ms_int4_to_bf16.restype = c_int
     lib.ms_abi_version.argtypes = []
     lib.ms_abi_version.restype = c_int
     lib.ms_has_simd.argtypes = []

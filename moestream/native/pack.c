@@ -338,6 +338,49 @@ int ms_pack_int4(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *pa
     return MS_BAD_TYPE;
 }
 
+/* Rows [row0, row1) of the int4 form back to bf16, out [row1 - row0, k] (w = (q - 8) * scale + zero).
+ * For many rows of activations (prefill) a bf16 GEMM beats the int4 kernel by more than this costs;
+ * the row range lets callers expand a big matrix a slice at a time. row0, row1: multiples of 64. */
+int ms_int4_to_bf16(const uint8_t *packed, const uint16_t *sz, int64_t n, int64_t k, int64_t row0,
+                    int64_t row1, uint16_t *out) {
+    if (n % 64 || k % 32 || row0 % 64 || row1 % 64 || row0 < 0 || row1 > n || row0 > row1) return MS_BAD_SHAPE;
+    uint8_t c[32][32]; /* [d][column]: low nibble row d, high nibble row d + 32 */
+    for (int64_t nb = row0 / 64; nb < row1 / 64; nb++) {
+        for (int64_t g = 0; g < k / 32; g++) {
+            const uint8_t *tile = packed + (nb * k + g * 32) * 32; /* [column][d] */
+#ifdef MS_AVX2
+            for (int h = 0; h < 2; h++) {
+                __m256i r[16];
+                for (int i = 0; i < 16; i++) r[i] = _mm256_loadu_si256((const __m256i *)(tile + (16 * h + i) * 32));
+                transpose16x16_lanes(r);
+                for (int ii = 0; ii < 16; ii++) {
+                    _mm_storeu_si128((__m128i *)(&c[ii][16 * h]), _mm256_castsi256_si128(r[ii]));
+                    _mm_storeu_si128((__m128i *)(&c[16 + ii][16 * h]), _mm256_extracti128_si256(r[ii], 1));
+                }
+            }
+#else
+            for (int kk = 0; kk < 32; kk++)
+                for (int d = 0; d < 32; d++) c[d][kk] = tile[kk * 32 + d];
+#endif
+            for (int half = 0; half < 2; half++) {
+                const int shift = 4 * half;
+                for (int d = 0; d < 32; d++) {
+                    const int64_t row = nb * 64 + 32 * half + d;
+                    const uint16_t *s = sz + (g * n + row) * 2;
+                    uint32_t sb = (uint32_t)s[0] << 16, zb = (uint32_t)s[1] << 16;
+                    float scale, zero;
+                    memcpy(&scale, &sb, 4);
+                    memcpy(&zero, &zb, 4);
+                    uint16_t *o = out + (row - row0) * k + g * 32;
+                    for (int kk = 0; kk < 32; kk++)
+                        o[kk] = fp32_to_bf16((float)(((c[d][kk] >> shift) & 0x0f) - 8) * scale + zero);
+                }
+            }
+        }
+    }
+    return MS_OK;
+}
+
 int ms_abi_version(void) { return MS_ABI_VERSION; }
 
 int ms_has_simd(void) {
