@@ -36,7 +36,7 @@ INT4_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K)})
 F32_TYPES = frozenset({int(T.F32), int(T.F16)})
 
 
-@dataclass
+@dataclass(eq=False)
 class QLinear:
     """y = x @ W.T for a weight read from GGUF bytes, held in the form our kernels compute from."""
 

@@ -34,7 +34,7 @@ BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-alias
 # tried in order: a CPU-tuned build, then a generic one (some compilers reject -march=native)
 FLAG_SETS = (("-march=native",), ())
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # int4_layout_ok() holds it while calling lib()
 _libs: dict[tuple[str, ...], ctypes.CDLL | None] = {}
 _warned = False
 _int4_ok: bool | None = None
@@ -168,9 +168,15 @@ def int4_layout_ok() -> bool:
     global _int4_ok
     if _int4_ok is not None:
         return _int4_ok
+    with _lock:
+        if _int4_ok is None:
+            _int4_ok = _check_int4_layout()
+        return _int4_ok
+
+
+def _check_int4_layout() -> bool:
     library = lib()
     if library is None:
-        _int4_ok = False
         return False
     import torch
 
@@ -188,6 +194,14 @@ def int4_layout_ok() -> bool:
     try:
         ref = torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
         ok = rc == 0 and np.array_equal(ref.numpy().reshape(-1), packed)
+        # and the kernel reads it back as w = (q - 8) * scale + zero (here scale 1, zero 0)
+        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            torch.eye(k, dtype=torch.bfloat16),
+            torch.from_numpy(packed).view(n, k // 2),
+            32,
+            torch.from_numpy(sz).view(torch.bfloat16).view(k // 32, n, 2),
+        )
+        ok = ok and torch.equal(w_t.float().T, torch.from_numpy(q).float() - 8)
     except Exception as exc:  # a torch without this op: the int4 path is not usable at all
         log.warning("torch int4 packer unavailable: %s", exc)
         ok = False
@@ -196,7 +210,6 @@ def int4_layout_ok() -> bool:
             "moestream: this torch's int4 weight layout differs from the native packer; "
             "using the slower torch packing path",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-    _int4_ok = ok
     return ok
