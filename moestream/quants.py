@@ -7,6 +7,9 @@ embedding rows); the hot paths (experts, big dense weights) go through C.
 Block layouts (llama.cpp ggml-common.h), one block = `BLOCK_SIZE` weights in `TYPE_SIZE` bytes:
   Q8_0  [d f16][qs i8 x32]                          w = d * q
   Q4_0  [d f16][qs u8 x16]                          w = d * (q - 8); q[j] low nibble, q[j+16] high
+  Q4_1  [d f16][m f16][qs u8 x16]                   w = d * q + m
+  Q5_0  [d f16][qh u32][qs u8 x16]                  w = d * (q - 16); bit j of qh = 5th bit of q[j]
+  Q5_1  [d f16][m f16][qh u32][qs u8 x16]           w = d * q + m
   Q4_K  [d f16][dmin f16][scales 12][qs 128]        8 sub-blocks of 32: w = d*sc[j]*q - dmin*m[j]
   Q5_K  [d f16][dmin f16][scales 12][qh 32][qs 128] as Q4_K, 5th bit of sub-block j in bit j of qh
   Q6_K  [ql 128][qh 64][scales i8 x16][d f16]       16 groups of 16: w = d*sc[i]*(q - 32)
@@ -31,6 +34,9 @@ BLOCK_SIZES: dict[int, tuple[int, int]] = {
     T.BF16: (1, 2),
     T.Q8_0: (32, 34),
     T.Q4_0: (32, 18),
+    T.Q4_1: (32, 20),
+    T.Q5_0: (32, 22),
+    T.Q5_1: (32, 24),
     T.Q4_K: (256, 144),
     T.Q5_K: (256, 176),
     T.Q6_K: (256, 210),
@@ -38,7 +44,7 @@ BLOCK_SIZES: dict[int, tuple[int, int]] = {
 
 SUPPORTED_TYPES: frozenset[int] = frozenset(int(t) for t in BLOCK_SIZES)
 QUANTIZE_TYPES: frozenset[int] = frozenset(
-    int(t) for t in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
+    int(t) for t in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q6_K)
 )
 
 
@@ -54,7 +60,7 @@ def _check_type(ggml_type: int) -> tuple[int, int]:
         supported = ", ".join(sorted(type_name(t) for t in SUPPORTED_TYPES))
         raise ModelFileError(
             f"weights of GGUF type {type_name(ggml_type)} are not supported (supported: {supported}); "
-            "use a model quantized as Q4_K_M, Q4_0, Q8_0, Q6_K, BF16, F16 or F32"
+            "use a model quantized as Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, BF16, F16 or F32"
         )
     return BLOCK_SIZES[ggml_type]
 
@@ -90,6 +96,29 @@ def _dq_q4_0(b: np.ndarray) -> np.ndarray:
     qs = b[:, 2:]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int8) - np.int8(8)
     return d * q.astype(np.float32)
+
+
+def _q5_values(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: qh [n, 4] (little-endian bit j = high bit of weight j), qs [n, 16] -> q [n, 32] in 0..31."""
+    hi = np.unpackbits(qh, axis=1, bitorder="little")
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1) | (hi << 4)
+
+
+def _dq_q4_1(b: np.ndarray) -> np.ndarray:
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    qs = b[:, 4:]
+    return d * np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32) + m
+
+
+def _dq_q5_0(b: np.ndarray) -> np.ndarray:
+    d = _f16(b[:, 0:2])
+    q = _q5_values(b[:, 2:6], b[:, 6:]).astype(np.int8) - np.int8(16)
+    return d * q.astype(np.float32)
+
+
+def _dq_q5_1(b: np.ndarray) -> np.ndarray:
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    return d * _q5_values(b[:, 4:8], b[:, 8:]).astype(np.float32) + m
 
 
 def k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -161,7 +190,16 @@ def _dq_q6_k(b: np.ndarray) -> np.ndarray:
     return ((d * scale)[:, :, None] * q.reshape(-1, 16, 16).astype(np.float32)).reshape(-1, QK_K)
 
 
-_BLOCK_DECODERS = {T.Q8_0: _dq_q8_0, T.Q4_0: _dq_q4_0, T.Q4_K: _dq_q4_k, T.Q5_K: _dq_q5_k, T.Q6_K: _dq_q6_k}
+_BLOCK_DECODERS = {
+    T.Q8_0: _dq_q8_0,
+    T.Q4_0: _dq_q4_0,
+    T.Q4_1: _dq_q4_1,
+    T.Q5_0: _dq_q5_0,
+    T.Q5_1: _dq_q5_1,
+    T.Q4_K: _dq_q4_k,
+    T.Q5_K: _dq_q5_k,
+    T.Q6_K: _dq_q6_k,
+}
 
 
 def as_bytes(raw: np.ndarray | memoryview | bytes | bytearray) -> np.ndarray:
@@ -213,7 +251,16 @@ def dequantize_rows(
 
 
 # byte offsets of the fp16 scale fields in each block type
-_FP16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+_FP16_FIELDS = {
+    T.Q8_0: (0,),
+    T.Q4_0: (0,),
+    T.Q4_1: (0, 2),
+    T.Q5_0: (0,),
+    T.Q5_1: (0, 2),
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
+}
 
 
 def random_gguf(ggml_type: int, n_elems: int, rng: np.random.Generator) -> np.ndarray:
@@ -365,7 +412,7 @@ def quantize(w: np.ndarray, ggml_type: int) -> np.ndarray:
         return w.view(np.uint8).reshape(out_shape)
     if ggml_type == T.F16:
         return w.astype(np.float16).view(np.uint8).reshape(out_shape)
-    if ggml_type in (T.BF16, T.Q8_0, T.Q4_0):
+    if ggml_type in (T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
         return np.asarray(gq.quantize(w, T(ggml_type))).view(np.uint8).reshape(out_shape)
     if ggml_type in (T.Q4_K, T.Q6_K):
         encode = _q4_k_encode if ggml_type == T.Q4_K else _q6_k_encode

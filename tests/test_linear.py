@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from moestream import linear, native, quants
 from moestream.errors import ModelFileError
 
-ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K]
+ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 
 random_gguf = quants.random_gguf
 
@@ -60,7 +60,7 @@ def test_compute_kind_and_sizes():
     assert linear.compute_kind(T.Q4_0, 768, 2048, False) == "int4"
     assert linear.compute_kind(T.Q4_K, 768, 2048, False) == "int4"
     assert linear.compute_kind(T.Q4_K, 96, 2048, False) == "bf16"  # rows not a multiple of 64
-    for t in (T.Q8_0, T.Q5_K, T.Q6_K, T.BF16):
+    for t in (T.Q8_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.BF16):
         assert linear.compute_kind(t, 768, 2048, False) == "bf16"
     for t in (T.F32, T.F16):
         assert linear.compute_kind(t, 768, 2048, False) == "f32"

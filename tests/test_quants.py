@@ -13,7 +13,7 @@ from hypothesis.extra import numpy as hnp
 from moestream import quants
 from moestream.errors import ModelFileError
 
-BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K]
+BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 ALL_TYPES = [T.F32, T.F16, T.BF16, *BLOCK_TYPES]
 random_gguf = quants.random_gguf
 
@@ -102,7 +102,7 @@ def test_q4_k_search_beats_min_max():
 
 def test_quantize_matches_gguf_where_gguf_has_one():
     w = np.random.default_rng(3).standard_normal((4, 256)).astype(np.float32)
-    for t in (T.Q8_0, T.Q4_0, T.BF16, T.F16):
+    for t in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.BF16, T.F16):
         np.testing.assert_array_equal(quants.quantize(w, t), np.asarray(gq.quantize(w, t)).view(np.uint8))
     np.testing.assert_array_equal(quants.dequantize(quants.quantize(w, T.F32), T.F32, w.shape), w)
 

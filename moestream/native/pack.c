@@ -18,7 +18,7 @@
 #define MS_ABI_VERSION 1
 
 enum {
-    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
 };
 
 enum { MS_OK = 0, MS_BAD_TYPE = -1, MS_BAD_SHAPE = -2 };
@@ -88,6 +88,40 @@ static void dq_q4_0(const uint8_t *b, float *y) {
     }
 }
 
+static void dq_q4_1(const uint8_t *b, float *y) {
+    const float d = rd_fp16(b), m = rd_fp16(b + 2);
+    const uint8_t *qs = b + 4;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)(qs[j] & 0x0f) + m;
+        y[j + 16] = d * (float)(qs[j] >> 4) + m;
+    }
+}
+
+static inline uint32_t rd32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+static void dq_q5_0(const uint8_t *b, float *y) {
+    const float d = rd_fp16(b);
+    const uint32_t qh = rd32(b + 2);
+    const uint8_t *qs = b + 6;
+    for (int j = 0; j < 16; j++) {
+        /* qh is unsigned: take the 5-bit code as int before subtracting */
+        y[j] = d * (float)((int)((qs[j] & 0x0f) | (((qh >> j) & 1) << 4)) - 16);
+        y[j + 16] = d * (float)((int)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+}
+
+static void dq_q5_1(const uint8_t *b, float *y) {
+    const float d = rd_fp16(b), m = rd_fp16(b + 2);
+    const uint32_t qh = rd32(b + 4);
+    const uint8_t *qs = b + 8;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)((qs[j] & 0x0f) | (((qh >> j) & 1) << 4)) + m;
+        y[j + 16] = d * (float)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m;
+    }
+}
+
 static void dq_q4_k(const uint8_t *b, float *y) {
     const float d = rd_fp16(b), dmin = rd_fp16(b + 2);
     uint8_t sc[8], mn[8];
@@ -148,6 +182,9 @@ static int block_info(int type, int *bs, int *ts, dq_fn *fn) {
     switch (type) {
     case T_Q8_0: *bs = 32, *ts = 34, *fn = dq_q8_0; return MS_OK;
     case T_Q4_0: *bs = 32, *ts = 18, *fn = dq_q4_0; return MS_OK;
+    case T_Q4_1: *bs = 32, *ts = 20, *fn = dq_q4_1; return MS_OK;
+    case T_Q5_0: *bs = 32, *ts = 22, *fn = dq_q5_0; return MS_OK;
+    case T_Q5_1: *bs = 32, *ts = 24, *fn = dq_q5_1; return MS_OK;
     case T_Q4_K: *bs = QK_K, *ts = 144, *fn = dq_q4_k; return MS_OK;
     case T_Q5_K: *bs = QK_K, *ts = 176, *fn = dq_q5_k; return MS_OK;
     case T_Q6_K: *bs = QK_K, *ts = 210, *fn = dq_q6_k; return MS_OK;
