@@ -1,0 +1,258 @@
+"""Write GGUF files whose tensors are produced chunk by chunk.
+
+`gguf.GGUFWriter` wants every tensor as one numpy array in memory; a 17 GB synthetic model does not
+fit that. We let GGUFWriter write the header, the metadata and the tensor table (so the layout is
+exactly the reference one), then stream each tensor's bytes ourselves from a generator. A writer
+thread does the disk writes so producing the next chunk overlaps the previous write.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.gguf_writer import GGUFValue
+
+Chunk = np.ndarray | bytes | bytearray | memoryview
+Producer = Callable[[], Iterable[Chunk]]
+
+_ALIGN = 4096  # O_DIRECT granularity (offsets, lengths, buffer addresses)
+_STAGE_BYTES = 32 << 20
+
+
+def tensor_nbytes(ggml_type: int, shape: Sequence[int]) -> int:
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    if shape[-1] % block:
+        raise ValueError(
+            f"{GGMLQuantizationType(ggml_type).name} rows must be a multiple of {block}, got {shape}"
+        )
+    return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * size
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to write: `produce()` yields its raw GGUF bytes in order, in chunks of any size."""
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order: last dim contiguous, e.g. (out, in) for a weight
+    produce: Producer
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.ggml_type, self.shape)
+
+
+def array_tensor(name: str, ggml_type: int, shape: Sequence[int], raw: np.ndarray) -> TensorSpec:
+    """A tensor whose bytes are already in memory (small or test tensors)."""
+    data = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    spec = TensorSpec(name, GGMLQuantizationType(ggml_type), tuple(int(s) for s in shape), lambda: (data,))
+    if data.nbytes != spec.nbytes:
+        raise ValueError(
+            f"{name}: got {data.nbytes} bytes, {spec.ggml_type.name} {spec.shape} needs {spec.nbytes}"
+        )
+    return spec
+
+
+def _typed(key: str, value: Any) -> GGUFValue:
+    """Python value -> GGUF-typed value, with the types llama.cpp checks for (u32 counts, f32 floats)."""
+    if isinstance(value, GGUFValue):
+        return value
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    elif isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, bool):
+        return GGUFValue(value, GGUFValueType.BOOL)
+    if isinstance(value, int):
+        # llama.cpp reads counts, lengths and token ids as u32 and refuses other int types
+        vtype = GGUFValueType.UINT32 if 0 <= value < 1 << 32 else GGUFValueType.INT64
+        return GGUFValue(value, vtype)
+    if isinstance(value, float):
+        return GGUFValue(value, GGUFValueType.FLOAT32)
+    if isinstance(value, (str, bytes)):
+        return GGUFValue(value, GGUFValueType.STRING)
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"metadata {key!r}: GGUF cannot store an empty array")
+        first = value[0]
+        if isinstance(first, (str, bytes)):
+            sub = GGUFValueType.STRING
+        elif isinstance(first, bool):
+            sub = GGUFValueType.BOOL
+        elif isinstance(first, (int, np.integer)):
+            sub = GGUFValueType.INT32  # tokenizer.ggml.token_type is an i32 array in llama.cpp
+        elif isinstance(first, (float, np.floating)):
+            sub = GGUFValueType.FLOAT32
+        else:
+            raise ValueError(f"metadata {key!r}: cannot store arrays of {type(first).__name__}")
+        return GGUFValue(list(value), GGUFValueType.ARRAY, sub)
+    raise ValueError(f"metadata {key!r}: cannot store a {type(value).__name__}")
+
+
+def _as_bytes(chunk: Chunk) -> memoryview:
+    if isinstance(chunk, np.ndarray):
+        chunk = np.ascontiguousarray(chunk)
+        return memoryview(chunk.reshape(-1).view(np.uint8))
+    return memoryview(chunk).cast("B")
+
+
+class _DiskWriter:
+    """Appends bytes to the file from a background thread, so producing the next chunk overlaps the write.
+
+    Writes go through O_DIRECT when the filesystem allows: on the measured VM that is ~1.7x faster
+    than buffered writes and leaves no 17 GB of dirty page cache behind to evict everything else
+    (benchmarks that follow want a cold cache anyway). O_DIRECT needs page-aligned memory, offsets
+    and lengths, so chunks are copied into an aligned staging buffer that starts at the page holding
+    the end of the header.
+    """
+
+    def __init__(self, path: str, start: int, bar: Any):
+        self.bar = bar
+        self.direct = hasattr(os, "O_DIRECT")
+        try:
+            self.fd = os.open(path, os.O_WRONLY | (os.O_DIRECT if self.direct else 0))
+        except OSError:  # tmpfs and some others refuse O_DIRECT
+            self.direct = False
+            self.fd = os.open(path, os.O_WRONLY)
+        self.stage = np.frombuffer(mmap.mmap(-1, _STAGE_BYTES), np.uint8)  # mmap memory is page-aligned
+        self.pos = start // _ALIGN * _ALIGN  # file offset of stage[0]
+        self.fill = start - self.pos
+        with open(path, "rb") as f:  # the header's last partial page is rewritten with the first data
+            f.seek(self.pos)
+            self.stage[: self.fill] = np.frombuffer(f.read(self.fill), np.uint8)
+        self.q: queue.Queue[memoryview | int | None] = queue.Queue(maxsize=2)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gguf-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self.q.get()) is not None:
+            if self.error is not None:
+                continue  # keep draining so the producer never blocks forever
+            try:
+                if isinstance(item, int):  # that many zero bytes of padding
+                    item = memoryview(bytes(item))
+                src = np.frombuffer(item, np.uint8)
+                done = 0
+                while done < len(src):
+                    n = min(len(src) - done, _STAGE_BYTES - self.fill)
+                    self.stage[self.fill : self.fill + n] = src[done : done + n]
+                    self.fill += n
+                    done += n
+                    if self.fill == _STAGE_BYTES:
+                        self._flush(_STAGE_BYTES)
+                if self.bar is not None:
+                    self.bar.update(len(src))
+            except BaseException as exc:  # re-raised on the producer's thread
+                self.error = exc
+
+    def _flush(self, n: int) -> None:
+        view = memoryview(self.stage)[:n]
+        done = 0
+        while done < n:
+            done += os.pwrite(self.fd, view[done:], self.pos + done)
+        self.pos += self.fill
+        self.fill = 0
+
+    def put(self, buf: memoryview | int) -> None:
+        if self.error is not None:
+            raise self.error
+        self.q.put(buf)
+
+    def finish(self) -> None:
+        self.q.put(None)
+        self._thread.join()
+        try:
+            if self.error is not None:
+                raise self.error
+            end = self.pos + self.fill
+            # O_DIRECT writes whole pages: write the zero-padded last page, then cut the file to size
+            self._flush(-(-self.fill // _ALIGN) * _ALIGN)
+            os.ftruncate(self.fd, end)
+        finally:
+            os.close(self.fd)
+
+
+def write_gguf(
+    path: str | os.PathLike[str],
+    arch: str,
+    metadata: Mapping[str, Any],
+    tensors: Sequence[TensorSpec],
+    *,
+    progress: bool = True,
+    desc: str | None = None,
+) -> int:
+    """Write a GGUF file; returns its size in bytes.
+
+    `metadata` maps full key names (e.g. "qwen3moe.block_count") to Python values or `GGUFValue`s;
+    "general.architecture" comes from `arch`. The file appears at `path` only once complete.
+    """
+    path = os.fspath(path)
+    tmp = path + ".part"
+    w = GGUFWriter(tmp, arch)
+    for key, value in metadata.items():
+        if key == "general.architecture":
+            if value != arch:
+                raise ValueError(f"general.architecture {value!r} disagrees with arch {arch!r}")
+            continue
+        v = _typed(key, value)
+        w.add_key_value(key, v.value, v.type, v.sub_type)
+    for t in tensors:
+        # the uint8 "byte shape" path makes GGUFWriter derive the element shape for any block type
+        block, size = GGML_QUANT_SIZES[t.ggml_type]
+        byte_shape = (*t.shape[:-1], t.shape[-1] // block * size)
+        w.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes, raw_dtype=t.ggml_type)
+
+    total = sum(GGUFWriter.ggml_pad(t.nbytes, w.data_alignment) for t in tensors)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(
+            desc=desc or os.path.basename(path), total=total, unit="B", unit_scale=True, unit_divisor=1024
+        )
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        assert w.fout is not None and len(w.fout) == 1
+        f = w.fout[0]
+        w.write_padding(f, f.tell())
+        start = f.tell()
+        w.close()
+        disk = _DiskWriter(tmp, start, bar)
+        try:
+            for t in tensors:
+                done = 0
+                for chunk in t.produce():
+                    buf = _as_bytes(chunk)
+                    done += len(buf)
+                    if done > t.nbytes:
+                        raise ValueError(f"{t.name}: producer gave more than the {t.nbytes} bytes it needs")
+                    disk.put(buf)
+                if done != t.nbytes:
+                    raise ValueError(f"{t.name}: producer gave {done} bytes, expected {t.nbytes}")
+                pad = GGUFWriter.ggml_pad(t.nbytes, w.data_alignment) - t.nbytes
+                if pad:
+                    disk.put(pad)
+        finally:
+            disk.finish()
+        os.replace(tmp, path)
+    except BaseException:
+        w.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return os.path.getsize(path)

@@ -1,0 +1,341 @@
+"""Synthetic qwen3moe GGUF models at real shapes with random weights.
+
+They exercise the engine (and llama.cpp, for baselines) at full size without downloading anything:
+same tensor names, shapes, types and expert layout as a converted Qwen3-MoE GGUF.
+
+Speed matters (a Qwen3-30B-A3B shape is ~17 GB): quantized tensors are made directly as random
+blocks. The quant bytes are raw generator output (uniform, which is a valid quant value for every
+nibble/int8); only each block's header (scales) is overwritten, picked from a 256-entry table of
+valid headers by a random byte, so no float ever goes through a quantizer.
+
+Scales follow docs/measured-facts: embeddings std 1, attention-out and expert-down std 0.002, so the
+residual stream stays dominated by the current token's embedding, routing differs from token to
+token, and greedy decoding does not collapse onto one token.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import LlamaFileType
+
+from moestream.ggufwrite import TensorSpec, write_gguf
+
+ARCH = "qwen3moe"
+CHUNK_BYTES = 32 << 20  # per producer chunk: big enough to amortize numpy calls, small enough to queue
+
+
+@dataclass(frozen=True)
+class SynthShape:
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    expert_ffn: int
+    dense_ffn: int  # qwen3moe.feed_forward_length: written by the converter, unused by MoE layers
+    shared_ffn: int = 0  # > 0: one always-on shared expert per layer (ffn_*_shexp)
+    context_length: int = 40960
+    rope_theta: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    vocab: int | None = None  # None: the size of the tiny BPE vocab written as the tokenizer
+
+
+SHAPES: dict[str, SynthShape] = {
+    "tiny": SynthShape(
+        n_layers=4,
+        hidden=256,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=64,
+        n_experts=16,
+        top_k=4,
+        expert_ffn=256,
+        dense_ffn=768,
+        context_length=4096,
+    ),
+    "qwen3-30b-a3b": SynthShape(
+        n_layers=48,
+        hidden=2048,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        n_experts=128,
+        top_k=8,
+        expert_ffn=768,
+        dense_ffn=6144,
+    ),
+    # Qwen3.6-35B-A3B's MoE stack with full attention in every layer, so it stays qwen3moe-compatible
+    "qwen3.6-35b-a3b-moe": SynthShape(
+        n_layers=40,
+        hidden=2048,
+        n_heads=16,
+        n_kv_heads=2,
+        head_dim=256,
+        n_experts=256,
+        top_k=8,
+        expert_ffn=512,
+        dense_ffn=5120,
+        shared_ffn=512,
+        context_length=262144,
+    ),
+}
+
+QUANTS: dict[str, T] = {
+    "Q4_0": T.Q4_0,
+    "Q8_0": T.Q8_0,
+    "Q4_K": T.Q4_K,
+    "F16": T.F16,
+    "BF16": T.BF16,
+    "F32": T.F32,
+}
+_FILE_TYPE = {
+    T.Q4_0: LlamaFileType.MOSTLY_Q4_0,
+    T.Q8_0: LlamaFileType.MOSTLY_Q8_0,
+    T.Q4_K: LlamaFileType.MOSTLY_Q4_K_S,
+    T.F16: LlamaFileType.MOSTLY_F16,
+    T.BF16: LlamaFileType.MOSTLY_BF16,
+    T.F32: LlamaFileType.ALL_F32,
+}
+
+# ---- random blocks -------------------------------------------------------------------------------
+
+# mean square of the integer part of each format for uniform random bits:
+#   Q4_0: (q - 8), q uniform in 0..15          -> 21.5  (var 21.25 + mean^2 0.25)
+#   Q8_0: int8 uniform in -128..127            -> 5461.5
+#   Q4_K: sc*(q - 7.5) once dmin*m = 7.5*d*sc  -> 21.25 * sc^2
+_Q4_0_MS = 21.5
+_Q8_0_MS = 5461.5
+_Q4_K_MS = 21.25
+
+# bytes per block, and bytes of header at the block's start that the table overwrites
+_BLOCK = {T.Q4_0: (32, 18, 2), T.Q8_0: (32, 34, 2), T.Q4_K: (256, 144, 16)}
+
+
+def _f16_bits(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).view(np.uint16)
+
+
+def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins [..., 8] -> the 12 packed bytes of a Q4_K block (ggml's layout)."""
+    sc = sc.astype(np.uint8)
+    m = m.astype(np.uint8)
+    out = np.empty((*sc.shape[:-1], 12), np.uint8)
+    out[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    out[..., 4:8] = m[..., 0:4] | ((m[..., 4:8] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:8] & 15) | ((m[..., 4:8] & 15) << 4)
+    return out
+
+
+def header_table(ggml_type: T, std: float, rng: np.random.Generator) -> np.ndarray:
+    """256 valid block headers (uint16 words) whose blocks have weight std `std` on average.
+
+    The block scale varies by +-25% and flips sign, so the weights are zero-mean and not all alike.
+    """
+    mag = rng.uniform(0.75, 1.25, 256) * rng.choice([-1.0, 1.0], 256)
+    if ggml_type in (T.Q4_0, T.Q8_0):
+        ms = _Q4_0_MS if ggml_type == T.Q4_0 else _Q8_0_MS
+        d = mag * (std / math.sqrt(ms * np.mean(mag**2)))
+        return _f16_bits(d).reshape(256, 1)
+    if ggml_type == T.Q4_K:
+        # mins equal to the scales and dmin = 7.5*d put every sub-block's zero at q = 7.5 (exact in f16)
+        sc = rng.integers(16, 64, (256, 8))
+        d = mag * (std / math.sqrt(_Q4_K_MS * np.mean(mag[:, None] ** 2 * sc**2)))
+        hdr = np.empty((256, 16), np.uint8)
+        hdr[:, 0:2] = _f16_bits(d).view(np.uint8).reshape(256, 2)
+        hdr[:, 2:4] = _f16_bits(d * 7.5).view(np.uint8).reshape(256, 2)
+        hdr[:, 4:16] = _pack_k_scales(sc, sc)
+        return hdr.view(np.uint16)
+    raise ValueError(f"no random-block generator for {ggml_type.name}")
+
+
+def random_blocks(ggml_type: T, n_elems: int, std: float, seed: Any) -> Iterator[np.ndarray]:
+    """Raw GGUF bytes of `n_elems` random weights with std ~`std`, in chunks of ~CHUNK_BYTES."""
+    bitgen = np.random.SFC64(np.random.SeedSequence(seed))  # SFC64.random_raw: ~3 GB/s of bits
+    if ggml_type in (T.F32, T.F16, T.BF16):
+        yield from _random_floats(ggml_type, n_elems, std, np.random.Generator(bitgen))
+        return
+    block, size, hsize = _BLOCK[ggml_type]
+    table = header_table(ggml_type, std, np.random.Generator(np.random.SFC64(bitgen.random_raw())))
+    words = size // 2
+    n_blocks = n_elems // block
+    per_chunk = max(8, CHUNK_BYTES // size // 8 * 8)  # a multiple of 8 keeps chunks whole uint64s
+    for start in range(0, n_blocks, per_chunk):
+        nb = min(per_chunk, n_blocks - start)
+        raw = bitgen.random_raw(-(-nb * size // 8)).view(np.uint8)[: nb * size]
+        u = raw.view(np.uint16).reshape(nb, words)
+        # the low byte of the block's (random) first word picks its header
+        u[:, : hsize // 2] = table[u[:, 0].astype(np.uint8)]
+        yield raw
+
+
+def _random_floats(ggml_type: T, n_elems: int, std: float, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    a = std * math.sqrt(3.0)  # uniform(-a, a) has std a/sqrt(3); uniform floats are 4x cheaper than normals
+    step = CHUNK_BYTES // 4
+    for start in range(0, n_elems, step):
+        x = rng.random(min(step, n_elems - start), dtype=np.float32)
+        x *= 2 * a
+        x -= a
+        if ggml_type == T.F32:
+            yield x
+        elif ggml_type == T.F16:
+            yield x.astype(np.float16)
+        else:  # BF16: the top half of the float32 bits
+            yield (x.view(np.uint32) >> 16).astype(np.uint16)
+
+
+# ---- the model -----------------------------------------------------------------------------------
+
+
+def tiny_bpe_metadata() -> dict[str, Any]:
+    from moestream.tokenizer import build_tiny_bpe_metadata
+
+    return build_tiny_bpe_metadata()
+
+
+def shape_metadata(s: SynthShape, name: str, file_type: int) -> dict[str, Any]:
+    """The general.* and qwen3moe.* keys llama.cpp's converter writes for this shape."""
+    md: dict[str, Any] = {
+        "general.architecture": ARCH,
+        "general.name": name,
+        "general.file_type": int(file_type),
+        "general.quantization_version": 2,
+        f"{ARCH}.block_count": s.n_layers,
+        f"{ARCH}.context_length": s.context_length,
+        f"{ARCH}.embedding_length": s.hidden,
+        f"{ARCH}.feed_forward_length": s.dense_ffn,
+        f"{ARCH}.attention.head_count": s.n_heads,
+        f"{ARCH}.attention.head_count_kv": s.n_kv_heads,
+        f"{ARCH}.attention.key_length": s.head_dim,
+        f"{ARCH}.attention.value_length": s.head_dim,
+        f"{ARCH}.rope.freq_base": float(s.rope_theta),
+        f"{ARCH}.attention.layer_norm_rms_epsilon": float(s.rms_eps),
+        f"{ARCH}.expert_count": s.n_experts,
+        f"{ARCH}.expert_used_count": s.top_k,
+        f"{ARCH}.expert_feed_forward_length": s.expert_ffn,
+    }
+    if s.shared_ffn:
+        md[f"{ARCH}.expert_shared_feed_forward_length"] = s.shared_ffn
+    return md
+
+
+def _spec(name: str, ggml_type: T, shape: tuple[int, ...], std: float, seed: int) -> TensorSpec:
+    n = math.prod(shape)
+    # one stream per tensor name: a 2-layer file has the same first two layers as the full model
+    key = (seed, zlib.crc32(name.encode()))
+    return TensorSpec(name, ggml_type, shape, lambda: random_blocks(ggml_type, n, std, key))
+
+
+def _norm_spec(name: str, n: int, seed: int) -> TensorSpec:
+    # RMSNorm gains near 1 (F32, as the converter writes 1-D tensors)
+    def produce() -> Iterator[np.ndarray]:
+        rng = np.random.default_rng((seed, zlib.crc32(name.encode())))
+        yield (1.0 + rng.uniform(-0.1, 0.1, n)).astype(np.float32)
+
+    return TensorSpec(name, T.F32, (n,), produce)
+
+
+def synth_tensors(s: SynthShape, expert_type: T, dense_type: T, vocab: int, seed: int) -> list[TensorSpec]:
+    H, q_dim, kv_dim = s.hidden, s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    E, F, Fs = s.n_experts, s.expert_ffn, s.shared_ffn
+    w_in = 1.0 / math.sqrt(H)  # input projections: unit-variance outputs from an RMS-normed input
+    w_out = 0.002  # residual writers (attn_output, ffn_down): small, the embedding keeps dominating
+    specs = [_spec("token_embd.weight", dense_type, (vocab, H), 1.0, seed)]
+    for i in range(s.n_layers):
+        p = f"blk.{i}."
+        specs += [
+            _norm_spec(p + "attn_norm.weight", H, seed),
+            _spec(p + "attn_q.weight", dense_type, (q_dim, H), w_in, seed),
+            _spec(p + "attn_k.weight", dense_type, (kv_dim, H), w_in, seed),
+            _spec(p + "attn_v.weight", dense_type, (kv_dim, H), w_in, seed),
+            _spec(p + "attn_output.weight", dense_type, (H, q_dim), w_out, seed),
+            _norm_spec(p + "attn_q_norm.weight", s.head_dim, seed),
+            _norm_spec(p + "attn_k_norm.weight", s.head_dim, seed),
+            _norm_spec(p + "ffn_norm.weight", H, seed),
+            # router logits with std ~2: top-k sets differ between tokens, softmax is not one-hot
+            _spec(p + "ffn_gate_inp.weight", T.F32, (E, H), 2.0 * w_in, seed),
+            _spec(p + "ffn_gate_exps.weight", expert_type, (E, F, H), w_in, seed),
+            _spec(p + "ffn_up_exps.weight", expert_type, (E, F, H), w_in, seed),
+            _spec(p + "ffn_down_exps.weight", expert_type, (E, H, F), w_out, seed),
+        ]
+        if Fs:
+            specs += [
+                _spec(p + "ffn_gate_shexp.weight", expert_type, (Fs, H), w_in, seed),
+                _spec(p + "ffn_up_shexp.weight", expert_type, (Fs, H), w_in, seed),
+                _spec(p + "ffn_down_shexp.weight", expert_type, (H, Fs), w_out, seed),
+            ]
+    specs += [
+        _norm_spec("output_norm.weight", H, seed),
+        _spec("output.weight", dense_type, (vocab, H), 2.0 * w_in, seed),
+    ]
+    return specs
+
+
+def _quant_type(name: str) -> T:
+    try:
+        return QUANTS[name.upper()]
+    except KeyError:
+        raise ValueError(f"unknown quant {name!r}; choose one of {', '.join(QUANTS)}") from None
+
+
+def _resolve(shape: str, layers: int | None) -> SynthShape:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    s = SHAPES[shape]
+    if layers is None:
+        return s
+    if not 1 <= layers <= s.n_layers:
+        raise ValueError(f"layers must be between 1 and {s.n_layers} for {shape}, got {layers}")
+    return replace(s, n_layers=layers)
+
+
+def synth_nbytes(shape: str, quant: str, layers: int | None = None, *, dense: str | None = None) -> int:
+    """Bytes of tensor data write_synth would write (plus a header under 1 MB): for a disk-space check."""
+    s = _resolve(shape, layers)
+    vocab = s.vocab or len(tiny_bpe_metadata()["tokenizer.ggml.tokens"])
+    specs = synth_tensors(s, _quant_type(quant), _quant_type(dense or quant), vocab, 0)
+    return sum(t.nbytes for t in specs)
+
+
+def write_synth(
+    shape: str,
+    quant: str,
+    path: str | os.PathLike[str],
+    layers: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    *,
+    dense: str | None = None,
+) -> str:
+    """Write a random-weight GGUF of a named shape; returns the path.
+
+    quant: type of the expert tensors ('Q4_0', 'Q8_0', 'Q4_K', 'F16', also 'BF16', 'F32').
+    dense: type of the embeddings, attention and output weights; default the same as `quant`, as
+    llama-quantize does. Norms and the router stay F32 (the converter keeps ffn_gate_inp in F32).
+    layers: keep only the first N layers (a quick model of the same per-layer shape).
+    """
+    s = _resolve(shape, layers)
+    expert_type = _quant_type(quant)
+    dense_type = _quant_type(dense or quant)
+    tok_md = tiny_bpe_metadata()
+    vocab = s.vocab or len(tok_md["tokenizer.ggml.tokens"])
+    if vocab != len(tok_md["tokenizer.ggml.tokens"]):
+        raise ValueError(
+            f"{shape} wants vocab {vocab} but the tokenizer has {len(tok_md['tokenizer.ggml.tokens'])}"
+        )
+    name = f"moestream-synth-{shape}-{quant.upper()}" + (f"-{layers}L" if layers is not None else "")
+    md = shape_metadata(s, name, _FILE_TYPE[expert_type]) | tok_md
+    path = os.fspath(path)
+    write_gguf(
+        path, ARCH, md, synth_tensors(s, expert_type, dense_type, vocab, seed), progress=progress, desc=name
+    )
+    return path

@@ -1,0 +1,215 @@
+"""Synthetic models: real layouts, valid random blocks with the intended weight scale, fast to write."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+from gguf import GGUFValueType as V
+from gguf.quants import dequantize
+
+from moestream import synth
+from moestream.gguf_file import GGUFFile
+from moestream.ggufwrite import TensorSpec, array_tensor, write_gguf
+from moestream.synth import SHAPES, random_blocks, synth_nbytes, write_synth
+
+
+def _expected_shapes(s: synth.SynthShape, vocab: int) -> dict[str, tuple[int, ...]]:
+    H, q, kv, E, F = s.hidden, s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_experts, s.expert_ffn
+    out = {"token_embd.weight": (vocab, H), "output_norm.weight": (H,), "output.weight": (vocab, H)}
+    for i in range(s.n_layers):
+        p = f"blk.{i}."
+        out |= {
+            p + "attn_norm.weight": (H,),
+            p + "attn_q.weight": (q, H),
+            p + "attn_k.weight": (kv, H),
+            p + "attn_v.weight": (kv, H),
+            p + "attn_output.weight": (H, q),
+            p + "attn_q_norm.weight": (s.head_dim,),
+            p + "attn_k_norm.weight": (s.head_dim,),
+            p + "ffn_norm.weight": (H,),
+            p + "ffn_gate_inp.weight": (E, H),
+            p + "ffn_gate_exps.weight": (E, F, H),
+            p + "ffn_up_exps.weight": (E, F, H),
+            p + "ffn_down_exps.weight": (E, H, F),
+        }
+        if s.shared_ffn:
+            Fs = s.shared_ffn
+            out |= {
+                p + "ffn_gate_shexp.weight": (Fs, H),
+                p + "ffn_up_shexp.weight": (Fs, H),
+                p + "ffn_down_shexp.weight": (H, Fs),
+            }
+    return out
+
+
+@pytest.mark.parametrize("quant", ["Q4_0", "Q8_0", "Q4_K", "F16"])
+def test_tiny_writes_fast_and_loads(tmp_path, quant):
+    t0 = time.perf_counter()
+    path = write_synth("tiny", quant, tmp_path / "tiny.gguf", progress=False)
+    assert time.perf_counter() - t0 < 10
+    s = SHAPES["tiny"]
+    f = GGUFFile(path)
+    vocab = len(f.metadata["tokenizer.ggml.tokens"])
+    expected = _expected_shapes(s, vocab)
+    assert {n: t.shape for n, t in f.tensors.items()} == expected
+    qt = T[quant]
+    for name, info in f.tensors.items():
+        if len(info.shape) == 1 or "ffn_gate_inp" in name:
+            assert info.ggml_type == T.F32, name
+        else:
+            assert info.ggml_type == qt, name
+    md = f.metadata
+    assert md["general.architecture"] == "qwen3moe"
+    assert md["qwen3moe.block_count"] == s.n_layers
+    assert md["qwen3moe.expert_count"] == s.n_experts
+    assert md["qwen3moe.expert_used_count"] == s.top_k
+    assert md["qwen3moe.expert_feed_forward_length"] == s.expert_ffn
+    assert md["qwen3moe.attention.key_length"] == s.head_dim
+    assert "qwen3moe.expert_shared_feed_forward_length" not in md
+    assert "tokenizer.chat_template" in md
+    data = sum(t.nbytes for t in f.tensors.values())
+    assert data == synth_nbytes("tiny", quant)
+    # each expert is one contiguous slice of nbytes / E
+    assert f.tensors["blk.0.ffn_down_exps.weight"].nbytes % s.n_experts == 0
+    f.close()
+
+
+def test_gguf_reader_decodes_a_synth_file(tmp_path):
+    path = write_synth("tiny", "Q4_K", tmp_path / "t.gguf", layers=1, progress=False)
+    r = GGUFReader(path)
+    by_name = {t.name: t for t in r.tensors}
+    emb = dequantize(by_name["token_embd.weight"].data, T.Q4_K)
+    down = dequantize(by_name["blk.0.ffn_down_exps.weight"].data, T.Q4_K)
+    router = np.asarray(by_name["blk.0.ffn_gate_inp.weight"].data)
+    assert np.all(np.isfinite(emb)) and np.all(np.isfinite(down))
+    assert np.std(emb) == pytest.approx(1.0, rel=0.05)
+    assert np.std(down) == pytest.approx(0.002, rel=0.05)
+    assert np.std(router) == pytest.approx(2 / np.sqrt(SHAPES["tiny"].hidden), rel=0.05)
+
+
+@pytest.mark.parametrize("quant", [T.Q4_0, T.Q8_0, T.Q4_K, T.F16, T.BF16, T.F32])
+@pytest.mark.parametrize("std", [1.0, 0.002])
+def test_random_blocks_have_the_intended_std(quant, std):
+    n = 1 << 18
+    raw = np.concatenate([np.asarray(c).reshape(-1).view(np.uint8) for c in random_blocks(quant, n, std, 7)])
+    w = np.asarray(dequantize(raw, quant), dtype=np.float32).reshape(-1)
+    assert w.size == n
+    assert np.all(np.isfinite(w))
+    assert np.std(w) == pytest.approx(std, rel=0.03)
+    assert abs(np.mean(w)) < 0.02 * std  # zero-mean: no shared direction for the residual to drift along
+    # different blocks really differ (not one block repeated)
+    assert len(np.unique(raw[: 64 * 1024])) > 200
+
+
+def test_random_blocks_are_seeded():
+    a = b"".join(bytes(c) for c in random_blocks(T.Q4_0, 4096, 0.1, (1, 2)))
+    b = b"".join(bytes(c) for c in random_blocks(T.Q4_0, 4096, 0.1, (1, 2)))
+    c = b"".join(bytes(c) for c in random_blocks(T.Q4_0, 4096, 0.1, (1, 3)))
+    assert a == b and a != c
+
+
+def test_fewer_layers_keep_the_same_weights(tmp_path):
+    full = GGUFFile(write_synth("tiny", "Q4_0", tmp_path / "full.gguf", progress=False))
+    two = GGUFFile(write_synth("tiny", "Q4_0", tmp_path / "two.gguf", layers=2, progress=False))
+    assert two.metadata["qwen3moe.block_count"] == 2
+    assert "blk.2.attn_q.weight" not in two.tensors
+    for name in ("blk.1.ffn_up_exps.weight", "blk.0.attn_q.weight", "output.weight"):
+        assert np.array_equal(full.read(name), two.read(name))
+    other = GGUFFile(write_synth("tiny", "Q4_0", tmp_path / "s1.gguf", layers=1, seed=1, progress=False))
+    assert not np.array_equal(other.read("blk.0.ffn_up_exps.weight"), full.read("blk.0.ffn_up_exps.weight"))
+
+
+def test_shared_expert_tensors(tmp_path, monkeypatch):
+    monkeypatch.setitem(SHAPES, "tiny-shared", replace(SHAPES["tiny"], shared_ffn=512, n_layers=2))
+    f = GGUFFile(write_synth("tiny-shared", "Q8_0", tmp_path / "sh.gguf", progress=False))
+    s = SHAPES["tiny-shared"]
+    assert {n: t.shape for n, t in f.tensors.items()} == _expected_shapes(
+        s, len(f.metadata["tokenizer.ggml.tokens"])
+    )
+    assert f.metadata["qwen3moe.expert_shared_feed_forward_length"] == 512
+    assert f.tensors["blk.1.ffn_down_shexp.weight"].ggml_type == T.Q8_0
+
+
+def test_dense_type_override(tmp_path):
+    f = GGUFFile(write_synth("tiny", "Q4_K", tmp_path / "d.gguf", layers=1, dense="F16", progress=False))
+    assert f.tensors["blk.0.attn_q.weight"].ggml_type == T.F16
+    assert f.tensors["token_embd.weight"].ggml_type == T.F16
+    assert f.tensors["blk.0.ffn_gate_exps.weight"].ggml_type == T.Q4_K
+
+
+def test_real_shapes_are_consistent():
+    for name, s in SHAPES.items():
+        assert s.top_k < s.n_experts, name
+        for dim in (s.hidden, s.expert_ffn, s.n_heads * s.head_dim, s.shared_ffn):
+            assert dim % 256 == 0, (name, dim)  # every supported type (Q4_K: 256) fits the rows
+    # Qwen3-30B-A3B: ~17 GB at Q4_0, as llama.cpp's file of that shape (measured 17.3 GB with the full vocab)
+    assert 16e9 < synth_nbytes("qwen3-30b-a3b", "Q4_0") < 17.5e9
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="unknown shape"):
+        write_synth("nope", "Q4_0", tmp_path / "x.gguf")
+    with pytest.raises(ValueError, match="unknown quant"):
+        write_synth("tiny", "Q3_K", tmp_path / "x.gguf")
+    with pytest.raises(ValueError, match="layers"):
+        write_synth("tiny", "Q4_0", tmp_path / "x.gguf", layers=99)
+    assert not list(tmp_path.iterdir())
+
+
+def test_metadata_types_are_what_llama_cpp_expects(tmp_path):
+    r = GGUFReader(write_synth("tiny", "Q4_0", tmp_path / "t.gguf", layers=1, progress=False))
+    types = {k: f.types for k, f in r.fields.items()}
+    assert types["qwen3moe.block_count"] == [V.UINT32]
+    assert types["qwen3moe.expert_count"] == [V.UINT32]
+    assert types["general.file_type"] == [V.UINT32]
+    assert types["qwen3moe.rope.freq_base"] == [V.FLOAT32]
+    assert types["qwen3moe.attention.layer_norm_rms_epsilon"] == [V.FLOAT32]
+    assert types["tokenizer.ggml.tokens"] == [V.ARRAY, V.STRING]
+    assert types["tokenizer.ggml.token_type"] == [V.ARRAY, V.INT32]
+    assert types["tokenizer.ggml.eos_token_id"] == [V.UINT32]
+    assert types["tokenizer.ggml.add_bos_token"] == [V.BOOL]
+    assert types["general.architecture"] == [V.STRING]
+
+
+def test_writer_checks_producers_and_leaves_no_partial_file(tmp_path):
+    short = TensorSpec("x", T.F32, (64,), lambda: [np.zeros(63, np.float32)])
+    with pytest.raises(ValueError, match="expected 256"):
+        write_gguf(tmp_path / "x.gguf", "qwen3moe", {}, [short], progress=False)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("where", ["tmp", "shm"])
+def test_writer_layout_with_odd_sizes(tmp_path, where):
+    """Odd-sized tensors land at aligned offsets wherever page boundaries fall (O_DIRECT or buffered)."""
+    if where == "shm" and not os.path.isdir("/dev/shm"):
+        pytest.skip("no tmpfs")
+    d = tmp_path if where == "tmp" else tempfile.mkdtemp(dir="/dev/shm")
+    rng = np.random.default_rng(0)
+    arrays = {
+        f"t{i}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate([1, 7, 3000, 1 << 20, 5])
+    }
+    path = os.path.join(d, "odd.gguf")
+    size = write_gguf(
+        path,
+        "test",
+        {"a.str": "x" * 4093},
+        [array_tensor(k, T.F32, a.shape, a) for k, a in arrays.items()],
+        progress=False,
+    )
+    f = GGUFFile(path)
+    assert size == f.file_size
+    for k, a in arrays.items():
+        assert f.tensors[k].offset % 32 == 0
+        assert np.array_equal(f.read(k).view(np.float32), a)
+    assert f.metadata["a.str"] == "x" * 4093
+    f.close()
+    if where == "shm":
+        shutil.rmtree(d)
