@@ -8,9 +8,9 @@ blocks. The quant bytes are raw generator output (uniform, which is a valid quan
 nibble/int8); only each block's header (scales) is overwritten, picked from a 256-entry table of
 valid headers by a random byte, so no float ever goes through a quantizer.
 
-Scales follow docs/measured-facts: embeddings std 1, attention-out and expert-down std 0.002, so the
-residual stream stays dominated by the current token's embedding, routing differs from token to
-token, and greedy decoding does not collapse onto one token.
+Scales follow our measurements (notes/measured-facts.md): embeddings std 1, attention-out and
+expert-down std 0.002, so the residual stream stays dominated by the current token's embedding,
+routing differs from token to token, and greedy decoding does not collapse onto one token.
 """
 
 from __future__ import annotations
