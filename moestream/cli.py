@@ -69,13 +69,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             prompt = render_chat(tok.chat_template, [{"role": "user", "content": prompt}])
         ids = tok.encode(prompt)
         sampler = Sampler(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        decoder = tok.stream_decoder()
+        decoder = tok.stream(skip_special=True)
         out = sys.stdout
 
         def on_token(t: int) -> None:
             if t in tok.stop_ids:
                 return
-            text = decoder.push(t)
+            text = decoder.add(t)
             if text:
                 out.write(text)
                 out.flush()
@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.set_defaults(func=cmd_run)
+
+    from moestream.server import add_serve_commands
+
+    add_serve_commands(sub)  # serve, chat
     return parser
 
 

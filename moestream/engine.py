@@ -100,6 +100,7 @@ class Engine:
         ubatch: int = DEFAULT_UBATCH,
         n_slots: int | None = None,
         reserve_mb: int | None = None,
+        trace_path: str | None = None,
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -143,6 +144,27 @@ class Engine:
         self.cache = ExpertCache(self.store, self.reader, n_slots)
         self.model.experts = self.cache
         self._tokenizer = None
+        self._step = 0  # forward calls so far: one per prompt micro-batch or decoded token
+        self._token = 0  # session index of the first token of the current forward call
+        self._trace = None
+        if trace_path is not None:
+            from moestream.trace import TraceWriter
+
+            self._trace = TraceWriter(trace_path, {
+                "model": os.path.basename(model_path), "n_slots": n_slots, "policy": "lru",
+                "admit_prompt": True, "layers": self.cfg.n_layers, "experts": self.cfg.n_experts,
+                "top_k": self.cfg.top_k, "expert_bytes": max(self.store.expert_file_nbytes),
+            })
+            self.cache.trace = self._trace_record
+
+    def _trace_record(self, layer: int, expert: int, rank: int, source: str, nbytes: int, latency: float) -> None:
+        assert self._trace is not None
+        self._trace.record(self._token, self.cache.phase, self._step, layer, expert, rank, source, nbytes, latency)
+
+    def _forward(self, tokens: list[int], pos: int):
+        self._step += 1
+        self._token = pos
+        return self.model.forward(tokens, self.kv, pos)
 
     @property
     def tokenizer(self):
@@ -200,7 +222,7 @@ class Engine:
         with torch.inference_mode():
             while pos < len(prompt):
                 chunk = prompt[pos : pos + self.ubatch]
-                logits = self.model.forward(chunk, self.kv, pos)
+                logits = self._forward(chunk, pos)
                 pos += len(chunk)
                 self._kv_tokens.extend(chunk)
             st.prompt_s = time.perf_counter() - t0
@@ -220,7 +242,7 @@ class Engine:
                     break
                 if len(gen.tokens) >= max_new_tokens:
                     break
-                logits = self.model.forward([tok], self.kv, pos)
+                logits = self._forward([tok], pos)
                 self._kv_tokens.append(tok)
                 pos += 1
             st.decode_tokens = len(gen.tokens)
@@ -235,6 +257,9 @@ class Engine:
         return gen
 
     def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
         self.cache.close()
         self.reader.close()
         self.gguf.close()

@@ -42,9 +42,9 @@ class CacheStats:
         return self.hits / total if total else 0.0
 
 
-# A trace sink receives one record per expert access:
-# (layer, expert, source 'ram'|'disk', bytes read, read latency in seconds).
-TraceSink = Callable[[int, int, str, int, float], None]
+# A trace sink receives one record per expert access: (layer, expert, rank = position in the request,
+# source 'ram'|'disk', bytes read, read latency in seconds). Disk records arrive when reads complete.
+TraceSink = Callable[[int, int, int, str, int, float], None]
 
 
 class ExpertCache:
@@ -172,7 +172,7 @@ class ExpertCache:
                 e, slot = hitq.popleft()
                 try:
                     if self.trace is not None:
-                        self.trace(layer, e, "ram", 0, 0.0)
+                        self.trace(layer, e, ids.index(e), "ram", 0, 0.0)
                     yield e, self._experts[slot]  # type: ignore[misc]
                 finally:
                     self._unpin(slot)
@@ -192,7 +192,7 @@ class ExpertCache:
                         nbytes = self.store.expert_file_nbytes[layer]
                         self.stats.bytes_read += nbytes
                         if self.trace is not None:
-                            self.trace(layer, e, "disk", nbytes, time.perf_counter() - t0)
+                            self.trace(layer, e, ids.index(e), "disk", nbytes, time.perf_counter() - t0)
                         with self._lock:
                             self._experts[slot] = experts
                         yield e, experts
