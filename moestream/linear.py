@@ -28,8 +28,9 @@ INT4_BLOCK_N = 64  # rows per block of torch's CPU int4 layout
 ALIGN = 64
 
 # From this many rows of activations on, expanding the int4 form to bf16 and running a bf16 GEMM beats
-# the int4 kernel (768x2048: int4 ~19 us per row; expansion ~0.5 ms once, then the GEMM is cheap per row).
-INT4_GEMM_MIN_ROWS = 64
+# the int4 kernel. Measured on 768x2048, one thread: int4 ~36 us per row; expansion ~0.5 ms once plus
+# ~13 us per row of GEMM (crossover ~30 rows); with two threads the crossover moves to ~45.
+INT4_GEMM_MIN_ROWS = 48
 EXPAND_SCRATCH_BYTES = 8 << 20  # bf16 scratch for one slice of an expanded weight
 
 INT4_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K)})
