@@ -1,0 +1,235 @@
+"""Interactive terminal chat: `moestream chat -m MODEL.gguf`.
+
+The whole conversation is re-rendered with the model's chat template every turn; the engine keeps the
+KV cache of the previous turn and reuses the prefix the new prompt shares with it, so a follow-up only
+computes the new message. Ctrl-C during an answer stops that answer (a SIGINT handler sets a flag that
+on_token returns); Ctrl-D or /exit quits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from moestream.budget import MB, peak_rss_bytes, rss_bytes
+from moestream.chat_template import render_chat
+from moestream.errors import MoestreamError
+from moestream.sampling import Sampler
+
+HELP = (
+    "/reset clears the conversation, /stats shows speed and cache use, /exit quits (or Ctrl-D); "
+    "Ctrl-C stops an answer"
+)
+
+
+class ChatSession:
+    """A conversation held as OpenAI-style messages, answered by the engine."""
+
+    def __init__(
+        self,
+        engine: Any,
+        sampler: Sampler,
+        *,
+        system: str | None = None,
+        max_tokens: int | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ):
+        self.engine = engine
+        self.tok = engine.tokenizer
+        if not self.tok.chat_template:
+            raise MoestreamError("this model has no chat template; use `moestream run` instead")
+        self.sampler = sampler
+        self.system = system
+        self.max_tokens = max_tokens
+        self.template_kwargs = template_kwargs or {}
+        self.messages: list[dict[str, str]] = []
+        self.last: Any = None  # GenerationStats of the last answer
+        self.dropped = 0  # turns dropped so far to fit the context
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.engine.reset()
+
+    def _render(self) -> list[int]:
+        text = render_chat(
+            self.tok.chat_template,
+            self.messages,
+            bos_token=self.tok.bos_token,
+            eos_token=self.tok.eos_token,
+            **self.template_kwargs,
+        )
+        add_bos = False if self.tok.bos_token and text.startswith(self.tok.bos_token) else None
+        return self.tok.encode(text, add_bos=add_bos)
+
+    def _prompt(self) -> list[int]:
+        """The prompt for the history; drops the oldest turns while it leaves no room to answer."""
+        room = min(256, self.engine.ctx // 4)  # tokens kept free for the answer
+        ids = self._render()
+        while len(ids) > self.engine.ctx - room:
+            first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+            if len(self.messages) - first <= 1:
+                self.messages.pop()
+                raise MoestreamError(
+                    f"that message is {len(ids)} tokens; the context holds {self.engine.ctx} (raise --ctx)"
+                )
+            # drop the oldest user turn and everything up to the next one
+            end = first + 1
+            while end < len(self.messages) and self.messages[end]["role"] != "user":
+                end += 1
+            del self.messages[first:end]
+            self.dropped += 1
+            ids = self._render()
+        return ids
+
+    def ask(self, text: str, write: Callable[[str], None], stop: Callable[[], bool]) -> str:
+        """Answer `text`, writing the answer as it comes; returns the answer (cut short if stop())."""
+        self.messages.append({"role": "user", "content": text})
+        prompt = self._prompt()
+        decoder = self.tok.stream(skip_special=True)
+        parts: list[str] = []
+        stop_ids = self.tok.stop_ids
+
+        def on_token(t: int) -> bool:
+            if t not in stop_ids:
+                piece = decoder.add(t)
+                if piece:
+                    parts.append(piece)
+                    write(piece)
+            return stop()
+
+        max_tokens = self.max_tokens or self.engine.ctx
+        try:
+            gen = self.engine.generate(prompt, max_tokens, self.sampler, stop_ids, on_token)
+        except BaseException:
+            self.messages.pop()  # the question stays unasked
+            raise
+        tail = decoder.flush()
+        if tail:
+            parts.append(tail)
+            write(tail)
+        self.last = gen.stats
+        answer = "".join(parts)
+        # a stopped answer stays in the history as far as it got: the next turn can refer to it
+        self.messages.append({"role": "assistant", "content": answer})
+        return answer
+
+    def stats_text(self) -> str:
+        e = self.engine
+        cs = e.cache.stats
+        lines = []
+        if self.last is not None:
+            s = self.last
+            lines.append(
+                f"last answer: prompt {s.prompt_tokens} tok ({s.reused_tokens} cached) @ {s.prompt_tps:.1f} "
+                f"tok/s | decode {s.decode_tokens} tok @ {s.decode_tps:.2f} tok/s | "
+                f"expert hit rate {100 * s.hit_rate:.1f}%"
+            )
+        lines.append(
+            f"session: expert hit rate {100 * cs.hit_rate:.1f}% | cache slots {e.cache.used_slots}/"
+            f"{e.cache.n_slots} used | disk read {cs.bytes_read / MB:.1f} MB | "
+            f"RSS {rss_bytes() / MB:.0f} MB (peak {peak_rss_bytes() / MB:.0f} MB)"
+        )
+        turns = sum(m["role"] == "user" for m in self.messages)
+        dropped = f", {self.dropped} oldest dropped to fit the context" if self.dropped else ""
+        lines.append(f"conversation: {turns} turn{'s' * (turns != 1)}{dropped}")
+        return "\n".join(lines)
+
+
+class _Interrupt:
+    """While active, Ctrl-C sets a flag instead of raising KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+
+    def __enter__(self) -> _Interrupt:
+        self.flag.clear()
+        self._old = signal.signal(signal.SIGINT, lambda signum, frame: self.flag.set())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._old)
+
+
+def repl(session: ChatSession, inp: Callable[[str], str] = input, out: TextIO = sys.stdout) -> None:
+    def write(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    while True:
+        try:
+            line = inp("> ")
+        except EOFError:  # Ctrl-D
+            write("\n")
+            return
+        except KeyboardInterrupt:  # Ctrl-C at the prompt clears the line, as in a shell
+            write("\n")
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return
+        if text == "/reset":
+            session.reset()
+            write("(conversation cleared)\n")
+            continue
+        if text == "/stats":
+            write(session.stats_text() + "\n")
+            continue
+        if text in ("/help", "/?"):
+            write(HELP + "\n")
+            continue
+        if text.startswith("/"):
+            write(f"unknown command {text.split()[0]}; {HELP}\n")
+            continue
+        try:
+            with _Interrupt() as ctrl_c:
+                session.ask(line, write, ctrl_c.flag.is_set)
+        except MoestreamError as exc:
+            write(f"error: {exc}\n")
+            continue
+        except KeyboardInterrupt:  # Ctrl-C a moment before generation began
+            write(" [stopped]\n")
+            continue
+        write(" [stopped]\n" if ctrl_c.flag.is_set() else "\n")
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from moestream.cli import _positive, open_engine
+
+    _positive("-n", args.n)
+    try:
+        import readline  # noqa: F401 - line editing and history for input()
+    except ImportError:
+        pass
+    sampler = Sampler(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    engine = open_engine(args)
+    try:
+        kwargs = {"enable_thinking": False} if args.no_think else {}
+        session = ChatSession(engine, sampler, system=args.system, max_tokens=args.n, template_kwargs=kwargs)
+        print(
+            f"moestream chat: {args.model} (context {engine.ctx} tokens, {engine.cache.n_slots} expert "
+            f"slots)\n{HELP}",
+            flush=True,
+        )
+        repl(session)
+    finally:
+        engine.close()
+    return 0
+
+
+def add_chat_command(sub: argparse._SubParsersAction) -> None:
+    from moestream.cli import _add_engine_args, _add_sampling_args
+
+    p = sub.add_parser("chat", help="interactive chat in the terminal")
+    _add_engine_args(p)
+    _add_sampling_args(p)
+    p.add_argument("-n", type=int, default=None, help="most tokens per answer (default: up to the context)")
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--no-think", action="store_true", help="ask Qwen3-style models not to think first")
+    p.set_defaults(func=cmd_chat)

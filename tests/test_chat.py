@@ -1,0 +1,104 @@
+"""`moestream chat` driven through a pseudo-terminal: an exchange, /stats, Ctrl-C, /reset, quitting."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+
+import pexpect
+import pytest
+
+from moestream.synth import write_synth
+
+PROMPT = "\r\n> "
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_synth("tiny", "Q4_0", tmp_path_factory.mktemp("model") / "tiny.gguf", progress=False)
+
+
+@pytest.fixture
+def spawn(model_path: str) -> Iterator:
+    children: list[pexpect.spawn] = []
+
+    def start(*extra: str) -> pexpect.spawn:
+        args = [
+            "-m",
+            "moestream",
+            "chat",
+            "-m",
+            model_path,
+            "--ram-budget-mb",
+            "2000",
+            "--ctx",
+            "1024",
+            *extra,
+        ]
+        child = pexpect.spawn(sys.executable, args, encoding="utf-8", timeout=60, dimensions=(50, 200))
+        children.append(child)
+        child.expect("Ctrl-C stops an answer")
+        child.expect("> ")
+        return child
+
+    yield start
+    for child in children:
+        child.close(force=True)
+
+
+def _stats(child: pexpect.spawn) -> dict[str, int]:
+    child.sendline("/stats")
+    child.expect(r"prompt (\d+) tok \((\d+) cached\).*decode (\d+) tok @ [\d.]+ tok/s")
+    prompt, cached, decoded = (int(x) for x in child.match.groups())
+    child.expect(r"session: expert hit rate [\d.]+% \| cache slots \d+/\d+ used .* RSS \d+ MB")
+    child.expect(r"conversation: (\d+) turns?")
+    turns = int(child.match.group(1))
+    child.expect(PROMPT)
+    return {"prompt": prompt, "cached": cached, "decoded": decoded, "turns": turns}
+
+
+def test_exchange_and_stats(spawn) -> None:
+    child = spawn("-n", "6", "--temp", "0")
+    child.sendline("Hello there")
+    child.expect("Hello there\r\n")  # the terminal's echo; the answer streams after it
+    child.expect(PROMPT)
+    first = _stats(child)
+    assert 1 <= first["decoded"] <= 6 and first["turns"] == 1
+
+    # the follow-up renders the whole history, and the engine reuses the part it has already seen
+    child.sendline("And then?")
+    child.expect(PROMPT)
+    second = _stats(child)
+    assert second["turns"] == 2 and second["cached"] >= first["prompt"] - 1
+
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_stops_the_answer_not_the_chat(spawn) -> None:
+    child = spawn("--temp", "0")  # no -n: the answer would run to the end of the context
+    child.sendline("Tell me a long story")
+    child.expect("story\r\n")
+    child.expect(r"\S")  # the answer has begun
+    child.sendintr()
+    child.expect(r"\[stopped\]")
+    child.expect(PROMPT)
+    stats = _stats(child)
+    assert stats["decoded"] < 900 and stats["turns"] == 1
+
+    child.sendline("/reset")
+    child.expect(r"conversation cleared")
+    child.expect(PROMPT)
+    assert _stats(child)["turns"] == 0
+    child.sendline("/nonsense")
+    child.expect("unknown command")
+    child.expect(PROMPT)
+
+    child.sendcontrol("d")  # Ctrl-D quits
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    assert re.search(r"Traceback", child.before or "") is None

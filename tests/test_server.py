@@ -1,0 +1,642 @@
+"""The OpenAI-compatible server, driven with the official `openai` client over loopback.
+
+Most tests run against the real `python -m moestream serve` on a tiny random-weight model. A random model
+never writes a tool call, so the tool-call tests also run an in-process server whose engine "generates"
+a scripted text, and the parsers are tested directly on crafted text.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+import uvicorn
+
+from moestream.chat_template import render_chat
+from moestream.engine import Generation
+from moestream.expert_cache import CacheStats
+from moestream.gguf_file import GGUFFile
+from moestream.server import (
+    Message,
+    StopText,
+    ToolCallParser,
+    _message_dict,
+    create_app,
+    parse_tool_calls,
+)
+from moestream.synth import write_synth
+from moestream.tokenizer import Tokenizer
+
+CTX = 2048
+MODEL = "tiny"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_synth("tiny", "Q4_0", tmp_path_factory.mktemp("model") / "tiny.gguf", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: str) -> Tokenizer:
+    f = GGUFFile(model_path)
+    try:
+        return Tokenizer.from_metadata(f.metadata)
+    finally:
+        f.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # noqa: SIM115 - closed below
+    cmd = [
+        sys.executable,
+        "-m",
+        "moestream",
+        "serve",
+        "-m",
+        model_path,
+        "--ram-budget-mb",
+        "2000",
+        "--ctx",
+        str(CTX),
+        "--port",
+        str(port),
+        "--model-name",
+        MODEL,
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read()}")
+            try:
+                if _get(url, "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("the server did not come up in time")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def _request(url: str, method: str, path: str, body: bytes | None = None) -> tuple[int, str, bytes]:
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.getheader("content-type", ""), r.read()
+    finally:
+        conn.close()
+
+
+def _get(url: str, path: str) -> tuple[int, str, bytes]:
+    return _request(url, "GET", path)
+
+
+def _post(url: str, path: str, body: Any) -> tuple[int, dict[str, Any]]:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, _, data = _request(url, "POST", path, raw)
+    return status, json.loads(data)
+
+
+def _assert_error(status: int, body: dict[str, Any], want: int, param: Any = ..., code: Any = ...) -> None:
+    assert status == want, body
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not ...:
+        assert err["param"] == param, err
+    if code is not ...:
+        assert err["code"] == code, err
+
+
+def _metrics(url: str) -> dict[str, float]:
+    status, ctype, data = _get(url, "/metrics")
+    assert status == 200 and ctype.startswith("text/plain")
+    out = {}
+    for line in data.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split()
+            out[name] = float(value)
+    return out
+
+
+def _chat(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+def _stream_chat(client: openai.OpenAI, **kw: Any) -> tuple[str, str | None, Any]:
+    text, finish, usage = [], None, None
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    return "".join(text), finish, usage
+
+
+def _stream_completion(client: openai.OpenAI, **kw: Any) -> str:
+    return "".join(
+        c.choices[0].text for c in client.completions.create(model=MODEL, stream=True, **kw) if c.choices
+    )
+
+
+# ------------------------------------------------------------------------------- the real server
+
+
+def test_models_health(server: str, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    status, _, body = _get(server, "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL, messages=_chat("What is the weather like?"), max_tokens=8, temperature=0
+    )
+    c = r.choices[0]
+    assert r.object == "chat.completion" and c.message.role == "assistant"
+    assert isinstance(c.message.content, str) and c.message.content
+    assert c.finish_reason == "length"
+    u = r.usage
+    assert u.completion_tokens == 8 and u.total_tokens == u.prompt_tokens + 8
+
+    # a follow-up turn extends the conversation: its shared prefix comes from the KV cache
+    history = [
+        *_chat("What is the weather like?"),
+        {"role": "assistant", "content": c.message.content},
+        *_chat("And tomorrow?"),
+    ]
+    r2 = client.chat.completions.create(model=MODEL, messages=history, max_completion_tokens=4, temperature=0)
+    assert r2.usage.completion_tokens == 4
+    assert r2.usage.prompt_tokens_details.cached_tokens >= u.prompt_tokens
+
+
+def test_chat_stream_matches(client: openai.OpenAI) -> None:
+    kw = dict(messages=_chat("Tell me about the cache."), max_tokens=10, temperature=0)
+    whole = client.chat.completions.create(model=MODEL, **kw)
+    text, finish, usage = _stream_chat(client, stream_options={"include_usage": True}, **kw)
+    assert text == whole.choices[0].message.content
+    assert finish == "length"
+    assert usage.completion_tokens == 10 and usage.prompt_tokens == whole.usage.prompt_tokens
+    # without include_usage the usage still rides on the last chunk
+    assert _stream_chat(client, **kw)[2].completion_tokens == 10
+
+
+def test_completion(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="The expert network", max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens > 0
+    assert (
+        _stream_completion(client, prompt="The expert network", max_tokens=6, temperature=0)
+        == r.choices[0].text
+    )
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    kw = dict(prompt="The cache keeps", max_tokens=24, temperature=0)
+    full = client.completions.create(model=MODEL, **kw).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    cut = full[: full.find(stop)]
+    r = client.completions.create(model=MODEL, stop=stop, **kw)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
+    assert _stream_completion(client, stop=[stop, "\x00never"], **kw) == cut
+
+
+def test_seed_repeats(client: openai.OpenAI) -> None:
+    kw = dict(messages=_chat("Good morning!"), max_tokens=8, temperature=1.0, top_p=0.9, seed=1234)
+    a = client.chat.completions.create(model=MODEL, **kw).choices[0].message.content
+    b = client.chat.completions.create(model=MODEL, **kw).choices[0].message.content
+    assert a == b
+
+
+def test_tool_round_trip(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    messages = [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=4, temperature=0
+    )
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    # the server rendered exactly what the template makes of tools, the call and its result
+    text = render_chat(
+        tokenizer.chat_template,
+        [_message_dict(Message.model_validate_json(json.dumps(m)), i) for i, m in enumerate(messages)],
+        tools=TOOLS,
+    )
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text
+    assert "<tools>" in text and '<tool_response>\n{"temperature": 21}' in text
+    assert r.usage.prompt_tokens == len(tokenizer.encode(text))
+    # tool_choice "none": the tools stay out of the prompt
+    r2 = client.chat.completions.create(
+        model=MODEL, messages=messages[:2], tools=TOOLS, tool_choice="none", max_tokens=1, temperature=0
+    )
+    plain = render_chat(tokenizer.chat_template, messages[:2])
+    assert r2.usage.prompt_tokens == len(tokenizer.encode(plain))
+
+
+def test_metrics(server: str, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    m = _metrics(server)
+    assert m["moestream_generated_tokens_total"] >= 3
+    assert m["moestream_prompt_tokens_total"] > 0
+    assert m["moestream_last_decode_tokens_per_second"] > 0
+    assert 0 < m["moestream_expert_cache_hit_rate"] <= 1
+    assert m["moestream_disk_read_bytes_total"] > 0
+    assert 0 < m["moestream_expert_cache_slots_used"] <= m["moestream_expert_cache_slots"]
+    assert m["moestream_resident_memory_bytes"] > 50 << 20
+    assert m["moestream_context_tokens"] == CTX
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+def test_malformed_requests(server: str) -> None:
+    ok = {"model": MODEL, "messages": _chat("hi"), "max_tokens": 1}
+    _assert_error(
+        *_post(server, "/v1/chat/completions", b'{"model": "tiny", "messages": ['), 400, code="invalid_json"
+    )
+    _assert_error(*_post(server, "/v1/chat/completions", b"\xff\xfe"), 400, code="invalid_json")
+    _assert_error(*_post(server, "/v1/chat/completions", [1, 2]), 400)
+    _assert_error(
+        *_post(server, "/v1/chat/completions", {**ok, "temperature": "hot"}), 400, param="temperature"
+    )
+    _assert_error(*_post(server, "/v1/chat/completions", {**ok, "max_tokens": "10"}), 400, param="max_tokens")
+    _assert_error(*_post(server, "/v1/chat/completions", {**ok, "messages": "hi"}), 400, param="messages")
+    _assert_error(
+        *_post(server, "/v1/chat/completions", {**ok, "messages": [{"role": "robot", "content": "x"}]}),
+        400,
+        param="messages[0].role",
+    )
+    _assert_error(*_post(server, "/v1/chat/completions", {**ok, "stop": 3}), 400, param="stop")
+    _assert_error(*_post(server, "/v1/chat/completions", {"model": MODEL}), 400, param="messages")
+    _assert_error(*_post(server, "/v1/chat/completions", {**ok, "messages": []}), 400, param="messages")
+    _assert_error(*_post(server, "/v1/chat/completions", {**ok, "n": 2}), 400, param="n")
+    _assert_error(*_post(server, "/v1/chat/completions", {**ok, "top_p": 0.0}), 400, param="top_p")
+    _assert_error(*_post(server, "/v1/completions", {"model": MODEL, "prompt": 7}), 400, param="prompt")
+    _assert_error(*_post(server, "/v1/completions", {"model": MODEL, "prompt": [10**9]}), 400, param="prompt")
+    status, _, body = _request(server, "GET", "/v1/nothing")
+    _assert_error(status, json.loads(body), 404)
+    status, _, body = _request(server, "GET", "/v1/chat/completions")
+    _assert_error(status, json.loads(body), 405)
+
+
+def test_unknown_model(server: str, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=_chat("hi"), max_tokens=1)
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+    _assert_error(
+        *_post(server, "/v1/completions", {"model": "nope", "prompt": "a"}), 404, code="model_not_found"
+    )
+    status, _, body = _get(server, "/v1/models/nope")
+    _assert_error(status, json.loads(body), 404)
+
+
+def test_context_limits(server: str, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=_chat("hi"), max_tokens=CTX + 1)
+    assert e.value.param == "max_tokens"
+    _assert_error(
+        *_post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 0}),
+        400,
+        param="max_tokens",
+    )
+    long = "the expert " * CTX
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=_chat(long), max_tokens=1, stream=stream)
+        assert e.value.code == "context_length_exceeded" and e.value.status_code == 400
+    _assert_error(
+        *_post(server, "/v1/completions", {"model": MODEL, "prompt": long}),
+        400,
+        param="prompt",
+        code="context_length_exceeded",
+    )
+    # max_tokens that fits the context alone but not after the prompt is cut to what fits
+    r = client.completions.create(
+        model=MODEL, prompt="the expert " * (CTX // 2 - 4), max_tokens=CTX - 8, temperature=0, stream=False
+    )
+    assert r.usage.total_tokens <= CTX and r.choices[0].finish_reason == "length"
+
+
+# ------------------------------------------------------------------------------------- concurrency
+
+
+def test_concurrent_streams_match_alone(client: openai.OpenAI) -> None:
+    a = dict(prompt="Could you please summarize", max_tokens=16, temperature=0)
+    b = dict(messages=_chat("Write code."), max_tokens=16, temperature=0.8, seed=7)
+    alone = (_stream_completion(client, **a), _stream_chat(client, **b)[0])
+    assert alone[0] != alone[1]
+
+    results: dict[str, str] = {}
+    go = threading.Barrier(2)
+
+    def run(name: str) -> None:
+        go.wait()
+        results[name] = _stream_completion(client, **a) if name == "a" else _stream_chat(client, **b)[0]
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert (results["a"], results["b"]) == alone
+
+
+def _wait_cancelled(server: str, before: float) -> dict[str, float]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = _metrics(server)
+        if m["moestream_requests_cancelled_total"] > before and m["moestream_requests_running"] == 0:
+            return m
+        time.sleep(0.05)
+    pytest.fail("the server kept generating for a client that went away")
+
+
+def test_disconnect_stops_generation(server: str, client: openai.OpenAI) -> None:
+    m0 = _metrics(server)
+    budget = CTX - 64  # minutes of tokens if nothing stopped them
+    u = urlsplit(server)
+
+    # streaming: read a few events, then hang up
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = {"model": MODEL, "prompt": "The user asks", "max_tokens": budget, "temperature": 0, "stream": True}
+    conn.request(
+        "POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+    )
+    r = conn.getresponse()
+    assert r.status == 200
+    events = 0
+    while events < 3:
+        events += r.fp.readline().startswith(b"data: ")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    m1 = _wait_cancelled(server, m0["moestream_requests_cancelled_total"])
+    assert m1["moestream_generated_tokens_total"] - m0["moestream_generated_tokens_total"] < budget // 2
+
+    # non-streaming: the client gives up waiting
+    body = {"model": MODEL, "messages": _chat("Tell me everything."), "max_tokens": budget, "temperature": 0}
+    with socket.create_connection((u.hostname, u.port)) as s:
+        data = json.dumps(body).encode()
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+        )
+        time.sleep(0.5)
+    m2 = _wait_cancelled(server, m1["moestream_requests_cancelled_total"])
+    assert m2["moestream_generated_tokens_total"] - m1["moestream_generated_tokens_total"] < budget // 2
+
+    # and the engine is fine afterwards
+    r2 = client.chat.completions.create(model=MODEL, messages=_chat("Hello"), max_tokens=3, temperature=0)
+    assert r2.usage.completion_tokens == 3
+
+
+# ------------------------------------------------------------------------------ tool-call parsing
+
+
+CALLS_TEXT = (
+    "Let me check the weather.\n\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+
+
+def test_parse_tool_calls() -> None:
+    content, calls = parse_tool_calls(CALLS_TEXT)
+    assert content == "Let me check the weather."
+    assert [(c.index, c.name, json.loads(c.arguments)) for c in calls] == [
+        (0, "get_weather", {"city": "Paris", "unit": "celsius"}),
+        (1, "get_time", {}),
+    ]
+    assert len({c.id for c in calls}) == 2
+    assert (
+        parse_tool_calls("<tool_call>\n" + '{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>')[1][
+            0
+        ].arguments
+        == '{"a": 1}'
+    )
+    # no calls: the text comes back exactly, whitespace and all
+    assert parse_tool_calls("  a < b <tool\n\n") == ("  a < b <tool\n\n", [])
+    # a block that is not a call stays content; an unfinished one too
+    bad = "x <tool_call>\nnot json\n</tool_call>"
+    assert parse_tool_calls(bad) == (bad, [])
+    assert parse_tool_calls('y <tool_call>\n{"name": "f"') == ('y <tool_call>\n{"name": "f"', [])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_streaming_tool_parser_matches_whole(seed: int) -> None:
+    rng = random.Random(seed)
+    for text in (CALLS_TEXT, "plain text, no calls <tool", "a <tool_call>\nnot json\n</tool_call> b  ", ""):
+        p = ToolCallParser()
+        pieces: list[Any] = []
+        i = 0
+        while i < len(text):
+            n = rng.randint(1, 6) if seed else 1  # seed 0: one character at a time
+            pieces += p.feed(text[i : i + n])
+            i += n
+        pieces += p.finish()
+        content, calls = parse_tool_calls(text)
+        assert "".join(x for x in pieces if isinstance(x, str)) == (content or "")
+        streamed = [x for x in pieces if not isinstance(x, str)]
+        assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+        # nothing that could still become "<tool_call>" was sent as content before the call showed up
+        assert all("<tool" not in x for x in pieces if isinstance(x, str)) or not calls
+
+
+def test_stop_text_holds_back_partial_stops(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("The cache is full, so the expert is dropped.")
+    st = StopText(tokenizer, ["is dropped", "zzz"])
+    out = "".join(st.add(t) for t in ids) + st.flush()
+    assert out == "The cache is full, so the expert " and st.stopped
+    st = StopText(tokenizer, ["zzz"])
+    assert "".join(st.add(t) for t in ids) + st.flush() == tokenizer.decode(ids)
+
+
+# ------------------------------------------------------------ tool calls through a scripted server
+
+
+class ScriptedEngine:
+    """Stands in for Engine: every answer is `script`, token by token (a random model never calls tools)."""
+
+    def __init__(self, tokenizer: Tokenizer, script: str, ctx: int = 512):
+        self.tokenizer = tokenizer
+        self.script = script
+        self.ctx = ctx
+        self.gguf = SimpleNamespace(path="/models/scripted.gguf")
+        self.cache = SimpleNamespace(stats=CacheStats(), used_slots=0, n_slots=8)
+
+    def reset(self) -> None:
+        pass
+
+    def generate(self, prompt, max_new_tokens, sampler, stop_ids, on_token) -> Generation:  # noqa: ANN001
+        gen = Generation()
+        gen.stats.prompt_tokens = len(prompt)
+        for t in [*self.tokenizer.encode(self.script), self.tokenizer.eos_id][:max_new_tokens]:
+            gen.tokens.append(t)
+            if on_token(t):
+                gen.stats.finish_reason = "cancelled"
+                break
+            if t in stop_ids:
+                gen.stats.finish_reason = "stop"
+                break
+        gen.stats.decode_tokens = len(gen.tokens)
+        return gen
+
+
+@contextmanager
+def _running(app: Any) -> Iterator[str]:
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert t.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
+        time.sleep(0.01)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        t.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def scripted(tokenizer: Tokenizer) -> Iterator[str]:
+    app = create_app(ScriptedEngine(tokenizer, CALLS_TEXT), "scripted", max_body_bytes=4096)
+    with _running(app) as url:
+        yield url
+
+
+def test_tool_calls_scripted(scripted: str) -> None:
+    c = openai.OpenAI(base_url=scripted + "/v1", api_key="unused", max_retries=0, timeout=60)
+    kw = dict(model="scripted", messages=_chat("Weather in Paris?"), tools=TOOLS)
+    r = c.chat.completions.create(**kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content == "Let me check the weather."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in ch.message.tool_calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}),
+        ("get_time", {}),
+    ]
+    assert all(t.type == "function" and t.id.startswith("call_") for t in ch.message.tool_calls)
+
+    content, finish, calls = "", None, {}
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for d in chunk.choices:
+            content += d.delta.content or ""
+            finish = d.finish_reason or finish
+            for tc in d.delta.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                slot["id"] = tc.id or slot["id"]
+                slot["name"] += tc.function.name or ""
+                slot["arguments"] += tc.function.arguments or ""
+    assert finish == "tool_calls" and content == "Let me check the weather."
+    assert [(v["name"], json.loads(v["arguments"])) for _, v in sorted(calls.items())] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}),
+        ("get_time", {}),
+    ]
+
+    # without tools in the request the text is passed through as written
+    r = c.chat.completions.create(model="scripted", messages=_chat("hi"))
+    assert r.choices[0].message.content == CALLS_TEXT and r.choices[0].finish_reason == "stop"
+    assert not r.choices[0].message.tool_calls
+
+
+def test_body_too_large(scripted: str) -> None:
+    body = {"model": "scripted", "prompt": "x" * 5000}
+    _assert_error(*_post(scripted, "/v1/completions", body), 413, code="request_too_large")
+
+
+def test_many_queued_requests(client: openai.OpenAI) -> None:
+    """Ten clients at once all get answers (FIFO queue, one engine)."""
+    out: list[int] = []
+    threads = [
+        threading.Thread(
+            target=lambda: out.append(
+                client.completions.create(
+                    model=MODEL, prompt="Hi", max_tokens=4, temperature=0
+                ).usage.completion_tokens
+            )
+        )
+        for _ in range(10)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == [4] * 10
