@@ -98,6 +98,10 @@ class KVCache:
     def advance(self, length: int) -> None:
         self.length = length
 
-    def truncate(self, length: int) -> None:
-        """Forget positions >= length (a follow-up prompt that diverges there recomputes from it)."""
+    def truncate(self, length: int) -> int:
+        """Forget positions >= length (a follow-up prompt that diverges there recomputes from it).
+
+        Returns the length actually kept; states that cannot go back exactly (recurrent ones) keep less.
+        """
         self.length = min(self.length, length)
+        return self.length
