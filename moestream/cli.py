@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from moestream.errors import MoestreamError
@@ -85,8 +86,50 @@ def cmd_run(args: argparse.Namespace) -> int:
         if engine.plan is not None:
             print(engine.plan.describe(), file=sys.stderr)
         print(gen.stats.line(), file=sys.stderr)
+        if args.stats_json:
+            write_stats_json(args.stats_json, engine, gen)
     finally:
         engine.close()
+    return 0
+
+
+def write_stats_json(path: str, engine, gen) -> None:
+    """Machine-readable stats of one generation (what bench/ scripts collect)."""
+    import dataclasses
+    import json
+
+    st = gen.stats
+    doc = dataclasses.asdict(st)
+    doc.update(prompt_tps=st.prompt_tps, decode_tps=st.decode_tps, hit_rate=st.hit_rate,
+               decode_mb_per_token=st.decode_bytes_read / 2**20 / max(1, st.decode_tokens),
+               io_direct=engine.reader.direct, model=engine.gguf.path, ctx=engine.ctx,
+               plan=dataclasses.asdict(engine.plan) if engine.plan is not None else None)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    import shutil
+
+    from moestream.synth import SHAPES, synth_nbytes, write_synth
+
+    if args.shape not in SHAPES:
+        raise MoestreamError(f"unknown shape {args.shape!r}; choose one of: {', '.join(SHAPES)}")
+    if args.layers is not None:
+        _positive("--layers", args.layers)
+    try:
+        need = synth_nbytes(args.shape, args.quant, args.layers)
+    except (KeyError, ValueError) as exc:
+        raise MoestreamError(f"cannot make {args.shape} in {args.quant}: {exc}") from None
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        raise MoestreamError(f"output directory {out_dir} does not exist")
+    free = shutil.disk_usage(out_dir).free
+    if need > free:
+        raise MoestreamError(f"{args.shape} in {args.quant} needs {need / 1e9:.1f} GB but {out_dir} has "
+                             f"{free / 1e9:.1f} GB free; use --layers to make a shallower model")
+    write_synth(args.shape, args.quant, args.output, layers=args.layers, seed=args.seed, progress=True)
+    print(f"wrote {args.output} ({os.path.getsize(args.output) / 1e9:.2f} GB)", file=sys.stderr)
     return 0
 
 
@@ -100,7 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", required=True)
     p.add_argument("-n", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--stats-json", default=None, help="also write the stats as JSON to this file")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("synth", help="write a synthetic model with random weights at a real shape")
+    p.add_argument("--shape", required=True, help="tiny, qwen3-30b-a3b, qwen3.6-35b-a3b-moe, ...")
+    p.add_argument("--quant", default="Q4_0", help="expert weight type: Q4_0, Q4_K, Q8_0, F16 (default Q4_0)")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(func=cmd_synth)
 
     from moestream.server import add_serve_commands
 

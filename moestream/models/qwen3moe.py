@@ -94,6 +94,10 @@ class MoE:
         self.router = load(f"blk.{i}.ffn_gate_inp.weight", vector=True)  # [E, H] float32: routing stays exact
         self.layer = i
         self.cfg = cfg
+        # Synthetic files shaped like Qwen3.6's expert geometry carry one always-on shared expert.
+        self.shared = None
+        if f"blk.{i}.ffn_gate_shexp.weight" in f.tensors:
+            self.shared = tuple(load(f"blk.{i}.ffn_{p}_shexp.weight") for p in ("gate", "up", "down"))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(x @ self.router.T, dim=-1)
@@ -104,7 +108,11 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, experts: ExpertProvider) -> torch.Tensor:
         weights, ids = self.route(x)
-        return run_experts(x, weights, ids, self.layer, experts)
+        out = run_experts(x, weights, ids, self.layer, experts)
+        if self.shared is not None:
+            gate, up, down = self.shared
+            out = out + down(F.silu(gate(x)) * up(x))
+        return out
 
 
 def run_experts(
