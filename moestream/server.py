@@ -407,19 +407,17 @@ class Worker:
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
 
-    def stop(self) -> None:
-        """Cancel what is queued and running, and end the thread."""
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
+    def cancel_all(self) -> None:
+        """Stop the running job and everything queued (the server is shutting down)."""
+        with self.jobs.mutex:
+            jobs = [*self.jobs.queue, self.current]
+        for job in jobs:
             if job is not None:
                 job.cancelled.set()
-                job.emit(DoneEvent("cancelled", {}))
-        if self.current is not None:
-            self.current.cancelled.set()
-        self.jobs.put(None)
+
+    def stop(self) -> None:
+        self.cancel_all()
+        self.jobs.put(None)  # after the cancelled jobs, each of which ends at once
         self.thread.join(timeout=30)
 
     def _loop(self) -> None:
@@ -452,7 +450,7 @@ class Worker:
 
         try:
             gen = self.engine.generate(job.prompt, job.max_tokens, job.sampler, stop_ids, on_token)
-        except Exception as exc:  # noqa: BLE001 - every failure must reach the client, not kill the worker
+        except Exception as exc:  # every failure must reach the client, not kill the worker
             m.failed += 1
             self.engine.reset()  # a forward pass that died half-way may have left the KV cache inconsistent
             status = 400 if isinstance(exc, MoestreamError) else 500
@@ -539,23 +537,325 @@ class Defaults:
     seed: int | None = None
 
 
+class Answer:
+    """Formats one request's answer: OpenAI's chat or text-completion objects, whole or as SSE chunks."""
+
+    def __init__(self, chat: bool, model_name: str, include_usage: bool = False):
+        self.chat = chat
+        self.include_usage = include_usage
+        self.base = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+        }
+
+    def _chunk(self, choice: dict[str, Any] | None, usage: Any = None) -> str:
+        body: dict[str, Any] = {**self.base, "choices": [] if choice is None else [choice]}
+        if self.include_usage or usage is not None:  # with include_usage, every chunk has the key
+            body["usage"] = usage
+        return _sse(body)
+
+    def _choice(self, piece: str | ToolCall | None, finish: str | None = None) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+        if piece is None:
+            delta: dict[str, Any] = {}
+        elif isinstance(piece, str):
+            delta = {"content": piece}
+        else:
+            delta = {"tool_calls": [piece.to_dict(with_index=True)]}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def start(self) -> list[str]:
+        return (
+            [
+                self._chunk(
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+            ]
+            if self.chat
+            else []
+        )
+
+    def piece(self, piece: str | ToolCall) -> str:
+        return self._chunk(self._choice(piece))
+
+    def end(self, finish: str, usage: dict[str, Any]) -> list[str]:
+        # usage rides on the last chunk; with include_usage, in a chunk of its own as OpenAI sends it
+        if not self.include_usage:
+            return [self._chunk(self._choice(None, finish), usage)]
+        return [self._chunk(self._choice(None, finish)), self._chunk(None, usage)]
+
+    def whole(self, text: str, done: DoneEvent, use_tools: bool) -> dict[str, Any]:
+        if not self.chat:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+            return {**self.base, "choices": [choice], "usage": done.usage}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        calls: list[ToolCall] = []
+        if use_tools:
+            message["content"], calls = parse_tool_calls(text)
+            if calls:
+                message["tool_calls"] = [c.to_dict() for c in calls]
+        finish = _finish(done.finish_reason, bool(calls))
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        return {**self.base, "object": "chat.completion", "choices": [choice], "usage": done.usage}
+
+
+class Service:
+    """The endpoints' logic: requests -> engine jobs -> OpenAI answers."""
+
+    def __init__(self, engine: Any, model_name: str, defaults: Defaults, max_body_bytes: int):
+        self.engine = engine
+        self.tok = engine.tokenizer
+        self.model_name = model_name
+        self.defaults = defaults
+        self.max_body_bytes = max_body_bytes
+        self.worker = Worker(engine)
+        self.created = int(time.time())
+
+    # -- endpoints ---------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Any:
+        req = await parse_body(request, ChatRequest, self.max_body_bytes)
+        self.check_model(req.model)
+        if req.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
+        prompt, use_tools = self.chat_prompt(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        job = self.make_job(req, prompt, max_tokens, "messages")
+        return await self.answer(request, job, req, chat=True, use_tools=use_tools)
+
+    async def completions(self, request: Request) -> Any:
+        req = await parse_body(request, CompletionRequest, self.max_body_bytes)
+        self.check_model(req.model)
+        for name in ("echo", "suffix", "logprobs"):
+            if getattr(req, name):
+                raise APIError(400, f"{name} is not supported", param=name, code="unsupported_value")
+        if req.best_of not in (None, 1):
+            raise APIError(400, "only best_of=1 is supported", param="best_of", code="unsupported_value")
+        job = self.make_job(req, self.completion_prompt(req), req.max_tokens, "prompt")
+        return await self.answer(request, job, req, chat=False, use_tools=False)
+
+    def model_card(self, name: str | None = None) -> dict[str, Any]:
+        if name is not None:
+            self.check_model(name)
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "moestream",
+            "context_length": self.engine.ctx,
+        }
+
+    def health(self) -> dict[str, Any]:
+        if not self.worker.thread.is_alive():
+            raise APIError(503, "the engine worker is not running", type="server_error")
+        return {"status": "ok", "model": self.model_name, "queued": self.worker.jobs.qsize()}
+
+    # -- requests -> jobs --------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.model_name, os.path.basename(self.engine.gguf.path)):
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist; this server runs '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], bool]:
+        tok = self.tok
+        if not tok.chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        if not req.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        use_tools = bool(req.tools) and req.tool_choice != "none"
+        if use_tools and "tools" not in tok.chat_template:
+            raise APIError(400, "this model's chat template does not support tools", param="tools")
+        messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if use_tools else None
+        try:
+            text = render_chat(
+                tok.chat_template,
+                messages,
+                tools=tools,
+                bos_token=tok.bos_token,
+                eos_token=tok.eos_token,
+                **(req.chat_template_kwargs or {}),
+            )
+        except MoestreamError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        # a template that writes the BOS token itself must not get a second one
+        add_bos = False if tok.bos_token and text.startswith(tok.bos_token) else None
+        return tok.encode(text, add_bos=add_bos), use_tools
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(
+                    400, "only one prompt per request is supported", param="prompt", code="unsupported_value"
+                )
+            p = p[0]
+        if isinstance(p, str):
+            return self.tok.encode(p)
+        vocab = self.tok.vocab_size
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                400,
+                f"token id {bad[0]} is outside the {vocab}-token vocabulary",
+                param="prompt",
+                code="invalid_value",
+            )
+        return list(p)
+
+    def make_job(self, req: _Sampling, prompt: list[int], max_tokens: int | None, prompt_param: str) -> Job:
+        if req.n not in (None, 1):
+            raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
+        ctx = self.engine.ctx
+        if len(prompt) >= ctx:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {ctx} tokens. However, your "
+                f"{prompt_param} resulted in {len(prompt)} tokens. Please reduce the length of the "
+                f"{prompt_param}.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if not prompt:
+            raise APIError(400, f"the {prompt_param} is empty", param=prompt_param)
+        if max_tokens is not None and not 1 <= max_tokens <= ctx:
+            raise APIError(
+                400,
+                f"max_tokens must be between 1 and the context length ({ctx}), got {max_tokens}",
+                param="max_tokens",
+                code="invalid_value",
+            )
+        d = self.defaults
+        try:
+            sampler = Sampler(
+                temperature=d.temperature if req.temperature is None else req.temperature,
+                top_k=d.top_k if req.top_k is None else req.top_k,
+                top_p=d.top_p if req.top_p is None else req.top_p,
+                seed=d.seed if req.seed is None else req.seed,
+            )
+        except ValueError as exc:
+            param = next((p for p in ("temperature", "top_k", "top_p") if p in str(exc)), None)
+            raise APIError(400, str(exc), param=param, code="invalid_value") from None
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        # max_tokens that fits the context but not after this prompt is cut to what fits (finish 'length')
+        limit = ctx - len(prompt) if max_tokens is None else max_tokens
+        return Job(prompt, limit, sampler, stop, asyncio.get_running_loop())
+
+    # -- jobs -> answers ---------------------------------------------------------------------------
+
+    async def run_job(self, job: Job, request: Request) -> AsyncIterator[Event]:
+        """Queue the job and yield its events; leaving early (client gone, task cancelled) cancels it."""
+
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+            job.cancelled.set()
+
+        watcher = asyncio.create_task(watch())
+        self.worker.submit(job)
+        try:
+            while True:
+                event = await job.events.get()
+                yield event
+                if not isinstance(event, TextEvent):
+                    return
+        finally:
+            job.cancelled.set()  # no-op once finished; otherwise stops the engine at its next token
+            watcher.cancel()
+
+    async def answer(self, request: Request, job: Job, req: _Sampling, *, chat: bool, use_tools: bool) -> Any:
+        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        fmt = Answer(chat, self.model_name, include_usage)
+        if req.stream:
+            return StreamingResponse(
+                self.stream(request, job, fmt, ToolCallParser() if use_tools else None),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        parts: list[str] = []
+        async with aclosing(self.run_job(job, request)) as events:
+            async for ev in events:
+                if isinstance(ev, TextEvent):
+                    parts.append(ev.text)
+                elif isinstance(ev, ErrorEvent):
+                    raise ev.error
+                else:
+                    return fmt.whole("".join(parts), ev, use_tools)
+        raise APIError(500, "generation ended without a result", type="server_error")
+
+    async def stream(
+        self, request: Request, job: Job, fmt: Answer, parser: ToolCallParser | None
+    ) -> AsyncIterator[str]:
+        for line in fmt.start():
+            yield line
+        async with aclosing(self.run_job(job, request)) as events:
+            async for ev in events:
+                if isinstance(
+                    ev, ErrorEvent
+                ):  # the status line is sent already: the error goes in the stream
+                    yield _sse(ev.error.body())
+                    break
+                if isinstance(ev, DoneEvent) and ev.finish_reason == "cancelled":
+                    return  # nobody is listening
+                if isinstance(ev, TextEvent):
+                    pieces = parser.feed(ev.text) if parser else [ev.text]
+                else:
+                    pieces = parser.finish() if parser else []
+                for piece in pieces:
+                    yield fmt.piece(piece)
+                if isinstance(ev, DoneEvent):
+                    for line in fmt.end(_finish(ev.finish_reason, bool(parser and parser.calls)), ev.usage):
+                        yield line
+        yield "data: [DONE]\n\n"
+
+
 def create_app(
     engine: Any, model_name: str, *, defaults: Defaults | None = None, max_body_bytes: int = MAX_BODY_BYTES
 ) -> FastAPI:
-    defaults = defaults or Defaults()
-    worker = Worker(engine)
-    tok = engine.tokenizer
-    created = int(time.time())
+    """The ASGI app. Its lifespan starts the engine worker and stops it (cancelling what is left)."""
+    svc = Service(engine, model_name, defaults or Defaults(), max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        worker.start()
+        svc.worker.start()
         yield
-        await asyncio.to_thread(worker.stop)
+        await asyncio.to_thread(svc.worker.stop)
 
     app = FastAPI(title="moestream", lifespan=lifespan)
-    app.state.worker = worker
+    app.state.service = svc
+    app.post("/v1/chat/completions")(svc.chat_completions)
+    app.post("/v1/completions")(svc.completions)
 
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [svc.model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        return svc.model_card(name)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return svc.health()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(metrics_text(svc.worker), media_type="text/plain; version=0.0.4")
+
+    # every error in OpenAI's shape, whatever raised it
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
@@ -577,294 +877,6 @@ def create_app(
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
-
-    def check_model(name: str) -> None:
-        if name not in (model_name, os.path.basename(engine.gguf.path)):
-            raise APIError(
-                404,
-                f"the model '{name}' does not exist; this server runs '{model_name}'",
-                param="model",
-                code="model_not_found",
-            )
-
-    def make_job(req: _Sampling, prompt: list[int], max_tokens: int | None, prompt_param: str) -> Job:
-        if req.n not in (None, 1):
-            raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
-        ctx = engine.ctx
-        if len(prompt) >= ctx:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {ctx} tokens. However, your "
-                f"{prompt_param} resulted in {len(prompt)} tokens. Please reduce the length of "
-                f"the {prompt_param}.",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        if not prompt:
-            raise APIError(400, f"the {prompt_param} is empty", param=prompt_param)
-        if max_tokens is not None and not 1 <= max_tokens <= ctx:
-            raise APIError(
-                400,
-                f"max_tokens must be between 1 and the context length ({ctx}), got {max_tokens}",
-                param="max_tokens",
-                code="invalid_value",
-            )
-        try:
-            sampler = Sampler(
-                temperature=defaults.temperature if req.temperature is None else req.temperature,
-                top_k=defaults.top_k if req.top_k is None else req.top_k,
-                top_p=defaults.top_p if req.top_p is None else req.top_p,
-                seed=defaults.seed if req.seed is None else req.seed,
-            )
-        except ValueError as exc:
-            param = next((p for p in ("temperature", "top_k", "top_p") if p in str(exc)), None)
-            raise APIError(400, str(exc), param=param, code="invalid_value") from None
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        # prompt + max_tokens beyond the context is clamped (the engine stops there, finish 'length')
-        limit = ctx - len(prompt) if max_tokens is None else max_tokens
-        return Job(prompt, limit, sampler, stop, asyncio.get_running_loop())
-
-    async def run_job(job: Job, request: Request) -> AsyncIterator[Event]:
-        """Queue the job and yield its events; leaving early (client gone, task cancelled) cancels it."""
-
-        async def watch() -> None:
-            while not await request.is_disconnected():
-                await asyncio.sleep(DISCONNECT_POLL_S)
-            job.cancelled.set()
-
-        watcher = asyncio.create_task(watch())
-        worker.submit(job)
-        try:
-            while True:
-                event = await job.events.get()
-                yield event
-                if not isinstance(event, TextEvent):
-                    return
-        finally:
-            job.cancelled.set()  # no-op once finished; otherwise stops the engine at its next token
-            watcher.cancel()
-
-    # ------------------------------------------------------------------ chat
-
-    def chat_prompt(req: ChatRequest) -> tuple[list[int], bool]:
-        template = tok.chat_template
-        if not template:
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        if not req.messages:
-            raise APIError(400, "messages must not be empty", param="messages")
-        use_tools = bool(req.tools) and req.tool_choice != "none"
-        if use_tools and "tools" not in template:
-            raise APIError(400, "this model's chat template does not support tools", param="tools")
-        messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if use_tools else None
-        try:
-            text = render_chat(
-                template,
-                messages,
-                tools=tools,
-                bos_token=tok.bos_token,
-                eos_token=tok.eos_token,
-                **(req.chat_template_kwargs or {}),
-            )
-        except MoestreamError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        # a template that writes the BOS token itself must not get a second one
-        add_bos = False if tok.bos_token and text.startswith(tok.bos_token) else None
-        return tok.encode(text, add_bos=add_bos), use_tools
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        req = await parse_body(request, ChatRequest, max_body_bytes)
-        check_model(req.model)
-        if req.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
-        prompt, use_tools = chat_prompt(req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        job = make_job(req, prompt, max_tokens, "messages")
-        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "created": now, "model": model_name}
-        parser = ToolCallParser() if use_tools else None
-
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-            def chunk(delta: dict[str, Any], finish: str | None = None, usage: Any = None) -> str:
-                body = {
-                    **base,
-                    "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-                }
-                if include_usage or usage is not None:
-                    body["usage"] = usage
-                return _sse(body)
-
-            def pieces_out(pieces: list[str | ToolCall]) -> list[str]:
-                return [
-                    chunk({"content": p})
-                    if isinstance(p, str)
-                    else chunk({"tool_calls": [p.to_dict(with_index=True)]})
-                    for p in pieces
-                ]
-
-            async def stream() -> AsyncIterator[str]:
-                yield chunk({"role": "assistant", "content": ""})
-                async with aclosing(run_job(job, request)) as events:
-                    async for ev in events:
-                        if isinstance(ev, TextEvent):
-                            for line in pieces_out(parser.feed(ev.text) if parser else [ev.text]):
-                                yield line
-                        elif isinstance(ev, DoneEvent):
-                            if ev.finish_reason == "cancelled":
-                                return
-                            for line in pieces_out(parser.finish() if parser else []):
-                                yield line
-                            finish = _finish(ev.finish_reason, bool(parser and parser.calls))
-                            yield chunk({}, finish, None if include_usage else ev.usage)
-                            if include_usage:
-                                yield _sse(
-                                    {
-                                        **base,
-                                        "object": "chat.completion.chunk",
-                                        "choices": [],
-                                        "usage": ev.usage,
-                                    }
-                                )
-                        else:
-                            yield _sse(ev.error.body())
-                yield "data: [DONE]\n\n"
-
-            return _event_stream(stream())
-
-        text, done = await collect(job, request)
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        calls: list[ToolCall] = []
-        if use_tools:
-            message["content"], calls = parse_tool_calls(text)
-            if calls:
-                message["tool_calls"] = [c.to_dict() for c in calls]
-        return {
-            **base,
-            "object": "chat.completion",
-            "usage": done.usage,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": None,
-                    "finish_reason": _finish(done.finish_reason, bool(calls)),
-                }
-            ],
-        }
-
-    async def collect(job: Job, request: Request) -> tuple[str, DoneEvent]:
-        parts: list[str] = []
-        async with aclosing(run_job(job, request)) as events:
-            async for ev in events:
-                if isinstance(ev, TextEvent):
-                    parts.append(ev.text)
-                elif isinstance(ev, ErrorEvent):
-                    raise ev.error
-                else:
-                    return "".join(parts), ev
-        raise APIError(500, "generation ended without a result", type="server_error")
-
-    # ------------------------------------------------------------------ completions
-
-    def completion_prompt(req: CompletionRequest) -> list[int]:
-        p = req.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(
-                    400, "only one prompt per request is supported", param="prompt", code="unsupported_value"
-                )
-            p = p[0]
-        if isinstance(p, str):
-            return tok.encode(p)
-        bad = [t for t in p if not 0 <= t < tok.vocab_size]
-        if bad:
-            raise APIError(
-                400,
-                f"token id {bad[0]} is outside the {tok.vocab_size}-token vocabulary",
-                param="prompt",
-                code="invalid_value",
-            )
-        return list(p)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        req = await parse_body(request, CompletionRequest, max_body_bytes)
-        check_model(req.model)
-        for name in ("echo", "suffix", "logprobs"):
-            if getattr(req, name):
-                raise APIError(400, f"{name} is not supported", param=name, code="unsupported_value")
-        if req.best_of not in (None, 1):
-            raise APIError(400, "only best_of=1 is supported", param="best_of", code="unsupported_value")
-        job = make_job(req, completion_prompt(req), req.max_tokens, "prompt")
-        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "object": "text_completion", "created": now, "model": model_name}
-
-        def choice(text: str, finish: str | None) -> dict[str, Any]:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-            def chunk(text: str, finish: str | None = None, usage: Any = None) -> str:
-                body: dict[str, Any] = {**base, "choices": [choice(text, finish)]}
-                if include_usage or usage is not None:
-                    body["usage"] = usage
-                return _sse(body)
-
-            async def stream() -> AsyncIterator[str]:
-                async with aclosing(run_job(job, request)) as events:
-                    async for ev in events:
-                        if isinstance(ev, TextEvent):
-                            yield chunk(ev.text)
-                        elif isinstance(ev, DoneEvent):
-                            if ev.finish_reason == "cancelled":
-                                return
-                            yield chunk("", ev.finish_reason, None if include_usage else ev.usage)
-                            if include_usage:
-                                yield _sse({**base, "choices": [], "usage": ev.usage})
-                        else:
-                            yield _sse(ev.error.body())
-                yield "data: [DONE]\n\n"
-
-            return _event_stream(stream())
-
-        text, done = await collect(job, request)
-        return {**base, "choices": [choice(text, done.finish_reason)], "usage": done.usage}
-
-    # ------------------------------------------------------------------ the rest
-
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "moestream",
-            "context_length": engine.ctx,
-        }
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{name:path}")
-    async def model(name: str) -> dict[str, Any]:
-        check_model(name)
-        return model_card()
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        alive = worker.thread.is_alive()
-        if not alive:
-            raise APIError(503, "the engine worker is not running", type="server_error")
-        return {"status": "ok", "model": model_name, "queued": worker.jobs.qsize()}
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(metrics_text(worker), media_type="text/plain; version=0.0.4")
 
     return app
 
@@ -904,12 +916,6 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-def _event_stream(gen: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
-
-
 # --------------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------------
@@ -938,10 +944,20 @@ def serve(args: argparse.Namespace) -> int:
             f"{engine.cache.n_slots} expert slots)",
             flush=True,
         )
-        # a streaming answer can run for minutes; do not let it hold a Ctrl-C shutdown for longer than this
-        uvicorn.run(
-            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=3
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
         )
+        server = uvicorn.Server(config)
+        handle_exit = server.handle_exit
+
+        def on_signal(sig: int, frame: Any) -> None:
+            # uvicorn waits for open connections before it shuts down, and a streaming answer can run
+            # for minutes: end the generations now (their streams close without [DONE])
+            app.state.service.worker.cancel_all()
+            handle_exit(sig, frame)
+
+        server.handle_exit = on_signal  # type: ignore[method-assign]
+        server.run()
     finally:
         engine.close()
     return 0

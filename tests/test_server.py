@@ -84,7 +84,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = _free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # noqa: SIM115 - closed below
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # closed below
     cmd = [
         sys.executable,
         "-m",
@@ -246,14 +246,15 @@ def test_chat_stream_matches(client: openai.OpenAI) -> None:
     assert _stream_chat(client, **kw)[2].completion_tokens == 10
 
 
-def test_completion(client: openai.OpenAI) -> None:
+def test_completion(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
     r = client.completions.create(model=MODEL, prompt="The expert network", max_tokens=6, temperature=0)
     assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens > 0
-    assert (
-        _stream_completion(client, prompt="The expert network", max_tokens=6, temperature=0)
-        == r.choices[0].text
-    )
+    text = r.choices[0].text
+    assert _stream_completion(client, prompt="The expert network", max_tokens=6, temperature=0) == text
+    ids = tokenizer.encode("The expert network")  # a prompt of token ids
+    r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert r2.choices[0].text == text and r2.usage.prompt_tokens == len(ids)
 
 
 def test_stop_strings(client: openai.OpenAI) -> None:
@@ -405,18 +406,46 @@ def test_concurrent_streams_match_alone(client: openai.OpenAI) -> None:
     assert alone[0] != alone[1]
 
     results: dict[str, str] = {}
+    spans: dict[str, tuple[float, float]] = {}
     go = threading.Barrier(2)
 
     def run(name: str) -> None:
         go.wait()
+        t0 = time.monotonic()
         results[name] = _stream_completion(client, **a) if name == "a" else _stream_chat(client, **b)[0]
+        spans[name] = (t0, time.monotonic())
 
     threads = [threading.Thread(target=run, args=(n,)) for n in "ab"]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
+    assert max(s for s, _ in spans.values()) < min(e for _, e in spans.values())  # they did overlap
     assert (results["a"], results["b"]) == alone
+
+
+def _open_stream(server: str, path: str, body: dict[str, Any]) -> tuple[http.client.HTTPConnection, Any]:
+    u = urlsplit(server)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request(
+        "POST", path, body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"}
+    )
+    r = conn.getresponse()
+    assert r.status == 200
+    return conn, r
+
+
+def _read_events(r: Any, n: int) -> None:
+    events = 0
+    while events < n:
+        line = r.fp.readline()
+        assert line, "the stream ended early"
+        events += line.startswith(b"data: ")
+
+
+def _hang_up(conn: http.client.HTTPConnection) -> None:
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
 
 
 def _wait_cancelled(server: str, before: float) -> dict[str, float]:
@@ -431,22 +460,17 @@ def _wait_cancelled(server: str, before: float) -> dict[str, float]:
 
 def test_disconnect_stops_generation(server: str, client: openai.OpenAI) -> None:
     m0 = _metrics(server)
-    budget = CTX - 64  # minutes of tokens if nothing stopped them
+    budget = CTX - 64  # seconds of tokens if nothing stopped them
     u = urlsplit(server)
 
     # streaming: read a few events, then hang up
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    body = {"model": MODEL, "prompt": "The user asks", "max_tokens": budget, "temperature": 0, "stream": True}
-    conn.request(
-        "POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+    conn, r = _open_stream(
+        server,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "The user asks", "max_tokens": budget, "temperature": 0},
     )
-    r = conn.getresponse()
-    assert r.status == 200
-    events = 0
-    while events < 3:
-        events += r.fp.readline().startswith(b"data: ")
-    conn.sock.shutdown(socket.SHUT_RDWR)
-    conn.close()
+    _read_events(r, 3)
+    _hang_up(conn)
     m1 = _wait_cancelled(server, m0["moestream_requests_cancelled_total"])
     assert m1["moestream_generated_tokens_total"] - m0["moestream_generated_tokens_total"] < budget // 2
 
@@ -465,6 +489,35 @@ def test_disconnect_stops_generation(server: str, client: openai.OpenAI) -> None
     # and the engine is fine afterwards
     r2 = client.chat.completions.create(model=MODEL, messages=_chat("Hello"), max_tokens=3, temperature=0)
     assert r2.usage.completion_tokens == 3
+
+
+def test_disconnect_while_queued(server: str, client: openai.OpenAI) -> None:
+    m0 = _metrics(server)
+    budget = CTX - 64
+    running, r = _open_stream(
+        server,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "When the cache", "max_tokens": budget, "temperature": 0},
+    )
+    _read_events(r, 1)  # generating
+    queued, q = _open_stream(
+        server,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _chat("Me next"), "max_tokens": budget, "temperature": 0},
+    )
+    _read_events(q, 1)  # the role chunk comes at once, before the engine is free
+    deadline = time.monotonic() + 30
+    while _metrics(server)["moestream_requests_queued"] != 1:
+        assert time.monotonic() < deadline, "the second request never queued"
+        time.sleep(0.02)
+    _hang_up(queued)
+    time.sleep(0.3)  # let the server notice before the engine frees up
+    _hang_up(running)
+    m1 = _wait_cancelled(server, m0["moestream_requests_cancelled_total"] + 1)
+    assert m1["moestream_requests_queued"] == 0
+    assert m1["moestream_generated_tokens_total"] - m0["moestream_generated_tokens_total"] < budget // 2
+    r2 = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert r2.usage.completion_tokens == 2
 
 
 # ------------------------------------------------------------------------------ tool-call parsing
@@ -544,7 +597,9 @@ class ScriptedEngine:
     def reset(self) -> None:
         pass
 
-    def generate(self, prompt, max_new_tokens, sampler, stop_ids, on_token) -> Generation:  # noqa: ANN001
+    def generate(
+        self, prompt: list[int], max_new_tokens: int, sampler: Any, stop_ids: set[int], on_token: Any
+    ) -> Generation:
         gen = Generation()
         gen.stats.prompt_tokens = len(prompt)
         for t in [*self.tokenizer.encode(self.script), self.tokenizer.eos_id][:max_new_tokens]:
@@ -615,6 +670,29 @@ def test_tool_calls_scripted(scripted: str) -> None:
     r = c.chat.completions.create(model="scripted", messages=_chat("hi"))
     assert r.choices[0].message.content == CALLS_TEXT and r.choices[0].finish_reason == "stop"
     assert not r.choices[0].message.tool_calls
+
+
+class FailingEngine(ScriptedEngine):
+    def generate(
+        self, prompt: list[int], max_new_tokens: int, sampler: Any, stop_ids: set[int], on_token: Any
+    ) -> Generation:
+        if self.tokenizer.encode("boom")[0] in prompt:
+            on_token(self.tokenizer.encode("partial")[0])
+            raise RuntimeError("the disk went away")
+        return super().generate(prompt, max_new_tokens, sampler, stop_ids, on_token)
+
+
+def test_engine_failure_is_reported(tokenizer: Tokenizer) -> None:
+    with _running(create_app(FailingEngine(tokenizer, "fine"), "failing")) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        status, body = _post(url, "/v1/completions", {"model": "failing", "prompt": "boom"})
+        _assert_error(status, body, 500)
+        assert body["error"]["type"] == "server_error" and "disk went away" in body["error"]["message"]
+        with pytest.raises(openai.APIError, match="disk went away"):
+            list(c.chat.completions.create(model="failing", messages=_chat("boom"), stream=True))
+        # the worker survived
+        assert c.completions.create(model="failing", prompt="ok").choices[0].text == "fine"
+        assert _metrics(url)["moestream_requests_failed_total"] == 2
 
 
 def test_body_too_large(scripted: str) -> None:
