@@ -103,5 +103,14 @@ def plan_slots(
             f"and one layer's {min_slots} active experts {min_slots * slot_nbytes // MB + 1} MB more; "
             f"use at least --ram-budget-mb {need_mb} (or a smaller --ctx)"
         )
-    return BudgetPlan(budget, resident, compute, reader, reserve, slot_nbytes, int(n_slots), min_slots,
-                      budget_mb is not None)
+    return BudgetPlan(
+        budget,
+        resident,
+        compute,
+        reader,
+        reserve,
+        slot_nbytes,
+        int(n_slots),
+        min_slots,
+        budget_mb is not None,
+    )

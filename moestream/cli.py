@@ -13,14 +13,30 @@ EXIT_USER_ERROR = 2
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="GGUF model file")
-    p.add_argument("--ram-budget-mb", type=int, default=None,
-                   help="RAM the whole process may use; experts are cached in what is left (default: what the "
-                        "machine has available, minus 1 GB)")
+    p.add_argument(
+        "--ram-budget-mb",
+        type=int,
+        default=None,
+        help="RAM the whole process may use; experts are cached in what is left (default: what the "
+        "machine has available, minus 1 GB)",
+    )
     p.add_argument("--ctx", type=int, default=None, help="context length (default: min(model's, 4096))")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--io-threads", type=int, default=4, help="parallel reads in flight (default 4)")
     p.add_argument("--ubatch", type=int, default=128, help="prompt tokens per micro-batch (default 128)")
     p.add_argument("--buffered", action="store_true", help="read experts with buffered I/O instead of O_DIRECT")
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="write one CSV row per expert access (see moestream/trace.py for the format)",
+    )
+    p.add_argument(
+        "--route-trace",
+        default=None,
+        metavar="FILE",
+        help="take the router's top-k choices from a recorded trace (benchmarks on synthetic models)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -51,6 +67,8 @@ def open_engine(args: argparse.Namespace):
         io_threads=args.io_threads,
         ubatch=args.ubatch,
         direct=False if args.buffered else None,
+        trace_path=args.trace,
+        route_trace=args.route_trace,
     )
 
 
@@ -100,10 +118,16 @@ def write_stats_json(path: str, engine, gen) -> None:
 
     st = gen.stats
     doc = dataclasses.asdict(st)
-    doc.update(prompt_tps=st.prompt_tps, decode_tps=st.decode_tps, hit_rate=st.hit_rate,
-               decode_mb_per_token=st.decode_bytes_read / 2**20 / max(1, st.decode_tokens),
-               io_direct=engine.reader.direct, model=engine.gguf.path, ctx=engine.ctx,
-               plan=dataclasses.asdict(engine.plan) if engine.plan is not None else None)
+    doc.update(
+        prompt_tps=st.prompt_tps,
+        decode_tps=st.decode_tps,
+        hit_rate=st.hit_rate,
+        decode_mb_per_token=st.decode_bytes_read / 2**20 / max(1, st.decode_tokens),
+        io_direct=engine.reader.direct,
+        model=engine.gguf.path,
+        ctx=engine.ctx,
+        plan=dataclasses.asdict(engine.plan) if engine.plan is not None else None,
+    )
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
 
@@ -126,8 +150,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
         raise MoestreamError(f"output directory {out_dir} does not exist")
     free = shutil.disk_usage(out_dir).free
     if need > free:
-        raise MoestreamError(f"{args.shape} in {args.quant} needs {need / 1e9:.1f} GB but {out_dir} has "
-                             f"{free / 1e9:.1f} GB free; use --layers to make a shallower model")
+        raise MoestreamError(
+            f"{args.shape} in {args.quant} needs {need / 1e9:.1f} GB but {out_dir} has "
+            f"{free / 1e9:.1f} GB free; use --layers to make a shallower model"
+        )
     write_synth(args.shape, args.quant, args.output, layers=args.layers, seed=args.seed, progress=True)
     print(f"wrote {args.output} ({os.path.getsize(args.output) / 1e9:.2f} GB)", file=sys.stderr)
     return 0

@@ -101,6 +101,7 @@ class Engine:
         n_slots: int | None = None,
         reserve_mb: int | None = None,
         trace_path: str | None = None,
+        route_trace: str | None = None,
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -126,8 +127,14 @@ class Engine:
         # Refuse before loading anything if the dense weights alone break the budget.
         dense_estimate = _dense_estimate(f, self.exact)
         kv_estimate = model_cls.kv_nbytes(cfg, self.ctx, self.exact)
-        kw = dict(budget_mb=ram_budget_mb, compute=compute, reader=reader_buffers,
-                  slot_nbytes=self.store.slot_nbytes, min_slots=cfg.top_k, max_slots=max_slots)
+        kw = dict(
+            budget_mb=ram_budget_mb,
+            compute=compute,
+            reader=reader_buffers,
+            slot_nbytes=self.store.slot_nbytes,
+            min_slots=cfg.top_k,
+            max_slots=max_slots,
+        )
         if reserve_mb is not None:
             kw["reserve_mb"] = reserve_mb
         if n_slots is None:
@@ -145,6 +152,10 @@ class Engine:
         self.reader = ExpertReader(f.path, self.store.max_segment_nbytes, threads=io_threads, direct=direct)
         self.cache = ExpertCache(self.store, self.reader, n_slots)
         self.model.experts = self.cache
+        if route_trace is not None:
+            from moestream.routes import RouteTrace
+
+            self.model.routes = RouteTrace(route_trace, self.cfg.n_experts, self.cfg.top_k)
         self._tokenizer = None
         self._step = 0  # forward calls so far: one per prompt micro-batch or decoded token
         self._token = 0  # session index of the first token of the current forward call
@@ -152,11 +163,19 @@ class Engine:
         if trace_path is not None:
             from moestream.trace import TraceWriter
 
-            self._trace = TraceWriter(trace_path, {
-                "model": os.path.basename(model_path), "n_slots": n_slots, "policy": "lru",
-                "admit_prompt": True, "layers": self.cfg.n_layers, "experts": self.cfg.n_experts,
-                "top_k": self.cfg.top_k, "expert_bytes": max(self.store.expert_file_nbytes),
-            })
+            self._trace = TraceWriter(
+                trace_path,
+                {
+                    "model": os.path.basename(model_path),
+                    "n_slots": n_slots,
+                    "policy": "lru",
+                    "admit_prompt": True,
+                    "layers": self.cfg.n_layers,
+                    "experts": self.cfg.n_experts,
+                    "top_k": self.cfg.top_k,
+                    "expert_bytes": max(self.store.expert_file_nbytes),
+                },
+            )
             self.cache.trace = self._trace_record
 
     def _trace_record(self, layer: int, expert: int, rank: int, source: str, nbytes: int, latency: float) -> None:

@@ -86,6 +86,19 @@ class QLinear:
             raise RuntimeError(f"ms_int4_to_bf16 failed ({rc}) for rows {r0}:{r1} of [{n}, {k}]")
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The activation dtype this weight computes in natively (see `mm`)."""
+        return torch.float32 if self.kind == "f32" else torch.bfloat16
+
+    def mm(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] already in `self.dtype` -> [M, N] in `self.dtype`: no conversions, for hot loops."""
+        if self.kind == "int4":
+            if x2.shape[0] >= INT4_GEMM_MIN_ROWS and (lib := _int4_expander()) is not None:
+                return self._expanded_mm(x2, lib)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, GROUP, self.scales_zeros)
+        return F.linear(x2, self.weight)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the compute form."""
         n = self.weight.numel() * self.weight.element_size()

@@ -28,14 +28,21 @@ def _hf_model(seed: int = 0, **overrides):
 def _load_gguf_into_hf(model, path: str) -> None:
     """Set the HF model's weights to what the GGUF holds, decoded by gguf's reference dequantizer."""
     r = GGUFReader(path)
-    t = {x.name: torch.from_numpy(np.array(gguf_dequantize(x.data, x.tensor_type), dtype=np.float32)) for x in r.tensors}
+    t = {
+        x.name: torch.from_numpy(np.array(gguf_dequantize(x.data, x.tensor_type), dtype=np.float32)) for x in r.tensors
+    }
     sd = {"model.embed_tokens.weight": t["token_embd.weight"], "model.norm.weight": t["output_norm.weight"]}
     sd["lm_head.weight"] = t.get("output.weight", t["token_embd.weight"])
     for i in range(model.config.num_hidden_layers):
         p, q = f"blk.{i}.", f"model.layers.{i}."
         sd[q + "input_layernorm.weight"] = t[p + "attn_norm.weight"]
         sd[q + "post_attention_layernorm.weight"] = t[p + "ffn_norm.weight"]
-        for a, b in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
+        for a, b in (
+            ("attn_q", "q_proj"),
+            ("attn_k", "k_proj"),
+            ("attn_v", "v_proj"),
+            ("attn_output", "o_proj"),
+        ):
             sd[q + f"self_attn.{b}.weight"] = t[p + a + ".weight"]
         sd[q + "self_attn.q_norm.weight"] = t[p + "attn_q_norm.weight"]
         sd[q + "self_attn.k_norm.weight"] = t[p + "attn_k_norm.weight"]

@@ -19,6 +19,7 @@ from moestream import linear, quants
 from moestream.errors import ModelFileError
 from moestream.gguf_file import GGUFFile
 from moestream.models.common import ExpertProvider, KVCache, RoPE, rms_norm
+from moestream.routes import RouteTrace
 
 
 @dataclass
@@ -99,15 +100,19 @@ class MoE:
         if f"blk.{i}.ffn_gate_shexp.weight" in f.tensors:
             self.shared = tuple(load(f"blk.{i}.ffn_{p}_shexp.weight") for p in ("gate", "up", "down"))
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k experts and their weights per token; `forced` [T, k] replaces the choice (route traces)."""
         probs = torch.softmax(x @ self.router.T, dim=-1)
-        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
+        if forced is None:
+            weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
+        else:
+            ids, weights = forced, probs.gather(-1, forced)
         if self.cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
-    def __call__(self, x: torch.Tensor, experts: ExpertProvider) -> torch.Tensor:
-        weights, ids = self.route(x)
+    def __call__(self, x: torch.Tensor, experts: ExpertProvider, forced: torch.Tensor | None = None) -> torch.Tensor:
+        weights, ids = self.route(x, forced)
         out = run_experts(x, weights, ids, self.layer, experts)
         if self.shared is not None:
             gate, up, down = self.shared
@@ -121,22 +126,29 @@ def run_experts(
     """sum_k w_k * expert_k(x) for each token, experts taken in whatever order the provider delivers them.
 
     Results are summed in a fixed order (by expert id) once all are in, so the output does not depend on
-    which experts were cached: streaming must never change the result.
+    which experts were cached: streaming must never change the result. Activations stay in the experts'
+    compute dtype (bf16 for quantized experts) between the three matmuls: no conversions in the hot loop.
     """
     T = x.shape[0]
     if T == 1:
         id_list = ids[0].tolist()
-        w = dict(zip(id_list, weights[0].tolist()))
-        outs: dict[int, torch.Tensor] = {}
+        order = {e: i for i, e in enumerate(sorted(id_list))}
+        w_sorted = weights[0][torch.argsort(ids[0])]
+        outs: list[torch.Tensor | None] = [None] * len(id_list)
+        xc: torch.Tensor | None = None
         for e, (gate, up, down) in experts.fetch(layer, id_list):
-            outs[e] = down(F.silu(gate(x)) * up(x)) * w[e]
-        return torch.stack([outs[e] for e in sorted(outs)]).sum(0)
+            if xc is None or xc.dtype != gate.dtype:
+                xc = x.to(gate.dtype)
+            h = F.silu(gate.mm(xc)) * up.mm(xc)
+            outs[order[e]] = down.mm(h.to(down.dtype)).float()
+        return (torch.cat(outs) * w_sorted[:, None]).sum(0, keepdim=True)  # type: ignore[arg-type]
     needed = torch.unique(ids).tolist()
     partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for e, (gate, up, down) in experts.fetch(layer, needed):
         rows, slot = (ids == e).nonzero(as_tuple=True)
-        xe = x[rows]
-        partial[e] = (rows, down(F.silu(gate(xe)) * up(xe)) * weights[rows, slot, None])
+        xe = x[rows].to(gate.dtype)
+        h = F.silu(gate.mm(xe)) * up.mm(xe)
+        partial[e] = (rows, down.mm(h.to(down.dtype)).float() * weights[rows, slot, None])
     out = torch.zeros_like(x)
     for e in sorted(partial):
         rows, y = partial[e]
@@ -188,6 +200,7 @@ class Qwen3Moe:
             self.output = linear.from_gguf(self._embd_raw, emb.ggml_type, emb.shape[0], emb.shape[1], exact)
             self.dense_nbytes += self.output.nbytes
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta)
+        self.routes: RouteTrace | None = None  # router choices replayed from a trace (--route-trace)
 
     @staticmethod
     def config_from_gguf(f: GGUFFile) -> Qwen3MoeConfig:
@@ -220,7 +233,8 @@ class Qwen3Moe:
         x = self.embed(tokens)
         for i, (attn_norm, attn, ffn_norm, moe) in enumerate(self.layers):
             x = x + attn(rms_norm(x, attn_norm, self.cfg.rms_eps), i, kv, pos, self.rope)
-            x = x + moe(rms_norm(x, ffn_norm, self.cfg.rms_eps), self.experts)
+            forced = self.routes.ids(i, pos, len(tokens)) if self.routes is not None else None
+            x = x + moe(rms_norm(x, ffn_norm, self.cfg.rms_eps), self.experts, forced)
         kv.advance(pos + len(tokens))
         if not all_logits:
             x = x[-1:]
