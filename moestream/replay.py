@@ -79,9 +79,6 @@ class Accesses:
     def n_groups(self) -> int:
         return len(self.starts) - 1
 
-    def layer_of(self, key: int) -> int:
-        return key // self.n_experts
-
 
 def accesses_from_trace(meta: dict[str, Any], rows: np.ndarray, phases: str = "all") -> Accesses:
     """Order a trace's rows as the cache saw them. phases: 'all' or 'decode' (drop the prompt's accesses).
@@ -93,8 +90,9 @@ def accesses_from_trace(meta: dict[str, Any], rows: np.ndarray, phases: str = "a
     rows = rows[rows["source"] != VRAM]
     if phases == "decode":
         rows = rows[rows["phase"] == DECODE]
-    n_layers = int(meta.get("layers") or (int(rows["layer"].max()) + 1 if len(rows) else 1))
-    n_experts = int(meta.get("experts") or (int(rows["expert"].max()) + 1 if len(rows) else 1))
+    # The metadata's sizes, unless the rows say otherwise (a key must never collide with another).
+    n_layers = max(int(meta.get("layers") or 1), int(rows["layer"].max()) + 1 if len(rows) else 1)
+    n_experts = max(int(meta.get("experts") or 1), int(rows["expert"].max()) + 1 if len(rows) else 1)
     # Layers run in ascending order within a forward step, and rank is the request order within a layer.
     order = np.lexsort((rows["rank"], rows["layer"], rows["step"]))
     rows = rows[order]
@@ -281,14 +279,20 @@ class LFUDecay(Policy):
     def on_hit(self, key: int, i: int) -> None:
         s = self._count(key)
         self.resident[key] = self.seq
-        heapq.heappush(self.heap, (s, self.seq, key))
+        self._push((s, self.seq, key))
+
+    def _push(self, entry: tuple[float, int, int]) -> None:
+        heapq.heappush(self.heap, entry)
+        if len(self.heap) > 4 * len(self.resident) + 1024:  # drop stale entries before they pile up
+            self.heap = [(self.score[k], s, k) for k, s in self.resident.items()]
+            heapq.heapify(self.heap)
 
     def on_miss(self, key: int, i: int) -> None:
         self._count(key)
 
     def insert(self, key: int, i: int) -> None:
         self.resident[key] = self.seq
-        heapq.heappush(self.heap, (self.score[key], self.seq, key))
+        self._push((self.score[key], self.seq, key))
 
     def evict(self, pinned: set[int]) -> int | None:
         stash = []
@@ -434,6 +438,9 @@ class Belady(Policy):
         nd, na = int(self.next_dec[i]), int(self.next_any[i])
         self.nu[key] = (nd, na)
         heapq.heappush(self.heap, (-nd, -na, key))
+        if len(self.heap) > 4 * len(self.nu) + 1024:  # drop stale entries before they pile up
+            self.heap = [(-d, -a, k) for k, (d, a) in self.nu.items()]
+            heapq.heapify(self.heap)
 
     on_hit = _set
     insert = _set

@@ -61,6 +61,7 @@ class TraceWriter:
     `record` only appends a tuple to a list; every `flush_rows` records the batch goes to a writer thread
     that formats and writes it, mostly while the model thread is inside torch or waiting on reads (both
     release the GIL). Rows are written in the order `record` was called; call it from one thread at a time.
+    `close()` writes what is still buffered: rows recorded after the last flush are lost without it.
     """
 
     def __init__(self, path: str | os.PathLike[str], meta: dict[str, Any] | None = None,
