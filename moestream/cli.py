@@ -183,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     from moestream.server import add_serve_commands
 
     add_serve_commands(sub)  # serve, chat
+
+    from moestream.analysis_cli import add_analysis_commands
+
+    add_analysis_commands(sub)  # probe, replay, stats, profile, forecast
     return parser
 
 
