@@ -21,8 +21,7 @@ from moestream.errors import MoestreamError
 from moestream.sampling import Sampler
 
 HELP = (
-    "/reset clears the conversation, /stats shows speed and cache use, /exit quits (or Ctrl-D); "
-    "Ctrl-C stops an answer"
+    "/reset clears the conversation, /stats shows speed and cache use, /exit quits (or Ctrl-D); Ctrl-C stops an answer"
 )
 
 
@@ -55,35 +54,37 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.engine.reset()
 
-    def _render(self) -> list[int]:
+    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+        tok = self.tok
         text = render_chat(
-            self.tok.chat_template,
-            self.messages,
-            bos_token=self.tok.bos_token,
-            eos_token=self.tok.eos_token,
-            **self.template_kwargs,
+            tok.chat_template, messages, bos_token=tok.bos_token, eos_token=tok.eos_token, **self.template_kwargs
         )
-        add_bos = False if self.tok.bos_token and text.startswith(self.tok.bos_token) else None
-        return self.tok.encode(text, add_bos=add_bos)
+        add_bos = False if tok.bos_token and text.startswith(tok.bos_token) else None
+        return tok.encode(text, add_bos=add_bos)
 
     def _prompt(self) -> list[int]:
-        """The prompt for the history; drops the oldest turns while it leaves no room to answer."""
-        room = min(256, self.engine.ctx // 4)  # tokens kept free for the answer
-        ids = self._render()
-        while len(ids) > self.engine.ctx - room:
-            first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
-            if len(self.messages) - first <= 1:
-                self.messages.pop()
-                raise MoestreamError(
-                    f"that message is {len(ids)} tokens; the context holds {self.engine.ctx} (raise --ctx)"
-                )
+        """The prompt for the history plus the new message (the last one); the oldest turns are dropped
+        while it leaves no room to answer. A message too long on its own is refused, history kept."""
+        limit = self.engine.ctx - min(256, self.engine.ctx // 4)  # keep room for the answer
+        ids = self._render(self.messages)
+        if len(ids) <= limit:
+            return ids
+        first = 1 if self.messages[0]["role"] == "system" else 0
+        alone = self._render(self.messages[:first] + self.messages[-1:])
+        if len(alone) > limit:
+            self.messages.pop()
+            raise MoestreamError(
+                f"that message makes a {len(alone)}-token prompt; the context holds {self.engine.ctx} with "
+                f"room to answer (raise --ctx)"
+            )
+        while len(ids) > limit:
             # drop the oldest user turn and everything up to the next one
             end = first + 1
-            while end < len(self.messages) and self.messages[end]["role"] != "user":
+            while self.messages[end]["role"] != "user":
                 end += 1
             del self.messages[first:end]
             self.dropped += 1
-            ids = self._render()
+            ids = self._render(self.messages)
         return ids
 
     def ask(self, text: str, write: Callable[[str], None], stop: Callable[[], bool]) -> str:
@@ -213,8 +214,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         kwargs = {"enable_thinking": False} if args.no_think else {}
         session = ChatSession(engine, sampler, system=args.system, max_tokens=args.n, template_kwargs=kwargs)
         print(
-            f"moestream chat: {args.model} (context {engine.ctx} tokens, {engine.cache.n_slots} expert "
-            f"slots)\n{HELP}",
+            f"moestream chat: {args.model} (context {engine.ctx} tokens, {engine.cache.n_slots} expert slots)\n{HELP}",
             flush=True,
         )
         repl(session)

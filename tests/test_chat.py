@@ -5,11 +5,20 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pexpect
 import pytest
 
+from moestream.chat import ChatSession
+from moestream.engine import Generation
+from moestream.errors import MoestreamError
+from moestream.expert_cache import CacheStats
+from moestream.gguf_file import GGUFFile
+from moestream.sampling import Sampler
 from moestream.synth import write_synth
+from moestream.tokenizer import Tokenizer
 
 PROMPT = "\r\n> "
 
@@ -102,3 +111,44 @@ def test_ctrl_c_stops_the_answer_not_the_chat(spawn) -> None:
     child.close()
     assert child.exitstatus == 0
     assert re.search(r"Traceback", child.before or "") is None
+
+
+class _EchoEngine:
+    """Answers every prompt with the same few tokens; enough to test the session's bookkeeping."""
+
+    def __init__(self, tokenizer: Tokenizer, ctx: int):
+        self.tokenizer, self.ctx, self.resets = tokenizer, ctx, 0
+        self.prompts: list[list[int]] = []
+        self.cache = SimpleNamespace(stats=CacheStats(), used_slots=0, n_slots=8)
+
+    def reset(self) -> None:
+        self.resets += 1
+
+    def generate(self, prompt: list[int], max_new: int, sampler: Any, stop_ids: set[int], on_token: Any) -> Any:
+        self.prompts.append(prompt)
+        gen = Generation()
+        for t in [*self.tokenizer.encode(" the answer"), self.tokenizer.eos_id][:max_new]:
+            gen.tokens.append(t)
+            if on_token(t) or t in stop_ids:
+                break
+        return gen
+
+
+def test_session_drops_oldest_turns_to_fit(model_path: str) -> None:
+    f = GGUFFile(model_path)
+    tok = Tokenizer.from_metadata(f.metadata)
+    f.close()
+    engine = _EchoEngine(tok, ctx=160)
+    session = ChatSession(engine, Sampler(), system="Be brief.")
+    out: list[str] = []
+    for i in range(12):
+        assert (
+            session.ask(f"question number {i} about the weather in Paris", out.append, lambda: False) == " the answer"
+        )
+    assert session.dropped > 0 and session.messages[0] == {"role": "system", "content": "Be brief."}
+    assert session.messages[1]["role"] == "user" and "question number 11" in session.messages[-2]["content"]
+    assert all(len(p) <= engine.ctx - 40 for p in engine.prompts)
+    with pytest.raises(MoestreamError, match="context holds"):
+        session.ask("the weather " * 200, out.append, lambda: False)
+    assert session.messages[-1] == {"role": "assistant", "content": " the answer"}  # the long one was not kept
+    assert "oldest dropped" in session.stats_text()
