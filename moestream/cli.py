@@ -180,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_synth)
 
+    from moestream.demo import add_demo_command
+
+    add_demo_command(sub)
+
     from moestream.server import add_serve_commands
 
     add_serve_commands(sub)  # serve, chat

@@ -120,25 +120,13 @@ class Engine:
         cfg = model_cls.config_from_gguf(f)
         self.ctx = min(ctx or min(cfg.context_length, 4096), cfg.context_length)
         self.store = ExpertStore(f, cfg.n_layers, cfg.n_experts, self.exact)
-        reader_buffers = io_threads * (self.store.max_segment_nbytes + 3 * 4096)
-        compute = model_cls.compute_nbytes(cfg, ubatch, self.ctx)
-        max_slots = cfg.n_layers * cfg.n_experts
-
-        # Refuse before loading anything if the dense weights alone break the budget.
-        dense_estimate = _dense_estimate(f, self.exact)
-        kv_estimate = model_cls.kv_nbytes(cfg, self.ctx, self.exact)
-        kw = dict(
-            budget_mb=ram_budget_mb,
-            compute=compute,
-            reader=reader_buffers,
-            slot_nbytes=self.store.slot_nbytes,
-            min_slots=cfg.top_k,
-            max_slots=max_slots,
-        )
+        kw = _plan_args(model_cls, cfg, self.store, self.ctx, io_threads, ubatch, ram_budget_mb)
         if reserve_mb is not None:
             kw["reserve_mb"] = reserve_mb
         if n_slots is None:
-            plan_slots(resident=rss_bytes() + dense_estimate + kv_estimate, **kw)
+            # Refuse before loading anything if the dense weights alone break the budget.
+            estimate = _dense_estimate(f, self.exact) + model_cls.kv_nbytes(cfg, self.ctx, self.exact)
+            plan_slots(resident=rss_bytes() + estimate, **kw)
 
         self.model = model_cls(f, None, self.exact)
         self.cfg = self.model.cfg
@@ -285,6 +273,49 @@ class Engine:
         self.cache.close()
         self.reader.close()
         self.gguf.close()
+
+
+def _plan_args(
+    model_cls, cfg, store: ExpertStore, ctx: int, io_threads: int, ubatch: int, budget_mb: int | None
+) -> dict:
+    return dict(
+        budget_mb=budget_mb,
+        compute=model_cls.compute_nbytes(cfg, ubatch, ctx),
+        reader=io_threads * (store.max_segment_nbytes + 3 * 4096),
+        slot_nbytes=store.slot_nbytes,
+        min_slots=cfg.top_k,
+        max_slots=cfg.n_layers * cfg.n_experts,
+    )
+
+
+def budget_for_slots(
+    model_path: str, n_slots: int, *, ctx: int | None = None, io_threads: int = 4, ubatch: int = DEFAULT_UBATCH
+) -> int:
+    """Estimated --ram-budget-mb that buys `n_slots` expert slots for this model (from the header alone)."""
+    from moestream.budget import DEFAULT_RESERVE_MB
+
+    f = GGUFFile(model_path)
+    try:
+        model_cls = ARCHITECTURES.get(f.arch)
+        if model_cls is None:
+            raise ModelFileError(f"{model_path}: architecture {f.arch!r} is not supported")
+        exact = _is_float_model(f)
+        cfg = model_cls.config_from_gguf(f)
+        ctx = min(ctx or min(cfg.context_length, 4096), cfg.context_length)
+        store = ExpertStore(f, cfg.n_layers, cfg.n_experts, exact)
+        kw = _plan_args(model_cls, cfg, store, ctx, io_threads, ubatch, None)
+        total = (
+            rss_bytes()
+            + _dense_estimate(f, exact)
+            + model_cls.kv_nbytes(cfg, ctx, exact)
+            + kw["compute"]
+            + kw["reader"]
+            + DEFAULT_RESERVE_MB * MB
+            + n_slots * store.slot_nbytes
+        )
+        return total // MB + 64  # slack: the runtime grows a little while loading
+    finally:
+        f.close()
 
 
 def _dense_estimate(f: GGUFFile, exact: bool) -> int:

@@ -1,0 +1,32 @@
+"""`moestream demo` end to end on the tiny shape, and `synth` from the command line."""
+
+from __future__ import annotations
+
+import os
+
+from moestream.cli import main
+
+
+def test_demo_runs_end_to_end_on_tiny(tmp_path, capsys):
+    rc = main(["demo", "--shape", "tiny", "--layers", "2", "--tokens", "6", "--data-dir", str(tmp_path)])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "What happened" in err and "expert hit rate" in err
+    models = os.listdir(tmp_path)
+    assert models == ["tiny-Q4_0-L2.gguf"]
+    # the second run reuses the model instead of writing it again
+    rc = main(["demo", "--shape", "tiny", "--layers", "2", "--tokens", "3", "--data-dir", str(tmp_path)])
+    assert rc == 0
+    assert "writing a synthetic" not in capsys.readouterr().err
+
+
+def test_synth_command_writes_a_loadable_model(tmp_path, capsys):
+    out = tmp_path / "m.gguf"
+    assert main(["synth", "--shape", "tiny", "--quant", "Q4_K", "--layers", "1", "-o", str(out)]) == 0
+    assert main(["run", "-m", str(out), "-p", "hello", "-n", "3"]) == 0
+    assert "decode 3 tok" in capsys.readouterr().err
+
+
+def test_synth_refuses_unknown_shape(tmp_path, capsys):
+    assert main(["synth", "--shape", "nope", "-o", str(tmp_path / "x.gguf")]) == 2
+    assert "unknown shape" in capsys.readouterr().err
