@@ -400,8 +400,8 @@ def test_context_limits(server: str, client: openai.OpenAI) -> None:
 
 
 def test_concurrent_streams_match_alone(client: openai.OpenAI) -> None:
-    a = dict(prompt="Could you please summarize", max_tokens=16, temperature=0)
-    b = dict(messages=_chat("Write code."), max_tokens=16, temperature=0.8, seed=7)
+    a = dict(prompt="Could you please summarize", max_tokens=32, temperature=0)
+    b = dict(messages=_chat("Write code."), max_tokens=32, temperature=0.8, seed=7)
     alone = (_stream_completion(client, **a), _stream_chat(client, **b)[0])
     assert alone[0] != alone[1]
 
