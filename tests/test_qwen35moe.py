@@ -1,0 +1,234 @@
+"""Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention) against transformers; state, chunking, reuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from moestream.engine import Engine
+from moestream.gguf_file import GGUFFile
+from moestream.models.qwen35moe import CHUNK, Qwen35MoeConfig, chunk_delta_rule, delta_rule_step
+from moestream.sampling import Sampler
+from tests.hf_gguf_qwen35 import tiny_qwen35moe_config, write_qwen35moe_from_hf
+
+transformers = pytest.importorskip("transformers")
+
+N_PROMPT, N_DECODE = 80, 16  # the prompt is longer than one DeltaNet chunk (64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices: a second thread only adds barriers, and on a busy machine each can cost a time slice."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _hf_model(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5MoeForCausalLM(tiny_qwen35moe_config(**overrides)).eval()
+    with torch.no_grad():  # norms start at 0 (HF adds 1) and 1: make them distinct so a wrong offset shows
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.uniform_(0.5, 1.5) if "linear_attn.norm" in name else p.uniform_(-0.5, 0.5)
+    return model
+
+
+def _tokens(n: int, vocab: int, seed: int = 1) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model file, tokens, transformers' logits for every position of prompt + decoded tokens)."""
+    model = _hf_model()
+    path = str(tmp_path_factory.mktemp("q35") / "m.gguf")
+    write_qwen35moe_from_hf(model, path)
+    toks = _tokens(N_PROMPT + N_DECODE, model.config.vocab_size)
+    with torch.no_grad():
+        ref = model(torch.tensor([toks])).logits[0].float()
+    return path, toks, ref, model
+
+
+def _engine(path: str, **kw) -> Engine:
+    return Engine(path, n_slots=kw.pop("n_slots", 32), **kw)
+
+
+def test_config_from_gguf(tiny):
+    path, *_ = tiny
+    f = GGUFFile(path)
+    cfg = Qwen35MoeConfig.from_gguf(f)
+    f.close()
+    assert cfg.recurrent == [True, False, True, False]
+    assert (cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim, cfg.conv_kernel) == (2, 4, 64, 64, 4)
+    assert (cfg.rot_dim, cfg.head_dim, cfg.shared_ffn, cfg.rope_theta) == (16, 64, 256, 1e7)
+
+
+def test_logits_match_transformers(tiny):
+    """Prompt (one call over 80 tokens: chunked DeltaNet) and 16 decoded tokens (recurrent step)."""
+    path, toks, ref, _ = tiny
+    eng = _engine(path)
+    try:
+        with torch.inference_mode():
+            ours = eng.model.forward(toks[:N_PROMPT], eng.kv, 0, all_logits=True)
+            assert _rel(ours, ref[:N_PROMPT]) < 1e-3
+            assert max(_rel(ours[i], ref[i]) for i in range(N_PROMPT)) < 1e-3
+            for j in range(N_PROMPT, N_PROMPT + N_DECODE):
+                last = eng.model.forward([toks[j]], eng.kv, j)
+                assert _rel(last, ref[j]) < 1e-3, j
+    finally:
+        eng.close()
+
+
+def test_chunked_prompt_equals_token_by_token(tiny):
+    path, toks, _, _ = tiny
+    prompt = toks[:N_PROMPT]
+    eng = _engine(path)
+    try:
+        with torch.inference_mode():
+            whole = eng.model.forward(prompt, eng.kv, 0, all_logits=True)
+            eng.kv.truncate(0)
+            steps = torch.stack([eng.model.forward([t], eng.kv, i) for i, t in enumerate(prompt)])
+            eng.kv.truncate(0)
+            chunks = []
+            for s in range(0, N_PROMPT, 13):  # ragged micro-batches, with checkpoints inside them
+                chunks.append(eng.model.forward(prompt[s : s + 13], eng.kv, s, all_logits=True))
+            chunked = torch.cat(chunks)
+    finally:
+        eng.close()
+    assert _rel(steps, whole) < 1e-5
+    assert _rel(chunked, whole) < 1e-5
+
+
+def test_delta_rule_chunked_equals_recurrent_and_transformers():
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_recurrent_gated_delta_rule
+
+    H, L, dk, dv = 3, CHUNK + 37, 16, 8
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.nn.functional.normalize(torch.randn(H, L, dk, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(H, L, dv, generator=g)
+    decay = -torch.rand(H, L, generator=g) * 4  # strong and weak forgetting
+    beta = torch.rand(H, L, generator=g)
+    S0 = torch.randn(H, dk, dv, generator=g)
+    S_chunk, S_step = S0.clone(), S0.clone()
+    o_chunk = chunk_delta_rule(q, k, v, decay, beta, S_chunk)
+    qt, kt, vt, dt, bt = (x.transpose(0, 1) for x in (q, k, v, decay, beta))  # token-major, as the model has
+    o_step = torch.cat([delta_rule_step(qt[t:t + 1], kt[t:t + 1], vt[t:t + 1], dt[t:t + 1], bt[t:t + 1], S_step)
+                        for t in range(L)]).transpose(0, 1)  # fmt: skip
+    ref, S_ref = torch_recurrent_gated_delta_rule(
+        *(x.transpose(0, 1)[None] for x in (q * dk**0.5, k, v)),  # transformers scales q by 1/sqrt(dk) itself
+        g=decay.T[None], beta=beta.T[None], initial_state=S0[None].clone(), output_final_state=True,
+    )
+    assert _rel(o_chunk, o_step) < 1e-5 and _rel(S_chunk, S_step) < 1e-5
+    assert _rel(o_step, ref[0].transpose(0, 1)) < 1e-5 and _rel(S_step, S_ref[0]) < 1e-5
+
+
+def test_mtp_block_and_interval_only_metadata(tiny, tmp_path):
+    """A file with an appended MTP block, or with only full_attention_interval, runs the same trunk."""
+    path, toks, ref, model = tiny
+    for kw in ({"nextn_block": True}, {"recurrent_layers": False, "full_attention_interval": 2}):
+        p = str(tmp_path / "v.gguf")
+        write_qwen35moe_from_hf(model, p, **kw)
+        eng = _engine(p)
+        try:
+            assert eng.cfg.n_layers == 4 and eng.cfg.recurrent == [True, False, True, False]
+            with torch.inference_mode():
+                ours = eng.model.forward(toks[:20], eng.kv, 0)
+            assert _rel(ours, ref[19]) < 1e-3, kw
+        finally:
+            eng.close()
+
+
+# Q4_0 experts take the same int4 kernels as Q4_K ones (and quantize 100x faster); Q8_0 dense: bf16 matmuls
+@pytest.mark.parametrize(("dense_type", "expert_type"), [(T.F32, T.F32), (T.Q8_0, T.Q4_0)])
+def test_streaming_never_changes_greedy_output(tmp_path, dense_type, expert_type):
+    model = _hf_model(seed=2)
+    path = str(tmp_path / "s.gguf")
+    write_qwen35moe_from_hf(model, path, dense_type=dense_type, expert_type=expert_type)
+    cfg = model.config
+    prompt = _tokens(40, cfg.vocab_size, seed=2)
+    outputs, hit_rates = [], []
+    for slots in (cfg.num_experts_per_tok, cfg.num_experts_per_tok + 3, cfg.num_hidden_layers * cfg.num_experts):
+        eng = Engine(path, n_slots=slots, ubatch=16)
+        try:
+            gen = eng.generate(prompt, 10, Sampler())
+            outputs.append(gen.tokens)
+            hit_rates.append(gen.stats.hit_rate)
+            assert eng.cache.used_slots <= slots
+        finally:
+            eng.close()
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert hit_rates[0] < hit_rates[2]
+
+
+def test_prompt_reuse_gives_same_tokens(tiny):
+    """Follow-ups reuse the live state or go back to a checkpoint; either way the tokens are a fresh run's."""
+    path, toks, _, _ = tiny
+    prompt = toks[:N_PROMPT]
+    eng = _engine(path, ubatch=16)  # checkpoints after 8 and 16 tokens of each micro-batch; the last 3 kept
+    fresh = _engine(path, ubatch=16)
+    try:
+        first = eng.generate(prompt, 6, Sampler())
+        cases = [
+            (prompt + first.tokens + [9, 10], N_PROMPT + 5),  # extends all that was run: the live state
+            (prompt[:-3] + [5, 6, 7, 8], 72),  # parts at 77: back to the checkpoint 8 before the prompt's end
+            (prompt[:-3] + [5, 6, 7, 8], 73),  # the same again: the checkpoint that run took after 1 token
+            (prompt[:50] + [1, 2, 3], 0),  # only the last 3 checkpoints are kept: from scratch
+            (prompt[:45] + [4], 40),  # the run before kept 40, 48 and 53
+            (prompt[:5], 0),  # before any checkpoint
+        ]
+        for follow, reused_expected in cases:
+            reused = eng.generate(follow, 6, Sampler())
+            fresh.reset()
+            ref = fresh.generate(follow, 6, Sampler())
+            assert ref.stats.reused_tokens == 0
+            assert reused.stats.reused_tokens == reused_expected, (len(follow), reused.stats.reused_tokens)
+            assert reused.tokens == ref.tokens
+    finally:
+        eng.close()
+        fresh.close()
+
+
+def test_failed_call_leaves_a_usable_state(tiny):
+    """An error half-way through the layers (a failed read, Ctrl-C) must not leave a half-advanced state."""
+    path, toks, _, _ = tiny
+    eng, fresh = _engine(path, ubatch=16), _engine(path, ubatch=16)
+    try:
+        eng.generate(toks[:40], 4, Sampler())
+        layers = eng.model.layers
+        saved = layers[2]
+
+        def interrupted(x, experts):
+            raise KeyboardInterrupt
+
+        layers[2] = (*saved[:3], interrupted)  # layers 0 and 1 have run when layer 2's MoE raises
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate(toks[:40] + toks[50:60], 4, Sampler())
+        layers[2] = saved
+        assert eng.kv.length <= 40
+        follow = toks[:40] + toks[50:70]
+        again = eng.generate(follow, 4, Sampler())
+        assert again.stats.reused_tokens > 0
+        assert again.tokens == fresh.generate(follow, 4, Sampler()).tokens
+    finally:
+        eng.close()
+        fresh.close()
+
+
+def test_state_memory_is_allocated_up_front(tiny):
+    path, *_ = tiny
+    eng = _engine(path, ctx=256)
+    try:
+        kv = eng.kv
+        assert kv.nbytes == type(eng.model).kv_nbytes(eng.cfg, 256, eng.exact)
+        ptrs = [t.data_ptr() for t in (*kv.conv.values(), *kv.ssm.values())]
+        eng.generate(_tokens(40, eng.cfg.vocab_size), 4, Sampler())
+        assert ptrs == [t.data_ptr() for t in (*kv.conv.values(), *kv.ssm.values())]
+    finally:
+        eng.close()
