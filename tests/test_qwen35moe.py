@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType as T
 
 from moestream.engine import Engine
 from moestream.gguf_file import GGUFFile
-from moestream.models.qwen35moe import CHUNK, Qwen35MoeConfig, chunk_delta_rule, delta_rule_step
+from moestream.models.qwen35moe import CHUNK, Qwen35MoeConfig, Weights, chunk_delta_rule, delta_rule_step
 from moestream.sampling import Sampler
 from tests.hf_gguf_qwen35 import tiny_qwen35moe_config, write_qwen35moe_from_hf
 
@@ -193,6 +193,22 @@ def test_prompt_reuse_gives_same_tokens(tiny):
     finally:
         eng.close()
         fresh.close()
+
+
+def test_fused_projections_keep_each_kernel(tiny, tmp_path):
+    """Same-typed projections of one input are one matmul, unless joining costs a matrix its int4 kernel."""
+    path = str(tmp_path / "q.gguf")
+    write_qwen35moe_from_hf(tiny[3], path, dense_type=T.Q4_0, expert_type=T.Q4_0)
+    f = GGUFFile(path)
+    w = Weights(f, exact=False)
+    names = [f"blk.0.{n}.weight" for n in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")]
+    fused = w.fused(names)
+    # 512 + 256 rows stay int4; the 4-row beta and alpha (bf16 on their own) would make it 776 rows
+    assert [(lin.kind, idx) for lin, idx, _ in fused.groups] == [("int4", [0, 1]), ("bf16", [2, 3])]
+    x = torch.randn(3, 256)
+    for a, name in zip(fused(x), names, strict=True):
+        assert torch.equal(a, w.linear(name)(x))
+    f.close()
 
 
 def test_failed_call_leaves_a_usable_state(tiny):

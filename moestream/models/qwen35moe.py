@@ -270,16 +270,18 @@ class Weights:
             by_type.setdefault((info.ggml_type, info.shape[1]), []).append(j)
         groups = []
         for (t, k), idx in by_type.items():
-            sizes = [infos[j].shape[0] for j in idx]
-            kinds = {linear.compute_kind(t, n, k, self.exact) for n in sizes}
-            # join only if that keeps each part's kernel (int4 wants rows in multiples of 64)
-            if len(idx) > 1 and kinds == {linear.compute_kind(t, sum(sizes), k, self.exact)}:
-                raw = np.concatenate([self.f.read(names[j]) for j in idx])
+            rows = {j: infos[j].shape[0] for j in idx}
+            kinds = {j: linear.compute_kind(t, n, k, self.exact) for j, n in rows.items()}
+            if linear.compute_kind(t, sum(rows.values()), k, self.exact) == kinds[max(idx, key=rows.__getitem__)]:
+                parts = [idx]
+            else:  # joined, the big matrix would lose its int4 kernel (rows not a multiple of 64): by kind
+                parts = [[j for j in idx if kinds[j] == kd] for kd in dict.fromkeys(kinds.values())]
+            for part in parts:
+                sizes = [infos[j].shape[0] for j in part]
+                raw = np.concatenate([self.f.read(names[j]) for j in part])
                 lin = linear.from_gguf(raw, t, sum(sizes), k, self.exact)
                 self.nbytes += lin.nbytes
-                groups.append((lin, idx, sizes))
-            else:
-                groups += [(self.linear(names[j]), [j], [infos[j].shape[0]]) for j in idx]
+                groups.append((lin, part, sizes))
         return Fused(groups)
 
 
