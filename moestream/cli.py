@@ -32,6 +32,31 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="write one CSV row per expert access (see moestream/trace.py for the format)",
     )
     p.add_argument(
+        "--pin-profile",
+        default=None,
+        metavar="PROFILE",
+        help="pin the hottest experts of a profile (moestream profile) in RAM at start",
+    )
+    p.add_argument("--pin-mb", type=int, default=None, help="MB of the cache for the pinned profile part")
+    p.add_argument(
+        "--prompt-admit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let prompt processing admit and refresh experts in the decode LRU (default on)",
+    )
+    p.add_argument(
+        "--admit-min-hits",
+        type=int,
+        default=0,
+        help="admit an expert to the LRU only after it was requested N times (default 0: always)",
+    )
+    p.add_argument(
+        "--keep-free-mb",
+        type=int,
+        default=None,
+        help="elastic cache: give expert slots back when available RAM falls below this",
+    )
+    p.add_argument(
         "--route-trace",
         default=None,
         metavar="FILE",
@@ -59,6 +84,10 @@ def open_engine(args: argparse.Namespace):
     _positive("--threads", args.threads)
     _positive("--io-threads", args.io_threads)
     _positive("--ubatch", args.ubatch)
+    _positive("--pin-mb", args.pin_mb)
+    _positive("--keep-free-mb", args.keep_free_mb)
+    if args.admit_min_hits < 0:
+        raise MoestreamError(f"--admit-min-hits must be 0 or more, got {args.admit_min_hits}")
     return Engine(
         args.model,
         ram_budget_mb=args.ram_budget_mb,
@@ -69,6 +98,12 @@ def open_engine(args: argparse.Namespace):
         direct=False if args.buffered else None,
         trace_path=args.trace,
         route_trace=args.route_trace,
+        admit_prompt=args.prompt_admit,
+        min_hits=args.admit_min_hits,
+        pin_profile=args.pin_profile,
+        pin_mb=args.pin_mb,
+        keep_free_mb=args.keep_free_mb,
+        progress=True,
     )
 
 
@@ -104,6 +139,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         if engine.plan is not None:
             print(engine.plan.describe(), file=sys.stderr)
         print(gen.stats.line(), file=sys.stderr)
+        if engine.cache.pinned_slots:
+            st = engine.cache.stats
+            print(f"pinned profile part: {engine.cache.pinned_slots} experts, {st.pinned_hits} hits", file=sys.stderr)
+        if engine.elastic is not None:
+            print(engine.elastic.summary(), file=sys.stderr)
         if args.stats_json:
             write_stats_json(args.stats_json, engine, gen)
     finally:

@@ -11,7 +11,7 @@ import torch
 
 from moestream import linear, quants
 from moestream.budget import MB, BudgetPlan, peak_rss_bytes, plan_slots, rss_bytes
-from moestream.errors import ContextError, ModelFileError
+from moestream.errors import BudgetError, ContextError, ModelFileError
 from moestream.expert_cache import ExpertCache
 from moestream.expert_store import ExpertStore
 from moestream.gguf_file import GGUFFile
@@ -102,6 +102,12 @@ class Engine:
         reserve_mb: int | None = None,
         trace_path: str | None = None,
         route_trace: str | None = None,
+        admit_prompt: bool = True,
+        min_hits: int = 0,
+        pin_profile: str | None = None,
+        pin_mb: int | None = None,
+        keep_free_mb: int | None = None,
+        progress: bool = False,
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -138,12 +144,30 @@ class Engine:
         else:
             self.plan = None
         self.reader = ExpertReader(f.path, self.store.max_segment_nbytes, threads=io_threads, direct=direct)
-        self.cache = ExpertCache(self.store, self.reader, n_slots)
+        # Admission rules that can turn a miss away need scratch slots for it (carved out of the budget).
+        scratch = self.cfg.top_k if (not admit_prompt or min_hits > 0) else 0
+        if n_slots - scratch < self.cfg.top_k:
+            raise BudgetError(
+                f"with --no-prompt-admit or --admit-min-hits the cache needs {self.cfg.top_k} scratch slots on top "
+                f"of {self.cfg.top_k} LRU slots, but the budget buys {n_slots}; raise --ram-budget-mb"
+            )
+        self.cache = ExpertCache(self.store, self.reader, n_slots, scratch_slots=scratch)
         self.model.experts = self.cache
         if route_trace is not None:
             from moestream.routes import RouteTrace
 
             self.model.routes = RouteTrace(route_trace, self.cfg.n_experts, self.cfg.top_k)
+        self.cache.min_slots = self.cfg.top_k
+        self.cache.admit_prompt = admit_prompt
+        self.cache.min_hits = min_hits
+        if pin_profile is not None:
+            self._pin_from_profile(pin_profile, pin_mb, progress)
+        self.elastic = None
+        if keep_free_mb is not None:
+            from moestream.elastic import ElasticWatcher
+
+            self.elastic = ElasticWatcher(self.cache, keep_free_mb).start()
+
         self._tokenizer = None
         self._step = 0  # forward calls so far: one per prompt micro-batch or decoded token
         self._token = 0  # session index of the first token of the current forward call
@@ -155,9 +179,11 @@ class Engine:
                 trace_path,
                 {
                     "model": os.path.basename(model_path),
-                    "n_slots": n_slots,
+                    "n_slots": n_slots - scratch,
+                    "scratch_slots": scratch,
                     "policy": "lru",
-                    "admit_prompt": True,
+                    "admit_prompt": admit_prompt,
+                    "min_hits": min_hits,
                     "layers": self.cfg.n_layers,
                     "experts": self.cfg.n_experts,
                     "top_k": self.cfg.top_k,
@@ -165,6 +191,15 @@ class Engine:
                 },
             )
             self.cache.trace = self._trace_record
+
+    def _pin_from_profile(self, path: str, pin_mb: int | None, progress: bool) -> None:
+        """The profile part of the RAM tier: the hottest experts of a profile, loaded now, never evicted."""
+        from moestream.profile import load_profile
+
+        keys = [(int(layer), int(e)) for layer, e in load_profile(path).ranked()]
+        keys = [k for k in keys if k[0] < self.cfg.n_layers and k[1] < self.cfg.n_experts]
+        n = len(keys) if pin_mb is None else pin_mb * MB // self.store.slot_nbytes
+        self.cache.pin(keys[:n], progress=progress)
 
     def _trace_record(self, layer: int, expert: int, rank: int, source: str, nbytes: int, latency: float) -> None:
         assert self._trace is not None
@@ -267,6 +302,8 @@ class Engine:
         return gen
 
     def close(self) -> None:
+        if getattr(self, "elastic", None) is not None:
+            self.elastic.stop()
         if self._trace is not None:
             self._trace.close()
             self._trace = None

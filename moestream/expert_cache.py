@@ -34,6 +34,10 @@ class CacheStats:
     bytes_read: int = 0
     read_wait_s: float = 0.0  # time the model spent blocked waiting for reads
     evictions: int = 0
+    pinned_hits: int = 0
+    shrinks: int = 0  # elastic: times the cache gave slots back to the OS
+    grows: int = 0
+    slots_released: int = 0
     by_phase: dict[str, list[int]] = field(default_factory=lambda: {"prompt": [0, 0], "decode": [0, 0]})
 
     @property
@@ -48,7 +52,7 @@ TraceSink = Callable[[int, int, int, str, int, float], None]
 
 
 class ExpertCache:
-    def __init__(self, store: ExpertStore, reader: ExpertReader, n_slots: int):
+    def __init__(self, store: ExpertStore, reader: ExpertReader, n_slots: int, scratch_slots: int = 0):
         if n_slots < 1:
             raise BudgetError("the expert cache needs at least one slot; raise --ram-budget-mb")
         self.store = store
@@ -63,17 +67,35 @@ class ExpertCache:
         self._key_of: list[tuple[int, int] | None] = [None] * n_slots
         self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # key -> slot, oldest first
         self._pins = [0] * n_slots
-        self._free: deque[int] = deque(range(n_slots))
-        self._lock = threading.Lock()
+        # Scratch slots serve misses that are not admitted (the prompt path when non-admitting, keys below
+        # min-hits): used for one group and handed back, so such accesses never evict from the LRU.
+        if scratch_slots >= n_slots:
+            raise BudgetError("the expert cache has no room besides its scratch slots; raise --ram-budget-mb")
+        self._free: deque[int] = deque(range(n_slots - scratch_slots))
+        self._scratch: deque[int] = deque(range(n_slots - scratch_slots, n_slots))
+        self._scratch_set = frozenset(self._scratch)
+        self._pinned: dict[tuple[int, int], int] = {}  # profile part: loaded at start, never evicted
+        self._parked: list[int] = []  # slots the elastic cache gave back to the OS
+        self._lock = threading.RLock()
         self.stats = CacheStats()
         self.phase = "decode"
         self.trace: TraceSink | None = None
+        # Admission. The prompt path reads every cold expert once; admitting those would push out what the
+        # decode reuses (Strata), so it can be made to neither admit nor refresh. min_hits > 0 admits a key
+        # only once it has missed that many times before (the SDQ seed measured it as a loss; kept as option).
+        self.admit_prompt = True
+        self.min_hits = 0
+        self._access_counts: dict[tuple[int, int], int] = {}
+        self.min_slots = 1  # elastic shrinking never goes below this many LRU slots
 
     # -- slot bookkeeping ------------------------------------------------------------------------------
 
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.popleft()
+        return self._evict_lru()
+
+    def _evict_lru(self) -> int | None:
         for key, slot in self._lru.items():
             if self._pins[slot] == 0:
                 del self._lru[key]
@@ -82,6 +104,12 @@ class ExpertCache:
                 self.stats.evictions += 1
                 return slot
         return None
+
+    def _admits(self, key: tuple[int, int], admit: bool) -> bool:
+        if not admit or (self.phase == "prompt" and not self.admit_prompt):
+            return False
+        # accesses before this group (counted when a fetch ends), as the replay counts them
+        return self._access_counts.get(key, 0) >= self.min_hits
 
     def _fill(self, layer: int, expert: int, slot: int) -> tuple[Future, float]:
         """Start the three segment reads of an expert; each packs itself into its part of the slot."""
@@ -126,14 +154,20 @@ class ExpertCache:
         list, so the access does not push anything out of the cache (the prompt path, when configured so).
         """
         phase = self.stats.by_phase[self.phase]
+        refresh = admit and (self.phase != "prompt" or self.admit_prompt)
         hits: list[tuple[int, int]] = []
         pending: deque[int] = deque()
         with self._lock:
             for e in ids:
                 key = (layer, e)
-                slot = self._lru.get(key)
+                slot = self._pinned.get(key)
                 if slot is not None:
-                    self._lru.move_to_end(key)
+                    self.stats.pinned_hits += 1
+                else:
+                    slot = self._lru.get(key)
+                    if slot is not None and refresh:
+                        self._lru.move_to_end(key)
+                if slot is not None:
                     self._pins[slot] += 1
                     hits.append((e, slot))
                 else:
@@ -148,12 +182,21 @@ class ExpertCache:
         def launch() -> None:
             with self._lock:
                 while pending:
-                    slot = self._take_slot()
+                    admitted = self._admits((layer, pending[0]), admit)
+                    if admitted:
+                        slot = self._take_slot()
+                    else:
+                        if not self._scratch_set:
+                            raise BudgetError(
+                                "a miss that is not admitted needs a scratch slot; this cache has "
+                                "none (admission rules need --ram-budget-mb for top-k more experts)"
+                            )
+                        slot = self._scratch.popleft() if self._scratch else None
                     if slot is None:
                         break
                     e = pending.popleft()
                     self._pins[slot] += 1
-                    if admit:
+                    if admitted:
                         # Admitted in request order, at once: eviction order then depends only on the
                         # sequence of requests, never on which read finished first (replay reproduces it).
                         self._key_of[slot] = (layer, e)
@@ -210,6 +253,9 @@ class ExpertCache:
                 self._unpin(slot, release=True)
             for _e, slot in hitq:
                 self._unpin(slot)
+            if self.min_hits > 0:
+                for e in ids:
+                    self._access_counts[(layer, e)] = self._access_counts.get((layer, e), 0) + 1
 
     def _forget(self, slot: int) -> None:
         with self._lock:
@@ -224,7 +270,81 @@ class ExpertCache:
             self._pins[slot] -= 1
             if release and self._pins[slot] == 0 and self._key_of[slot] is None:
                 self._experts[slot] = None
-                self._free.append(slot)
+                (self._scratch if slot in self._scratch_set else self._free).append(slot)
+
+    # -- the profile part ------------------------------------------------------------------------------
+
+    def pin(self, keys: list[tuple[int, int]], progress: bool = False) -> int:
+        """Load these experts into slots that are never evicted (the profile part of the RAM tier).
+
+        Call before decoding starts. Keeps at least `min_slots` slots for the LRU part; returns how many
+        experts were pinned.
+        """
+        from tqdm import tqdm
+
+        room = max(0, len(self._free) - self.min_slots)
+        keys = [k for k in dict.fromkeys(keys) if k not in self._pinned][:room]
+        bar = tqdm(total=len(keys), unit="expert", desc="pinning profile", disable=not progress)
+        batch = max(1, self.reader.threads * 2)
+        for i in range(0, len(keys), batch):
+            inflight = []
+            with self._lock:
+                for layer, e in keys[i : i + batch]:
+                    slot = self._free.popleft()
+                    self._pins[slot] += 1
+                    inflight.append(((layer, e), slot, self._fill(layer, e, slot)[0]))
+            for key, slot, fut in inflight:
+                experts = fut.result()
+                with self._lock:
+                    self._experts[slot] = experts
+                    self._key_of[slot] = key
+                    self._pinned[key] = slot
+                    self._pins[slot] -= 1
+                self.stats.bytes_read += self.store.expert_file_nbytes[key[0]]
+                bar.update(1)
+        bar.close()
+        return len(keys)
+
+    @property
+    def pinned_slots(self) -> int:
+        return len(self._pinned)
+
+    # -- elastic capacity ------------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Slots currently usable (pinned + LRU); lower than n_slots after the elastic cache shrank."""
+        return self.n_slots - len(self._parked)
+
+    def shrink(self, n: int) -> int:
+        """Give up to n LRU slots back to the OS at once (coldest first); returns how many were released."""
+        released = 0
+        with self._lock:
+            while released < n and self.capacity - len(self._pinned) > self.min_slots:
+                slot = self._free.pop() if self._free else self._evict_lru()
+                if slot is None:
+                    break
+                self._release_memory(slot)
+                self._parked.append(slot)
+                released += 1
+            if released:
+                self.stats.shrinks += 1
+                self.stats.slots_released += released
+        return released
+
+    def grow(self, n: int) -> int:
+        """Make up to n parked slots usable again (their memory is committed when they next fill)."""
+        with self._lock:
+            n = min(n, len(self._parked))
+            for _ in range(n):
+                self._free.append(self._parked.pop())
+            if n:
+                self.stats.grows += 1
+        return n
+
+    def _release_memory(self, slot: int) -> None:
+        start = slot * self.slot_nbytes
+        self._arena.madvise(mmap.MADV_DONTNEED, start, self.slot_nbytes)
 
     # -- inspection ------------------------------------------------------------------------------------
 

@@ -130,9 +130,13 @@ def accesses_from_trace(meta: dict[str, Any], rows: np.ndarray, phases: str = "a
     )
 
 
-def accesses_from_groups(groups: Sequence[Sequence[int]], decode: Sequence[bool] | None = None,
-                         layers: Sequence[int] | None = None, n_experts: int = 1 << 20,
-                         expert_bytes: int = 1) -> Accesses:
+def accesses_from_groups(
+    groups: Sequence[Sequence[int]],
+    decode: Sequence[bool] | None = None,
+    layers: Sequence[int] | None = None,
+    n_experts: int = 1 << 20,
+    expert_bytes: int = 1,
+) -> Accesses:
     """Accesses from plain key lists (tests, synthetic workloads). Each group is one fetch; keys are
     layer * n_experts + expert; one step per group unless several groups share a step via `layers`."""
     n = len(groups)
@@ -146,10 +150,16 @@ def accesses_from_groups(groups: Sequence[Sequence[int]], decode: Sequence[bool]
     for g in range(1, n):  # a new step whenever the layer does not increase
         step[g] = step[g - 1] + (layers[g] <= layers[g - 1])
     return Accesses(
-        keys=keys, starts=starts, group_decode=np.array(decode, bool), group_layer=np.array(layers, np.int64),
-        group_step=step, n_layers=n_layers, n_experts=n_experts,
+        keys=keys,
+        starts=starts,
+        group_decode=np.array(decode, bool),
+        group_layer=np.array(layers, np.int64),
+        group_step=step,
+        n_layers=n_layers,
+        n_experts=n_experts,
         decode_tokens=len(set(step[np.array(decode, bool)].tolist())) if n else 0,
-        expert_bytes=np.full(n_layers, expert_bytes, np.int64), live_hits=np.zeros(len(keys), bool),
+        expert_bytes=np.full(n_layers, expert_bytes, np.int64),
+        live_hits=np.zeros(len(keys), bool),
     )
 
 
@@ -199,6 +209,9 @@ class Policy:
 
     def on_miss(self, key: int, i: int) -> None:  # every miss, admitted or not
         pass
+
+    def wants(self, key: int, i: int) -> bool:  # the policy's own admission (Belady bypasses)
+        return True
 
     def insert(self, key: int, i: int) -> None:
         raise NotImplementedError
@@ -445,6 +458,20 @@ class Belady(Policy):
     on_hit = _set
     insert = _set
 
+    def wants(self, key: int, i: int) -> bool:
+        """MIN with bypass: keep the key only if it is needed again sooner than the farthest resident one.
+
+        Misses that are not admitted are served from scratch slots and leave the cache as it was, so the
+        optimum may decline them; without bypass an admission rule could beat this 'ceiling'.
+        """
+        if len(self.nu) < self.capacity:
+            return True
+        while self.heap and self.nu.get(self.heap[0][2]) != (-self.heap[0][0], -self.heap[0][1]):
+            heapq.heappop(self.heap)
+        if not self.heap:
+            return True
+        return (int(self.next_dec[i]), int(self.next_any[i])) < (-self.heap[0][0], -self.heap[0][1])
+
     def evict(self, pinned: set[int]) -> int | None:
         stash = []
         victim = None
@@ -494,8 +521,7 @@ class Admission:
                     ) from None
             else:
                 raise MoestreamError(
-                    f"unknown admission {part!r}; use engine, all, decode-only, min-hits:N "
-                    "or decode-only+min-hits:N"
+                    f"unknown admission {part!r}; use engine, all, decode-only, min-hits:N or decode-only+min-hits:N"
                 )
         return cls(prompt, min_hits)
 
@@ -569,8 +595,16 @@ def _profile_keys(acc: Accesses, profile: Sequence[tuple[int, int]] | None) -> l
     return uniq[order].tolist()
 
 
-def _make_policies(acc: Accesses, policy: str, caps: list[int], per_layer: bool, *, half_life: float,
-                   pin_fraction: float, profile: Sequence[tuple[int, int]] | None) -> list[Policy]:
+def _make_policies(
+    acc: Accesses,
+    policy: str,
+    caps: list[int],
+    per_layer: bool,
+    *,
+    half_life: float,
+    pin_fraction: float,
+    profile: Sequence[tuple[int, int]] | None,
+) -> list[Policy]:
     if policy == "belady":
         nxt_any, nxt_dec = _next_uses(acc)
         return [Belady(c, nxt_any, nxt_dec) for c in caps]
@@ -589,7 +623,9 @@ def _make_policies(acc: Accesses, policy: str, caps: list[int], per_layer: bool,
             out.append(Pinned(mine[:n_pin], LRU(c - n_pin), admit=policy == "pin+lru"))
         return out
     make = {
-        "lru": LRU, "fifo": FIFO, "s3fifo": S3FIFO,
+        "lru": LRU,
+        "fifo": FIFO,
+        "s3fifo": S3FIFO,
         "lfu-decay": lambda c: LFUDecay(c, half_life),
     }.get(policy)
     if make is None:
@@ -597,9 +633,17 @@ def _make_policies(acc: Accesses, policy: str, caps: list[int], per_layer: bool,
     return [make(c) for c in caps]
 
 
-def replay(acc: Accesses, policy: str, slots: int, *, per_layer: bool = False,
-           admission: Admission | str = "engine", half_life: float = 64.0, pin_fraction: float = 0.5,
-           profile: Sequence[tuple[int, int]] | None = None) -> ReplayResult:
+def replay(
+    acc: Accesses,
+    policy: str,
+    slots: int,
+    *,
+    per_layer: bool = False,
+    admission: Admission | str = "engine",
+    half_life: float = 64.0,
+    pin_fraction: float = 0.5,
+    profile: Sequence[tuple[int, int]] | None = None,
+) -> ReplayResult:
     """Replay the accesses against one policy and cache size."""
     if isinstance(admission, str):
         admission = Admission.parse(admission, acc.meta)
@@ -612,8 +656,7 @@ def replay(acc: Accesses, policy: str, slots: int, *, per_layer: bool = False,
             f"{slots} slots split over {acc.n_layers} layers leaves a layer without a slot; "
             f"use at least {acc.n_layers} slots or global capacity"
         )
-    pols = _make_policies(acc, policy, caps, per_layer, half_life=half_life, pin_fraction=pin_fraction,
-                          profile=profile)
+    pols = _make_policies(acc, policy, caps, per_layer, half_life=half_life, pin_fraction=pin_fraction, profile=profile)
     belady = policy == "belady"
     misses = _simulate(acc, pols, per_layer, admission if not belady else Admission())
     sizes = np.diff(acc.starts)
@@ -621,10 +664,16 @@ def replay(acc: Accesses, policy: str, slots: int, *, per_layer: bool = False,
     d_miss = misses[dec]
     decode_bytes = int((d_miss * acc.expert_bytes[acc.group_layer[dec]]).sum())
     return ReplayResult(
-        policy=policy, slots=slots, per_layer=per_layer, admission="all" if belady else str(admission),
-        decode_hits=int((sizes[dec] - d_miss).sum()), decode_misses=int(d_miss.sum()),
-        prompt_hits=int((sizes[~dec] - misses[~dec]).sum()), prompt_misses=int(misses[~dec].sum()),
-        decode_tokens=acc.decode_tokens, decode_bytes=decode_bytes,
+        policy=policy,
+        slots=slots,
+        per_layer=per_layer,
+        admission="all" if belady else str(admission),
+        decode_hits=int((sizes[dec] - d_miss).sum()),
+        decode_misses=int(d_miss.sum()),
+        prompt_hits=int((sizes[~dec] - misses[~dec]).sum()),
+        prompt_misses=int(misses[~dec].sum()),
+        decode_tokens=acc.decode_tokens,
+        decode_bytes=decode_bytes,
         miss_hist=np.bincount(d_miss).tolist() if len(d_miss) else [],
     )
 
@@ -645,10 +694,12 @@ def _simulate(acc: Accesses, pols: list[Policy], per_layer: bool, adm: Admission
         s, e = starts[g], starts[g + 1]
         pinned: set[int] = set()
         miss: list[tuple[int, int]] = []
+        refresh = decode[g] or adm.prompt  # a non-admitting prompt path does not refresh recency either
         for i in range(s, e):
             k = keys[i]
             if k in pol:
-                pol.on_hit(k, i)
+                if refresh:
+                    pol.on_hit(k, i)
                 pinned.add(k)
             else:
                 miss.append((k, i))
@@ -664,7 +715,9 @@ def _simulate(acc: Accesses, pols: list[Policy], per_layer: bool, adm: Admission
                     pol.insert(k, i)
                     pinned.add(k)
                     continue
-                admit = pol.admits and admit_phase and seen.get(k, 0) >= min_hits
+                admit = pol.admits and admit_phase and seen.get(k, 0) >= min_hits and pol.wants(k, i)
+                if not admit:
+                    continue  # served from the engine's scratch slots: the cache itself does not change
                 while len(pol) + borrowed >= pol.capacity:
                     if pol.evict(pinned) is not None:
                         break
@@ -701,18 +754,30 @@ def live_result(acc: Accesses) -> ReplayResult:
     d_miss_g = np.bincount(gid[dec & ~hit], minlength=acc.n_groups)[acc.group_decode]
     d_bytes = int((d_miss_g * acc.expert_bytes[acc.group_layer[acc.group_decode]]).sum())
     return ReplayResult(
-        policy="live", slots=int(acc.meta.get("n_slots") or 0), per_layer=False,
+        policy="live",
+        slots=int(acc.meta.get("n_slots") or 0),
+        per_layer=False,
         admission="all" if acc.meta.get("admit_prompt", True) else "decode-only",
-        decode_hits=int((dec & hit).sum()), decode_misses=int((dec & ~hit).sum()),
-        prompt_hits=int((~dec & hit).sum()), prompt_misses=int((~dec & ~hit).sum()),
-        decode_tokens=acc.decode_tokens, decode_bytes=d_bytes,
+        decode_hits=int((dec & hit).sum()),
+        decode_misses=int((dec & ~hit).sum()),
+        prompt_hits=int((~dec & hit).sum()),
+        prompt_misses=int((~dec & ~hit).sum()),
+        decode_tokens=acc.decode_tokens,
+        decode_bytes=d_bytes,
         miss_hist=np.bincount(d_miss_g).tolist() if len(d_miss_g) else [],
     )
 
 
-def replay_many(acc: Accesses, policies: Sequence[str], slots: Sequence[int], *, per_layer: bool = False,
-                admission: Admission | str = "engine", progress: bool = True,
-                **kw: Any) -> list[ReplayResult]:
+def replay_many(
+    acc: Accesses,
+    policies: Sequence[str],
+    slots: Sequence[int],
+    *,
+    per_layer: bool = False,
+    admission: Admission | str = "engine",
+    progress: bool = True,
+    **kw: Any,
+) -> list[ReplayResult]:
     """Every policy at every size (Belady is added if missing: it is the ceiling)."""
     policies = list(dict.fromkeys(policies))
     if "belady" not in policies:
@@ -731,15 +796,21 @@ def replay_many(acc: Accesses, policies: Sequence[str], slots: Sequence[int], *,
 
 def replay_table(results: Sequence[ReplayResult]) -> str:
     """An aligned text table, one row per (policy, size)."""
-    head = ("policy", "capacity", "admission", "slots", "decode hit %", "MB/token", "reads/token",
-            "prompt hit %")
+    head = ("policy", "capacity", "admission", "slots", "decode hit %", "MB/token", "reads/token", "prompt hit %")
     rows = [head]
     for r in results:
-        rows.append((
-            r.policy, r.capacity, r.admission, str(r.slots), f"{100 * r.hit_rate:.2f}",
-            f"{r.mb_per_token:.1f}", f"{r.misses_per_token:.1f}",
-            f"{100 * r.prompt_hit_rate:.2f}" if r.prompt_hits + r.prompt_misses else "-",
-        ))
+        rows.append(
+            (
+                r.policy,
+                r.capacity,
+                r.admission,
+                str(r.slots),
+                f"{100 * r.hit_rate:.2f}",
+                f"{r.mb_per_token:.1f}",
+                f"{r.misses_per_token:.1f}",
+                f"{100 * r.prompt_hit_rate:.2f}" if r.prompt_hits + r.prompt_misses else "-",
+            )
+        )
     widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
     lines = []
     for n, row in enumerate(rows):
@@ -750,8 +821,9 @@ def replay_table(results: Sequence[ReplayResult]) -> str:
     return "\n".join(lines)
 
 
-def plot_replay(results: Sequence[ReplayResult], path: str | os.PathLike[str], title: str = "",
-                live: ReplayResult | None = None) -> None:
+def plot_replay(
+    results: Sequence[ReplayResult], path: str | os.PathLike[str], title: str = "", live: ReplayResult | None = None
+) -> None:
     """PNG of decode hit rate vs cache size, one line per policy, Belady dashed as the ceiling."""
     import matplotlib
 

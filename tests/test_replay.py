@@ -38,9 +38,18 @@ def _drive_cache(model: str, trace_path, n_slots: int, admit_prompt: bool, seed:
     f = GGUFFile(model)
     store = ExpertStore(f, layers, experts, False)
     reader = ExpertReader(model, store.max_segment_nbytes, threads=3)
-    cache = ExpertCache(store, reader, n_slots)
-    meta = {"n_slots": n_slots, "policy": "lru", "admit_prompt": admit_prompt, "layers": layers,
-            "experts": experts, "top_k": top_k, "expert_bytes": max(store.expert_file_nbytes)}
+    scratch = 0 if admit_prompt else top_k  # as the engine: non-admitted misses use scratch slots
+    cache = ExpertCache(store, reader, n_slots + scratch, scratch_slots=scratch)
+    cache.admit_prompt = admit_prompt
+    meta = {
+        "n_slots": n_slots,
+        "policy": "lru",
+        "admit_prompt": admit_prompt,
+        "layers": layers,
+        "experts": experts,
+        "top_k": top_k,
+        "expert_bytes": max(store.expert_file_nbytes),
+    }
     writer = TraceWriter(trace_path, meta)
     now = {"step": 0, "token": 0}
 
@@ -112,8 +121,9 @@ def test_replay_reproduces_engine_run(tiny_model, tmp_path):
     acc = rp.accesses_from_trace(meta, rows)
     r = rp.replay(acc, "lru", meta["n_slots"])
     assert r.hits == gen.stats.hits + gen2.stats.hits
-    assert r.hits + r.decode_misses + r.prompt_misses == (gen.stats.hits + gen.stats.misses
-                                                          + gen2.stats.hits + gen2.stats.misses)
+    assert r.hits + r.decode_misses + r.prompt_misses == (
+        gen.stats.hits + gen.stats.misses + gen2.stats.hits + gen2.stats.misses
+    )
 
 
 # ---- the semantics on hand-made traces ---------------------------------------------------------------
@@ -143,13 +153,13 @@ def test_lru_eviction_order_matches_hand_trace():
     assert rp.replay(acc, "fifo", 2).decode_hits == 1  # 3 evicts 1 (first in)
 
 
-def test_decode_only_admission_still_takes_a_slot_for_the_fetch():
-    # 2 slots: decode [1,2] fills them; a prompt fetch of [3] is not admitted but, like the engine, needs a
-    # slot while it runs, so it evicts the LRU key 1; the slot is free again afterwards.
+def test_decode_only_admission_leaves_the_cache_alone():
+    # 2 slots: decode [1,2] fills them; a prompt fetch of [3] is not admitted: the engine serves it from a
+    # scratch slot, so neither 1 nor 2 is evicted or refreshed.
     acc = _acc([[1, 2], [3], [1], [2]], decode=[True, False, True, True])
     r = rp.replay(acc, "lru", 2, admission="decode-only")
     assert (r.prompt_hits, r.prompt_misses) == (0, 1)
-    assert r.decode_hits == 1  # [1] misses (re-read into the free slot), [2] hits
+    assert r.decode_hits == 2
     r_all = rp.replay(acc, "lru", 2, admission="all")
     assert r_all.decode_hits == 0  # admitted 3 then pushes out 2 when 1 returns
 
@@ -207,7 +217,7 @@ def test_waves_when_a_fetch_exceeds_the_cache():
 
 
 def _optimum(groups, decode, cap):
-    """Exhaustive search over every eviction choice (each fetch's keys resident together)."""
+    """Exhaustive search over every eviction and admission choice (a fetch's hits stay resident)."""
     n = len(groups)
 
     @lru_cache(None)
@@ -216,13 +226,17 @@ def _optimum(groups, decode, cap):
             return 0
         need = frozenset(groups[g])
         hits = state & need
+        misses = sorted(need - state)
         others = sorted(state - need)
         out = 0
-        for r in range(len(others) + 1):
-            for keep in itertools.combinations(others, r):
-                kept = hits | frozenset(keep)
-                if len(kept | need) <= cap:
-                    out = max(out, best(g + 1, kept | need))
+        # a miss may be admitted or served from a scratch slot (bypass); residents may be evicted
+        for a in range(len(misses) + 1):
+            for admitted in itertools.combinations(misses, a):
+                for r in range(len(others) + 1):
+                    for keep in itertools.combinations(others, r):
+                        nxt = hits | frozenset(admitted) | frozenset(keep)
+                        if len(nxt) <= cap:
+                            out = max(out, best(g + 1, nxt))
         return (len(hits) if decode[g] else 0) + out
 
     return best(0, frozenset())
@@ -242,10 +256,16 @@ def traces(draw, max_keys=6, max_groups=10):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces())
-def test_belady_is_the_exhaustive_optimum(t):
+def test_belady_is_bounded_by_the_exhaustive_optimum(t):
     groups, decode, cap = t
     acc = _acc(groups, decode)
-    assert rp.replay(acc, "belady", cap).decode_hits == _optimum(groups, decode, cap)
+    # Greedy MIN with bypass is not always the exact optimum once a fetch's hits must stay resident together
+    # (a prompt fetch that fills the cache can be worth partly bypassing); it is never above it, and never
+    # below any online policy (tested below).
+    got = rp.replay(acc, "belady", cap).decode_hits
+    assert got <= _optimum(groups, decode, cap)
+    for policy in OTHERS:
+        assert rp.replay(acc, policy, cap).decode_hits <= got
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -339,8 +359,7 @@ def _cli(argv):
 
 def test_replay_cli(recorded, tmp_path, capsys):
     png = tmp_path / "r.png"
-    assert _cli(["replay", str(recorded), "--slots", "8,16,engine", "--policy", "lru,pin+lru",
-                 "--plot", str(png)]) == 0
+    assert _cli(["replay", str(recorded), "--slots", "8,16,engine", "--policy", "lru,pin+lru", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "belady" in out and "exact" in out and png.stat().st_size > 0
     assert _cli(["replay", str(recorded), "--slots", "16", "--json", "--no-plot", "--per-layer"]) == 0

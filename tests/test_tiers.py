@@ -1,0 +1,123 @@
+"""Memory tiers: the non-admitting prompt path, min-hits admission, the pinned profile part, the elastic
+cache; and the output staying the same across every tier configuration."""
+
+from __future__ import annotations
+
+import pytest
+
+from moestream.elastic import ElasticWatcher
+from moestream.engine import Engine
+from moestream.replay import Admission, accesses_from_trace, live_result, replay
+from moestream.sampling import Sampler
+from moestream.synth import write_synth
+from moestream.trace import read_trace
+
+PROMPT_A = list(range(5, 45))
+PROMPT_B = list(range(300, 340))
+N = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiers") / "tiny.gguf")
+    write_synth("tiny", "Q4_0", path, progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny) -> list[int]:
+    eng = Engine(tiny, n_slots=64)
+    try:
+        return eng.generate(PROMPT_A, N, Sampler()).tokens
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("admit_prompt", [False, True])
+def test_prompt_path_leaves_decode_lru_alone_when_not_admitting(tiny, admit_prompt):
+    eng = Engine(tiny, n_slots=12, admit_prompt=admit_prompt, ubatch=8)
+    try:
+        eng.generate(PROMPT_A, N, Sampler())
+        before = eng.cache.cached_keys()
+        eng.generate(PROMPT_B, 1, Sampler())  # one token: the prompt path only, no decode step
+        after = eng.cache.cached_keys()
+        assert (before == after) == (not admit_prompt)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("admit_prompt,min_hits", [(False, 0), (True, 2), (False, 1)])
+def test_replay_reproduces_live_hits_under_admission_rules(tiny, tmp_path, admit_prompt, min_hits):
+    path = str(tmp_path / "t.csv")
+    eng = Engine(tiny, n_slots=24, admit_prompt=admit_prompt, min_hits=min_hits, trace_path=path, ubatch=8)
+    eng.generate(PROMPT_A, N, Sampler())
+    eng.generate(PROMPT_B, N, Sampler())
+    eng.close()
+    meta, rows = read_trace(path)
+    acc = accesses_from_trace(meta, rows)
+    live = live_result(acc)
+    adm = "all" if admit_prompt else "decode-only"
+    if min_hits:
+        adm += f"+min-hits:{min_hits}"
+    got = replay(acc, "lru", int(meta["n_slots"]), admission=Admission.parse(adm))
+    assert (got.decode_hits, got.prompt_hits) == (live.decode_hits, live.prompt_hits)
+
+
+def test_pinned_profile_part_is_loaded_and_serves_hits(tiny, tmp_path, baseline):
+    trace = str(tmp_path / "t.csv")
+    eng = Engine(tiny, n_slots=64, trace_path=trace)
+    eng.generate(PROMPT_A, N, Sampler())
+    eng.close()
+    from moestream.profile import build_profile, write_profile
+
+    meta, rows = read_trace(trace)
+    profile = str(tmp_path / "p.txt")
+    write_profile(build_profile(meta, rows), profile)
+    eng = Engine(tiny, n_slots=24, pin_profile=profile, pin_mb=1)
+    try:
+        pinned = eng.cache.pinned_slots
+        assert 0 < pinned <= 24 - eng.cfg.top_k
+        gen = eng.generate(PROMPT_A, N, Sampler())
+        assert eng.cache.stats.pinned_hits > 0
+        assert gen.tokens == baseline
+        assert eng.cache.pinned_slots == pinned  # never evicted
+    finally:
+        eng.close()
+
+
+def test_elastic_cache_shrinks_below_the_floor_and_grows_back(tiny, baseline):
+    avail = [10 << 30]
+    eng = Engine(tiny, n_slots=48)
+    try:
+        eng.generate(PROMPT_A, N, Sampler())
+        w = ElasticWatcher(eng.cache, keep_free_mb=1024, available=lambda: avail[0], grow_step_mb=1)
+        assert w.step() == 0 or eng.cache.capacity == 48  # plenty free: nothing to give back
+        used_before = eng.cache.used_slots
+        avail[0] = 1024 * 2**20 - 20 * eng.cache.slot_nbytes  # a program took memory: 20 slots short
+        released = -w.step()
+        assert released == 20
+        assert eng.cache.capacity == 28 and eng.cache.used_slots <= min(used_before, 28)
+        avail[0] = 0  # far below: shrinks to the floor, never below what one token needs
+        w.step()
+        assert eng.cache.capacity == eng.cfg.top_k
+        eng.reset()
+        assert eng.generate(PROMPT_A, N, Sampler()).tokens == baseline
+        assert eng.cache.used_slots <= eng.cfg.top_k
+        avail[0] = 10 << 30  # memory is back: grows a step at a time
+        grown = w.step()
+        assert grown > 0 and eng.cache.capacity == eng.cfg.top_k + grown
+        while w.step():
+            pass
+        assert eng.cache.capacity == 48
+        assert eng.cache.stats.shrinks == 2 and eng.cache.stats.grows >= 1
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("kw", [dict(admit_prompt=False), dict(min_hits=2), dict(keep_free_mb=1)])
+def test_output_identical_across_tier_configurations(tiny, baseline, kw):
+    eng = Engine(tiny, n_slots=10, **kw)
+    try:
+        assert eng.generate(PROMPT_A, N, Sampler()).tokens == baseline
+    finally:
+        eng.close()
