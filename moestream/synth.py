@@ -1,7 +1,7 @@
-"""Synthetic qwen3moe GGUF models at real shapes with random weights.
+"""Synthetic qwen3moe and qwen35moe GGUF models at real shapes with random weights.
 
 They exercise the engine (and llama.cpp, for baselines) at full size without downloading anything:
-same tensor names, shapes, types and expert layout as a converted Qwen3-MoE GGUF.
+same tensor names, shapes, types and expert layout as a converted Qwen3-MoE or Qwen3.5-MoE GGUF.
 
 Speed matters (a Qwen3-30B-A3B shape is ~17 GB): quantized tensors are made directly as random
 blocks. The quant bytes are raw generator output (uniform, which is a valid quant value for every
@@ -48,6 +48,17 @@ class SynthShape:
     rope_theta: float = 1_000_000.0
     rms_eps: float = 1e-6
     vocab: int | None = None  # None: the size of the tiny BPE vocab written as the tokenizer
+    arch: str = ARCH
+    # qwen35moe only: Gated DeltaNet layers (all but every full_attention_interval-th), partial rotary
+    lin_k_heads: int = 0
+    lin_v_heads: int = 0
+    lin_head_dim: int = 0  # key and value heads alike (llama.cpp's qwen35moe assumes so)
+    conv_kernel: int = 4
+    full_attention_interval: int = 4
+    rot_dim: int = 0  # rotary dims per head; 0: all of head_dim
+
+    def recurrent(self, layer: int) -> bool:
+        return self.arch == "qwen35moe" and (layer + 1) % self.full_attention_interval != 0
 
 
 SHAPES: dict[str, SynthShape] = {
@@ -87,6 +98,27 @@ SHAPES: dict[str, SynthShape] = {
         dense_ffn=5120,
         shared_ffn=512,
         context_length=262144,
+    ),
+    # Qwen3.5/3.6-35B-A3B as it is (transformers' Qwen3_5MoeTextConfig defaults): 3 of 4 layers Gated DeltaNet
+    # (16 key / 32 value heads of 128, conv 4), every 4th gated attention with rotary on 64 of 256 dims
+    "qwen3.6-35b-a3b": SynthShape(
+        n_layers=40,
+        hidden=2048,
+        n_heads=16,
+        n_kv_heads=2,
+        head_dim=256,
+        n_experts=256,
+        top_k=8,
+        expert_ffn=512,
+        dense_ffn=0,  # no dense FFN anywhere; the converter writes no feed_forward_length
+        shared_ffn=512,
+        context_length=262144,
+        rope_theta=10_000_000.0,
+        arch="qwen35moe",
+        lin_k_heads=16,
+        lin_v_heads=32,
+        lin_head_dim=128,
+        rot_dim=64,
     ),
 }
 
@@ -203,28 +235,41 @@ def tiny_bpe_metadata() -> dict[str, Any]:
 
 
 def shape_metadata(s: SynthShape, name: str, file_type: int) -> dict[str, Any]:
-    """The general.* and qwen3moe.* keys llama.cpp's converter writes for this shape."""
+    """The general.* and <arch>.* keys llama.cpp's converter writes for this shape."""
+    a = s.arch
     md: dict[str, Any] = {
-        "general.architecture": ARCH,
+        "general.architecture": a,
         "general.name": name,
         "general.file_type": int(file_type),
         "general.quantization_version": 2,
-        f"{ARCH}.block_count": s.n_layers,
-        f"{ARCH}.context_length": s.context_length,
-        f"{ARCH}.embedding_length": s.hidden,
-        f"{ARCH}.feed_forward_length": s.dense_ffn,
-        f"{ARCH}.attention.head_count": s.n_heads,
-        f"{ARCH}.attention.head_count_kv": s.n_kv_heads,
-        f"{ARCH}.attention.key_length": s.head_dim,
-        f"{ARCH}.attention.value_length": s.head_dim,
-        f"{ARCH}.rope.freq_base": float(s.rope_theta),
-        f"{ARCH}.attention.layer_norm_rms_epsilon": float(s.rms_eps),
-        f"{ARCH}.expert_count": s.n_experts,
-        f"{ARCH}.expert_used_count": s.top_k,
-        f"{ARCH}.expert_feed_forward_length": s.expert_ffn,
+        f"{a}.block_count": s.n_layers,
+        f"{a}.context_length": s.context_length,
+        f"{a}.embedding_length": s.hidden,
+        **({f"{a}.feed_forward_length": s.dense_ffn} if s.dense_ffn else {}),  # none in qwen35moe files
+        f"{a}.attention.head_count": s.n_heads,
+        f"{a}.attention.head_count_kv": s.n_kv_heads,
+        f"{a}.attention.key_length": s.head_dim,
+        f"{a}.attention.value_length": s.head_dim,
+        f"{a}.rope.freq_base": float(s.rope_theta),
+        f"{a}.attention.layer_norm_rms_epsilon": float(s.rms_eps),
+        f"{a}.expert_count": s.n_experts,
+        f"{a}.expert_used_count": s.top_k,
+        f"{a}.expert_feed_forward_length": s.expert_ffn,
     }
     if s.shared_ffn:
-        md[f"{ARCH}.expert_shared_feed_forward_length"] = s.shared_ffn
+        md[f"{a}.expert_shared_feed_forward_length"] = s.shared_ffn
+    if a == "qwen35moe":
+        md |= {
+            f"{a}.ssm.conv_kernel": s.conv_kernel,
+            f"{a}.ssm.state_size": s.lin_head_dim,
+            f"{a}.ssm.group_count": s.lin_k_heads,
+            f"{a}.ssm.time_step_rank": s.lin_v_heads,
+            f"{a}.ssm.inner_size": s.lin_v_heads * s.lin_head_dim,
+            f"{a}.attention.recurrent_layers": [s.recurrent(i) for i in range(s.n_layers)],
+            f"{a}.full_attention_interval": s.full_attention_interval,
+            f"{a}.rope.dimension_count": s.rot_dim or s.head_dim,
+            f"{a}.rope.dimension_sections": [11, 11, 10, 0],  # MRoPE for images; text sees plain rotary
+        }
     return md
 
 
@@ -233,6 +278,16 @@ def _spec(name: str, ggml_type: T, shape: tuple[int, ...], std: float, seed: int
     # one stream per tensor name: a 2-layer file has the same first two layers as the full model
     key = (seed, zlib.crc32(name.encode()))
     return TensorSpec(name, ggml_type, shape, lambda: random_blocks(ggml_type, n, std, key))
+
+
+def _uniform_spec(name: str, n: int, lo: float, hi: float, seed: int) -> TensorSpec:
+    """A small F32 vector uniform in [lo, hi) (the converter writes 1-D tensors in F32)."""
+
+    def produce() -> Iterator[np.ndarray]:
+        rng = np.random.default_rng((seed, zlib.crc32(name.encode())))
+        yield rng.uniform(lo, hi, n).astype(np.float32)
+
+    return TensorSpec(name, T.F32, (n,), produce)
 
 
 def _norm_spec(name: str, n: int, seed: int) -> TensorSpec:
@@ -244,23 +299,51 @@ def _norm_spec(name: str, n: int, seed: int) -> TensorSpec:
     return TensorSpec(name, T.F32, (n,), produce)
 
 
+def _deltanet_specs(s: SynthShape, p: str, dense_type: T, seed: int) -> list[TensorSpec]:
+    """One Gated DeltaNet layer's token mixer, under llama.cpp's names and in its stored forms."""
+    H, Hv, d, K = s.hidden, s.lin_v_heads, s.lin_head_dim, s.conv_kernel
+    conv_dim = 2 * s.lin_k_heads * d + Hv * d
+    w_in = 1.0 / math.sqrt(H)
+    return [
+        _spec(p + "attn_qkv.weight", dense_type, (conv_dim, H), w_in, seed),
+        _spec(p + "attn_gate.weight", dense_type, (Hv * d, H), w_in, seed),
+        _spec(p + "ssm_beta.weight", dense_type, (Hv, H), w_in, seed),
+        _spec(p + "ssm_alpha.weight", dense_type, (Hv, H), w_in, seed),
+        # depthwise conv kernel, F32 as llama.cpp keeps it; std of nn.Conv1d's init for 4 taps
+        _spec(p + "ssm_conv1d.weight", T.F32, (conv_dim, K), 0.5 / math.sqrt(3), seed),
+        _uniform_spec(p + "ssm_dt.bias", Hv, 0.5, 1.5, seed),
+        # -exp(A_log) with A uniform in (0.01, 16) as transformers initialises it: heads that forget within
+        # a token next to heads that remember for hundreds
+        _uniform_spec(p + "ssm_a", Hv, -16.0, -0.01, seed),
+        _norm_spec(p + "ssm_norm.weight", d, seed),
+        _spec(p + "ssm_out.weight", dense_type, (H, Hv * d), 0.002, seed),
+    ]
+
+
 def synth_tensors(s: SynthShape, expert_type: T, dense_type: T, vocab: int, seed: int) -> list[TensorSpec]:
     H, q_dim, kv_dim = s.hidden, s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     E, F, Fs = s.n_experts, s.expert_ffn, s.shared_ffn
     w_in = 1.0 / math.sqrt(H)  # input projections: unit-variance outputs from an RMS-normed input
     w_out = 0.002  # residual writers (attn_output, ffn_down): small, the embedding keeps dominating
+    gated = s.arch == "qwen35moe"  # attn_q also yields a per-head output gate
     specs = [_spec("token_embd.weight", dense_type, (vocab, H), 1.0, seed)]
     for i in range(s.n_layers):
         p = f"blk.{i}."
+        specs.append(_norm_spec(p + "attn_norm.weight", H, seed))
+        if s.recurrent(i):
+            specs += _deltanet_specs(s, p, dense_type, seed)
+        else:
+            specs += [
+                _spec(p + "attn_q.weight", dense_type, ((2 if gated else 1) * q_dim, H), w_in, seed),
+                _spec(p + "attn_k.weight", dense_type, (kv_dim, H), w_in, seed),
+                _spec(p + "attn_v.weight", dense_type, (kv_dim, H), w_in, seed),
+                _spec(p + "attn_output.weight", dense_type, (H, q_dim), w_out, seed),
+                _norm_spec(p + "attn_q_norm.weight", s.head_dim, seed),
+                _norm_spec(p + "attn_k_norm.weight", s.head_dim, seed),
+            ]
         specs += [
-            _norm_spec(p + "attn_norm.weight", H, seed),
-            _spec(p + "attn_q.weight", dense_type, (q_dim, H), w_in, seed),
-            _spec(p + "attn_k.weight", dense_type, (kv_dim, H), w_in, seed),
-            _spec(p + "attn_v.weight", dense_type, (kv_dim, H), w_in, seed),
-            _spec(p + "attn_output.weight", dense_type, (H, q_dim), w_out, seed),
-            _norm_spec(p + "attn_q_norm.weight", s.head_dim, seed),
-            _norm_spec(p + "attn_k_norm.weight", s.head_dim, seed),
-            _norm_spec(p + "ffn_norm.weight", H, seed),
+            # qwen35moe names the norm before the MoE after the attention it follows
+            _norm_spec(p + ("post_attention_norm.weight" if gated else "ffn_norm.weight"), H, seed),
             # router logits with std ~2: top-k sets differ between tokens, softmax is not one-hot
             _spec(p + "ffn_gate_inp.weight", T.F32, (E, H), 2.0 * w_in, seed),
             _spec(p + "ffn_gate_exps.weight", expert_type, (E, F, H), w_in, seed),
@@ -273,6 +356,8 @@ def synth_tensors(s: SynthShape, expert_type: T, dense_type: T, vocab: int, seed
                 _spec(p + "ffn_up_shexp.weight", expert_type, (Fs, H), w_in, seed),
                 _spec(p + "ffn_down_shexp.weight", expert_type, (H, Fs), w_out, seed),
             ]
+            if gated:  # sigmoid gate on the shared expert: logits of std ~1
+                specs.append(_spec(p + "ffn_gate_inp_shexp.weight", T.F32, (1, H), w_in, seed))
     specs += [
         _norm_spec("output_norm.weight", H, seed),
         _spec("output.weight", dense_type, (vocab, H), 2.0 * w_in, seed),
@@ -336,6 +421,6 @@ def write_synth(
     md = shape_metadata(s, name, _FILE_TYPE[expert_type]) | tok_md
     path = os.fspath(path)
     write_gguf(
-        path, ARCH, md, synth_tensors(s, expert_type, dense_type, vocab, seed), progress=progress, desc=name
+        path, s.arch, md, synth_tensors(s, expert_type, dense_type, vocab, seed), progress=progress, desc=name
     )
     return path
