@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 import torch
 
 from moestream import linear, quants
-from moestream.budget import MB, BudgetPlan, peak_rss_bytes, plan_slots, rss_bytes
+from moestream.budget import MB, UBATCH_CHOICES, BudgetPlan, choose_ubatch, peak_rss_bytes, plan_slots, rss_bytes
 from moestream.errors import BudgetError, ContextError, ModelFileError
 from moestream.expert_cache import ExpertCache
 from moestream.expert_store import ExpertStore
 from moestream.gguf_file import GGUFFile
+from moestream.mlock import LockReport, lock_dense, routed_nbytes
 from moestream.models import ARCHITECTURES
 from moestream.reader import ExpertReader
 from moestream.sampling import Sampler
@@ -97,7 +98,7 @@ class Engine:
         io_threads: int = 4,
         direct: bool | None = None,
         exact: bool | None = None,
-        ubatch: int = DEFAULT_UBATCH,
+        ubatch: int | None = None,  # None: the largest of UBATCH_CHOICES the budget fits
         n_slots: int | None = None,
         reserve_mb: int | None = None,
         trace_path: str | None = None,
@@ -108,6 +109,7 @@ class Engine:
         pin_mb: int | None = None,
         keep_free_mb: int | None = None,
         progress: bool = False,
+        mlock: bool | None = None,  # None: lock the dense weights where the limit allows
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -122,23 +124,33 @@ class Engine:
             )
         _check_types(f)
         self.exact = _is_float_model(f) if exact is None else exact
-        self.ubatch = ubatch
+        self.ubatch = ubatch or DEFAULT_UBATCH
         cfg = model_cls.config_from_gguf(f)
         self.ctx = min(ctx or min(cfg.context_length, 4096), cfg.context_length)
         self.store = ExpertStore(f, cfg.n_layers, cfg.n_experts, self.exact)
-        kw = _plan_args(model_cls, cfg, self.store, self.ctx, io_threads, ubatch, ram_budget_mb)
+        # Until the micro-batch is chosen, plan with the smallest one it could be.
+        kw = _plan_args(model_cls, cfg, self.store, self.ctx, io_threads, ubatch or UBATCH_CHOICES[-1], ram_budget_mb)
         if reserve_mb is not None:
             kw["reserve_mb"] = reserve_mb
+        self._tokenizer = _tokenizer_if_any(f)  # built before sizing: ~50 MB for a 150k vocabulary
         if n_slots is None:
             # Refuse before loading anything if the dense weights alone break the budget.
             estimate = _dense_estimate(f, self.exact) + model_cls.kv_nbytes(cfg, self.ctx, self.exact)
             plan_slots(resident=rss_bytes() + estimate, **kw)
 
         self.model = model_cls(f, None, self.exact)
+        # Locked before sizing, so the budget measures the locked skeleton (mlock leaves RSS as it is).
+        self.lock_report: LockReport = lock_dense(self.model, routed_nbytes(f), enabled=mlock is not False)
         self.cfg = self.model.cfg
         self.kv = self.model.new_kv(self.ctx)
         self._kv_tokens: list[int] = []
         if n_slots is None:
+            if ubatch is None:
+                fit = {k: v for k, v in kw.items() if k not in ("compute", "max_slots")}
+                self.ubatch = choose_ubatch(
+                    resident=rss_bytes(), compute_for=lambda u: model_cls.compute_nbytes(cfg, u, self.ctx), **fit
+                )
+                kw["compute"] = model_cls.compute_nbytes(cfg, self.ubatch, self.ctx)
             self.plan: BudgetPlan | None = plan_slots(resident=rss_bytes(), **kw)
             n_slots = self.plan.n_slots
         else:
@@ -168,7 +180,6 @@ class Engine:
 
             self.elastic = ElasticWatcher(self.cache, keep_free_mb).start()
 
-        self._tokenizer = None
         self._step = 0  # forward calls so far: one per prompt micro-batch or decoded token
         self._token = 0  # session index of the first token of the current forward call
         self._trace = None
@@ -307,6 +318,7 @@ class Engine:
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+        self.lock_report.unlock()
         self.cache.close()
         self.reader.close()
         self.gguf.close()
@@ -318,7 +330,7 @@ def _plan_args(
     return dict(
         budget_mb=budget_mb,
         compute=model_cls.compute_nbytes(cfg, ubatch, ctx),
-        reader=io_threads * (store.max_segment_nbytes + 3 * 4096),
+        reader=3 * io_threads * (store.max_segment_nbytes + 3 * 4096),  # per-thread + pooled buffers
         slot_nbytes=store.slot_nbytes,
         min_slots=cfg.top_k,
         max_slots=cfg.n_layers * cfg.n_experts,
@@ -353,6 +365,19 @@ def budget_for_slots(
         return total // MB + 64  # slack: the runtime grows a little while loading
     finally:
         f.close()
+
+
+def _tokenizer_if_any(f: GGUFFile):
+    """The file's tokenizer, or None when it has none (the `tokenizer` property then says why, if asked)."""
+    from moestream.errors import MoestreamError
+    from moestream.tokenizer import Tokenizer
+
+    if "tokenizer.ggml.model" not in f.metadata:
+        return None
+    try:
+        return Tokenizer.from_metadata(f.metadata)
+    except MoestreamError:
+        return None
 
 
 def _dense_estimate(f: GGUFFile, exact: bool) -> int:

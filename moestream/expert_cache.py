@@ -51,6 +51,49 @@ class CacheStats:
 TraceSink = Callable[[int, int, int, str, int, float], None]
 
 
+class _Pending:
+    """An expert whose three segments are being read; packed segment by segment as reads complete."""
+
+    def __init__(self, layer, expert, slot, segs, outs, futures, exact):
+        self.layer, self.expert, self.slot = layer, expert, slot
+        self.segs, self.outs, self.futures, self.exact = segs, outs, futures, exact
+        self.parts: list[linear.QLinear | None] = [None, None, None]
+        self.left = len(futures)
+        self.t0 = time.perf_counter()
+
+    def segment_done(self, fut: Future) -> Expert | None:
+        """Pack a finished segment into the slot (in the caller's thread); the expert once all are in."""
+        i = self.futures.index(fut)
+        lease = fut.result()
+        try:
+            seg = self.segs[i]
+            arr = np.frombuffer(lease.view, dtype=np.uint8)
+            self.parts[i] = linear.pack_into(arr, seg.ggml_type, seg.n, seg.k, self.outs[i], self.exact)
+        finally:
+            lease.release()
+        self.left -= 1
+        return tuple(self.parts) if self.left == 0 else None  # type: ignore[return-value]
+
+    def finish(self) -> Expert:
+        out = None
+        for fut in self.futures:
+            out = self.segment_done(fut)
+        assert out is not None
+        return out
+
+    def drain(self) -> None:
+        for fut in self.futures:
+            try:
+                lease = fut.result()
+            except Exception:
+                continue
+            if self.parts[self.futures.index(fut)] is None:
+                lease.release()
+
+    def latency(self) -> float:
+        return time.perf_counter() - self.t0
+
+
 class ExpertCache:
     def __init__(self, store: ExpertStore, reader: ExpertReader, n_slots: int, scratch_slots: int = 0):
         if n_slots < 1:
@@ -111,39 +154,17 @@ class ExpertCache:
         # accesses before this group (counted when a fetch ends), as the replay counts them
         return self._access_counts.get(key, 0) >= self.min_hits
 
-    def _fill(self, layer: int, expert: int, slot: int) -> tuple[Future, float]:
-        """Start the three segment reads of an expert; each packs itself into its part of the slot."""
+    def _fill(self, layer: int, expert: int, slot: int) -> _Pending:
+        """Start the three segment reads of an expert into pooled buffers; the caller packs them (finish)."""
         layout = self.store.layouts[layer]
-        base = slot * self.slot_nbytes
-        parts: list[linear.QLinear | None] = [None, None, None]
-        futures = []
-        off = base
-        for i, seg in enumerate(self.store.segments(layer, expert)):
-            out = self._arena_t[off : off + layout.packed[i]]
-            off += (layout.packed[i] + 63) // 64 * 64
-
-            def consume(raw: memoryview, i=i, seg=seg, out=out) -> None:
-                arr = np.frombuffer(raw, dtype=np.uint8)
-                parts[i] = linear.pack_into(arr, seg.ggml_type, seg.n, seg.k, out, self.store.exact)
-
-            futures.append(self.reader.submit(seg.offset, seg.nbytes, consume))
-        done: Future = Future()
-        remaining = [len(futures)]
-        lock = threading.Lock()
-
-        def on_done(f: Future) -> None:
-            exc = f.exception()
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if exc is not None and not done.done():
-                done.set_exception(exc)
-            elif last and not done.done():
-                done.set_result(tuple(parts))
-
-        for f in futures:
-            f.add_done_callback(on_done)
-        return done, time.perf_counter()
+        outs = []
+        off = slot * self.slot_nbytes
+        for size in layout.packed:
+            outs.append(self._arena_t[off : off + size])
+            off += (size + 63) // 64 * 64
+        segs = self.store.segments(layer, expert)
+        futures = [self.reader.read(seg.offset, seg.nbytes) for seg in segs]
+        return _Pending(layer, expert, slot, segs, outs, futures, self.store.exact)
 
     # -- the model's view ------------------------------------------------------------------------------
 
@@ -176,7 +197,7 @@ class ExpertCache:
             self.stats.misses += len(pending)
             phase[0] += len(hits)
             phase[1] += len(pending)
-        inflight: dict[Future, tuple[int, int, float]] = {}
+        inflight: dict[Future, _Pending] = {}  # segment read -> the expert it belongs to
         hitq = deque(hits)
 
         def launch() -> None:
@@ -201,8 +222,9 @@ class ExpertCache:
                         # sequence of requests, never on which read finished first (replay reproduces it).
                         self._key_of[slot] = (layer, e)
                         self._lru[(layer, e)] = slot
-                    fut, t0 = self._fill(layer, e, slot)
-                    inflight[fut] = (e, slot, t0)
+                    p = self._fill(layer, e, slot)
+                    for fut in p.futures:
+                        inflight[fut] = p
             if pending and not inflight and not hitq:
                 raise BudgetError(
                     f"all {self.n_slots} expert slots are pinned; raise --ram-budget-mb so at least "
@@ -225,37 +247,42 @@ class ExpertCache:
                 done, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
                 self.stats.read_wait_s += time.perf_counter() - t_wait
                 for fut in done:
-                    e, slot, t0 = inflight.pop(fut)
+                    p = inflight.pop(fut)
                     try:
-                        try:
-                            experts = fut.result()
-                        except BaseException:
-                            self._forget(slot)
-                            raise
+                        experts = p.segment_done(fut)
+                    except BaseException:
+                        self._abandon(p, inflight)
+                        raise
+                    if experts is None:
+                        continue  # other segments of this expert are still being read
+                    try:
                         nbytes = self.store.expert_file_nbytes[layer]
                         self.stats.bytes_read += nbytes
                         if self.trace is not None:
-                            self.trace(layer, e, ids.index(e), "disk", nbytes, time.perf_counter() - t0)
+                            self.trace(layer, p.expert, ids.index(p.expert), "disk", nbytes, p.latency())
                         with self._lock:
-                            self._experts[slot] = experts
-                        yield e, experts
+                            self._experts[p.slot] = experts
+                        yield p.expert, experts
                     finally:
-                        self._unpin(slot, release=True)  # frees it only if it was not admitted
+                        self._unpin(p.slot, release=True)  # frees it only if it was not admitted
                 launch()
         finally:
-            # On an exception or an abandoned generator, wait for reads that still write into slots.
-            for fut, (_e, slot, _t0) in list(inflight.items()):
-                try:
-                    fut.result()
-                except Exception:
-                    pass
-                self._forget(slot)  # never yielded: its contents were not checked, so do not keep them
-                self._unpin(slot, release=True)
+            # On an exception or an abandoned generator, drain reads that still hold buffers and slots.
+            for p in {id(p): p for p in inflight.values()}.values():
+                self._abandon(p, inflight)
             for _e, slot in hitq:
                 self._unpin(slot)
             if self.min_hits > 0:
                 for e in ids:
                     self._access_counts[(layer, e)] = self._access_counts.get((layer, e), 0) + 1
+
+    def _abandon(self, p: _Pending, inflight: dict[Future, _Pending]) -> None:
+        """Drop an expert whose reads failed or are no longer wanted: release its buffers and its slot."""
+        for fut in p.futures:
+            inflight.pop(fut, None)
+        p.drain()
+        self._forget(p.slot)  # never yielded: its contents were not checked, so do not keep them
+        self._unpin(p.slot, release=True)
 
     def _forget(self, slot: int) -> None:
         with self._lock:
@@ -292,9 +319,9 @@ class ExpertCache:
                 for layer, e in keys[i : i + batch]:
                     slot = self._free.popleft()
                     self._pins[slot] += 1
-                    inflight.append(((layer, e), slot, self._fill(layer, e, slot)[0]))
-            for key, slot, fut in inflight:
-                experts = fut.result()
+                    inflight.append(((layer, e), slot, self._fill(layer, e, slot)))
+            for key, slot, p in inflight:
+                experts = p.finish()
                 with self._lock:
                     self._experts[slot] = experts
                     self._key_of[slot] = key

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +23,16 @@ from moestream.errors import MoestreamError
 from moestream.gguf_file import drop_page_cache
 
 ALIGN = 4096
+
+
+class Lease:
+    """Bytes read into a pooled buffer; release() hands the buffer back for the next read."""
+
+    __slots__ = ("view", "release")
+
+    def __init__(self, view: memoryview, release: Callable[[], None]):
+        self.view = view
+        self.release = release
 
 
 class AlignedBuffer:
@@ -73,11 +84,15 @@ class ExpertReader:
         self._buffers: list[AlignedBuffer] = []
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moestream-read")
+        # Buffers for read(): twice the threads, so reads go on while the caller packs finished ones.
+        self._pool_buffers: queue.SimpleQueue[AlignedBuffer] = queue.SimpleQueue()
+        for _ in range(2 * self.threads):
+            self._pool_buffers.put(AlignedBuffer(self.buffer_nbytes))
 
     @property
     def buffers_nbytes(self) -> int:
         """Memory the reader holds at most (counted in the budget)."""
-        return self.threads * self.buffer_nbytes
+        return 3 * self.threads * self.buffer_nbytes
 
     def _buffer(self) -> AlignedBuffer:
         buf = getattr(self._local, "buf", None)
@@ -90,7 +105,9 @@ class ExpertReader:
 
     def read_into(self, offset: int, nbytes: int) -> memoryview:
         """Read [offset, offset+nbytes) into this thread's buffer; valid until its next read."""
-        buf = self._buffer()
+        return self._read_to(self._buffer(), offset, nbytes)
+
+    def _read_to(self, buf: AlignedBuffer, offset: int, nbytes: int) -> memoryview:
         if self._fd_direct is not None:
             start = offset // ALIGN * ALIGN
             end = (offset + nbytes + ALIGN - 1) // ALIGN * ALIGN
@@ -111,6 +128,24 @@ class ExpertReader:
                     return
                 raise MoestreamError(f"{self.path}: short read at byte {offset + done}; is the file truncated?")
             done += n
+
+    def read(self, offset: int, nbytes: int) -> Future:
+        """Read a range on the pool into a pooled buffer; the future gives a Lease the caller must release.
+
+        The caller (the model's thread) packs the bytes itself: on a 2-core machine the pool threads then
+        only sleep in the kernel (O_DIRECT is DMA), and never compete with the compute threads for a core.
+        """
+
+        def task() -> Lease:
+            buf = self._pool_buffers.get()
+            try:
+                view = self._read_to(buf, offset, nbytes)
+            except BaseException:
+                self._pool_buffers.put(buf)
+                raise
+            return Lease(view, lambda: self._pool_buffers.put(buf))
+
+        return self._pool.submit(task)
 
     def submit(self, offset: int, nbytes: int, consume: Callable[[memoryview], object]) -> Future:
         """Read a range on the pool and run consume(bytes) in the same thread (e.g. pack into a cache slot)."""
