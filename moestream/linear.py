@@ -79,9 +79,7 @@ class QLinear:
         """Rows [r0, r1) of the int4 form -> bf16 `out` [r1 - r0, K] (contiguous)."""
         n, k = self.out_features, self.in_features
         assert out.is_contiguous() and out.dtype == torch.bfloat16 and out.shape == (r1 - r0, k)
-        rc = lib.ms_int4_to_bf16(
-            self.weight.data_ptr(), self.scales_zeros.data_ptr(), n, k, r0, r1, out.data_ptr()
-        )
+        rc = lib.ms_int4_to_bf16(self.weight.data_ptr(), self.scales_zeros.data_ptr(), n, k, r0, r1, out.data_ptr())
         if rc != 0:
             raise RuntimeError(f"ms_int4_to_bf16 failed ({rc}) for rows {r0}:{r1} of [{n}, {k}]")
 
@@ -119,6 +117,24 @@ class QLinear:
         return w_t.float().T.contiguous()
 
 
+def concat(parts: list[QLinear]) -> QLinear | None:
+    """One QLinear computing all parts' outputs side by side (e.g. fused q/k/v), or None if the forms differ.
+
+    The int4 layout is blocked by 64 rows, so stacking whole blocks along N is a plain concatenation.
+    """
+    kind, k = parts[0].kind, parts[0].in_features
+    if any(p.kind != kind or p.in_features != k for p in parts):
+        return None
+    n = sum(p.out_features for p in parts)
+    weight = torch.cat([p.weight for p in parts], dim=0)
+    sz = None
+    if kind == "int4":
+        if any(p.out_features % INT4_BLOCK_N for p in parts):
+            return None
+        sz = torch.cat([p.scales_zeros for p in parts], dim=1).contiguous()  # type: ignore[misc]
+    return QLinear(n, k, kind, weight, sz)
+
+
 def compute_kind(ggml_type: int, n: int, k: int, exact: bool) -> str:
     """Which form a [n, k] weight of `ggml_type` is computed in."""
     quants.tensor_nbytes(ggml_type, k)  # raises for an unsupported type or a ragged row
@@ -152,9 +168,7 @@ def _raw_array(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int) -> 
     arr = quants.as_bytes(raw)
     need = quants.tensor_nbytes(ggml_type, n * k)
     if arr.size < need:
-        raise ValueError(
-            f"{quants.type_name(ggml_type)} [{n}, {k}] needs {need} bytes of GGUF data, got {arr.size}"
-        )
+        raise ValueError(f"{quants.type_name(ggml_type)} [{n}, {k}] needs {need} bytes of GGUF data, got {arr.size}")
     arr = arr[:need]
     # the C decoders read F32/F16/BF16 as arrays of that type: keep them naturally aligned
     if arr.ctypes.data % 4:
@@ -204,9 +218,7 @@ def int4_parts_numpy(raw: np.ndarray, ggml_type: int, n: int, k: int) -> tuple[n
     return q.reshape(n, k), np.ascontiguousarray(sz.transpose(1, 0, 2))
 
 
-def _pack_int4_torch(
-    raw: np.ndarray, ggml_type: int, n: int, k: int, packed: torch.Tensor, sz: torch.Tensor
-) -> None:
+def _pack_int4_torch(raw: np.ndarray, ggml_type: int, n: int, k: int, packed: torch.Tensor, sz: torch.Tensor) -> None:
     q, szf = int4_parts_numpy(raw, ggml_type, n, k)
     packed.copy_(torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1))
     sz.copy_(torch.from_numpy(szf))
@@ -219,9 +231,7 @@ def _dequant_torch(raw: np.ndarray, ggml_type: int, n: int, k: int, w: torch.Ten
 # ---------------------------------------------------------------------------------------------------------
 
 
-def pack_into(
-    raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, out: torch.Tensor, exact: bool
-) -> QLinear:
+def pack_into(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, out: torch.Tensor, exact: bool) -> QLinear:
     """Fill `out` with the compute form of W [n, k] and return a QLinear whose tensors view `out`.
 
     `out`: contiguous uint8 CPU tensor, 64-byte aligned start, at least packed_nbytes(...) bytes. Nothing

@@ -20,23 +20,32 @@ class ExpertProvider(Protocol):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class RoPE:
     """NeoX-style rotary embedding (rotate the two halves), optionally on the first `rot_dim` dims only."""
 
-    def __init__(self, head_dim: int, theta: float, rot_dim: int | None = None):
+    def __init__(self, head_dim: int, theta: float, rot_dim: int | None = None, max_pos: int = 0):
         self.rot_dim = rot_dim or head_dim
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.rot_dim, 2, dtype=torch.float64) / self.rot_dim))
+        self._cos = self._sin = torch.empty(0, 1, self.rot_dim // 2)
+        if max_pos:
+            self._table(max_pos)
+
+    def _table(self, n: int) -> None:
+        # Computed once in float64 for every position: each layer's call is then two slices.
+        ang = torch.outer(torch.arange(n, dtype=torch.float64), self.inv_freq)
+        self._cos = ang.cos().float()[:, None, :]
+        self._sin = ang.sin().float()[:, None, :]
 
     def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         """x [T, heads, head_dim] at positions pos..pos+T-1."""
         T = x.shape[0]
-        t = torch.arange(pos, pos + T, dtype=torch.float64)
-        ang = torch.outer(t, self.inv_freq)
-        cos = ang.cos().float()[:, None, :]
-        sin = ang.sin().float()[:, None, :]
+        if pos + T > self._cos.shape[0]:
+            self._table(max(pos + T, 2 * self._cos.shape[0]))
+        cos = self._cos[pos : pos + T]
+        sin = self._sin[pos : pos + T]
         r = self.rot_dim
         half = r // 2
         x1, x2 = x[..., :half], x[..., half:r]
