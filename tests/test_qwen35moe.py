@@ -146,6 +146,24 @@ def test_mtp_block_and_interval_only_metadata(tiny, tmp_path):
 
 
 # Q4_0 experts take the same int4 kernels as Q4_K ones (and quantize 100x faster); Q8_0 dense: bf16 matmuls
+def test_llama_cpp_reads_the_same_model(tiny):
+    """llama.cpp's own qwen35moe graph on the same file: names, head order and norm offsets agree with it."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path, toks, _, _ = tiny
+    llm = llama_cpp.Llama(model_path=path, n_ctx=128, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(toks[:40])
+    ref = torch.tensor(llm.scores[:40])
+    llm.close()
+    eng = _engine(path)
+    try:
+        with torch.inference_mode():
+            ours = eng.model.forward(toks[:40], eng.kv, 0, all_logits=True)
+    finally:
+        eng.close()
+    assert _rel(ours, ref) < 2e-3  # llama.cpp rounds some activations to F16
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
 @pytest.mark.parametrize(("dense_type", "expert_type"), [(T.F32, T.F32), (T.Q8_0, T.Q4_0)])
 def test_streaming_never_changes_greedy_output(tmp_path, dense_type, expert_type):
     model = _hf_model(seed=2)

@@ -301,3 +301,33 @@ def test_qwen36_layers_load_and_generate(tmp_path):
     finally:
         torch.set_num_threads(threads)
         os.remove(path)  # 1.9 GB: pytest keeps the last runs' temporary directories
+
+
+def test_qwen36_architecture_reads_the_same_in_llama_cpp(tmp_path, monkeypatch):
+    """The benchmark runs llama.cpp on these files: it must compute the same model from them.
+
+    The architecture at a small width (a full-width file is 1.9 GB for four layers).
+    """
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from moestream.engine import Engine
+
+    small = replace(
+        SHAPES["qwen3.6-35b-a3b"], hidden=256, n_heads=4, head_dim=64, n_experts=16, top_k=4, expert_ffn=256,
+        shared_ffn=256, lin_k_heads=2, lin_v_heads=4, lin_head_dim=64, rot_dim=16,
+    )  # fmt: skip
+    monkeypatch.setitem(SHAPES, "qwen3.6-small", small)
+    path = str(write_synth("qwen3.6-small", "Q8_0", tmp_path / "s.gguf", layers=4, progress=False))
+    prompt = list(range(20, 40))
+    threads = torch.get_num_threads()
+    eng = Engine(path, n_slots=64, threads=1)
+    try:
+        with torch.inference_mode():
+            ours = eng.model.forward(prompt, eng.kv, 0, all_logits=True)
+    finally:
+        eng.close()
+        torch.set_num_threads(threads)
+    llm = llama_cpp.Llama(model_path=path, n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(prompt)
+    ref = torch.tensor(llm.scores[: len(prompt)])
+    llm.close()
+    assert float((ours - ref).norm() / ref.norm()) < 2e-2  # bf16 here, 8-bit activations there (measured 5e-3)
