@@ -16,6 +16,7 @@ import mmap
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -85,6 +86,10 @@ class ExpertReader:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moestream-read")
         # Buffers for read(): twice the threads, so reads go on while the caller packs finished ones.
+        self._inflight = 0
+        self._busy_since = 0.0
+        self.busy_s = 0.0
+        self.bytes_read = 0
         self._pool_buffers: queue.SimpleQueue[AlignedBuffer] = queue.SimpleQueue()
         for _ in range(2 * self.threads):
             self._pool_buffers.put(AlignedBuffer(self.buffer_nbytes))
@@ -143,9 +148,32 @@ class ExpertReader:
             except BaseException:
                 self._pool_buffers.put(buf)
                 raise
+            finally:
+                self._busy_end(nbytes)
             return Lease(view, lambda: self._pool_buffers.put(buf))
 
+        self._busy_begin()
         return self._pool.submit(task)
+
+    # Bandwidth while reads are outstanding: bytes over the time at least one read was in flight. This is
+    # what to compare with the probe's figure for the same reads in flight (issue 2's 80% goal).
+    def _busy_begin(self) -> None:
+        with self._lock:
+            if self._inflight == 0:
+                self._busy_since = time.perf_counter()
+            self._inflight += 1
+
+    def _busy_end(self, nbytes: int) -> None:
+        with self._lock:
+            self._inflight -= 1
+            self.bytes_read += nbytes
+            if self._inflight == 0:
+                self.busy_s += time.perf_counter() - self._busy_since
+
+    @property
+    def busy_bandwidth(self) -> float:
+        """Bytes per second over the time reads were in flight (0 before any read)."""
+        return self.bytes_read / self.busy_s if self.busy_s > 0 else 0.0
 
     def submit(self, offset: int, nbytes: int, consume: Callable[[memoryview], object]) -> Future:
         """Read a range on the pool and run consume(bytes) in the same thread (e.g. pack into a cache slot)."""
