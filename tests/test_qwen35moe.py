@@ -214,14 +214,14 @@ def test_prompt_reuse_gives_same_tokens(tiny):
 
 
 def test_fused_projections_keep_each_kernel(tiny, tmp_path):
-    """Same-typed projections of one input are one matmul, unless joining costs a matrix its int4 kernel."""
+    """Projections of one input with the same compute form are one matmul."""
     path = str(tmp_path / "q.gguf")
     write_qwen35moe_from_hf(tiny[3], path, dense_type=T.Q4_0, expert_type=T.Q4_0)
     f = GGUFFile(path)
     w = Weights(f, exact=False)
     names = [f"blk.0.{n}.weight" for n in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")]
     fused = w.fused(names)
-    # 512 + 256 rows stay int4; the 4-row beta and alpha (bf16 on their own) would make it 776 rows
+    # 512 + 256 rows in int4; the 4-row beta and alpha are bf16 (int4 packs rows in blocks of 64)
     assert [(lin.kind, idx) for lin, idx, _ in fused.groups] == [("int4", [0, 1]), ("bf16", [2, 3])]
     x = torch.randn(3, 256)
     for a, name in zip(fused(x), names, strict=True):

@@ -220,15 +220,20 @@ class HybridCache(KVCache):
 
 
 class Fused:
-    """Several projections of one input, computed as few matmuls as the file's types allow.
+    """Several projections of one input in as few matmuls as their compute forms allow (see linear.concat)."""
 
-    GGUF rows are independent runs of blocks, so matrices of one type concatenate as raw bytes; each such
-    group is one matmul whose output is split again. Returns the projections in the order asked for.
-    """
-
-    def __init__(self, groups: list[tuple[QLinear, list[int], list[int]]]):
-        self.groups = groups  # (linear, which outputs, their sizes)
-        self.n = sum(len(idx) for _, idx, _ in groups)
+    def __init__(self, parts: list[QLinear]):
+        self.groups: list[tuple[QLinear, list[int], list[int]]] = []  # (linear, which outputs, their sizes)
+        by_form: dict[tuple[str, int], list[int]] = {}
+        for j, p in enumerate(parts):
+            by_form.setdefault((p.kind, p.in_features), []).append(j)
+        for idx in by_form.values():
+            joined = linear.concat([parts[j] for j in idx]) if len(idx) > 1 else None
+            if joined is not None:
+                self.groups.append((joined, idx, [parts[j].out_features for j in idx]))
+            else:
+                self.groups += [(parts[j], [j], [parts[j].out_features]) for j in idx]
+        self.n = len(parts)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if len(self.groups) == 1:
@@ -264,25 +269,7 @@ class Weights:
         return lin
 
     def fused(self, names: list[str]) -> Fused:
-        infos = [self.f.tensor(n) for n in names]
-        by_type: dict[tuple[int, int], list[int]] = {}
-        for j, info in enumerate(infos):
-            by_type.setdefault((info.ggml_type, info.shape[1]), []).append(j)
-        groups = []
-        for (t, k), idx in by_type.items():
-            rows = {j: infos[j].shape[0] for j in idx}
-            kinds = {j: linear.compute_kind(t, n, k, self.exact) for j, n in rows.items()}
-            if linear.compute_kind(t, sum(rows.values()), k, self.exact) == kinds[max(idx, key=rows.__getitem__)]:
-                parts = [idx]
-            else:  # joined, the big matrix would lose its int4 kernel (rows not a multiple of 64): by kind
-                parts = [[j for j in idx if kinds[j] == kd] for kd in dict.fromkeys(kinds.values())]
-            for part in parts:
-                sizes = [infos[j].shape[0] for j in part]
-                raw = np.concatenate([self.f.read(names[j]) for j in part])
-                lin = linear.from_gguf(raw, t, sum(sizes), k, self.exact)
-                self.nbytes += lin.nbytes
-                groups.append((lin, part, sizes))
-        return Fused(groups)
+        return Fused([self.linear(n) for n in names])
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -472,7 +459,7 @@ class Qwen35Moe:
             self.output = linear.from_gguf(self._embd_raw, emb.ggml_type, emb.shape[0], emb.shape[1], exact)
             w.nbytes += self.output.nbytes
         self.dense_nbytes = w.nbytes
-        self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rot_dim)
+        self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rot_dim, max_pos=min(cfg.context_length, 4096))
 
     @staticmethod
     def config_from_gguf(f: GGUFFile) -> Qwen35MoeConfig:
@@ -486,14 +473,23 @@ class Qwen35Moe:
 
     @staticmethod
     def compute_nbytes(cfg: Qwen35MoeConfig, ubatch: int, ctx: int) -> int:
-        """Peak transient memory of one micro-batch: attention scores, float keys, DeltaNet chunk, acts."""
-        scores = ubatch * ctx * cfg.n_heads * 4 * 2
+        """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions.
+
+        As Qwen3Moe.compute_nbytes (SDPA's flash kernel holds float keys, not scores), with the DeltaNet
+        layer as the widest moment per token: the conv's [K, conv_dim] windows and its outputs, the q/k/v
+        head copies of the chunked delta rule and its chunk-by-chunk decay matrices. Measured peaks on
+        the qwen3.6-35b-a3b synth shape (ubatch 128 and 512, ctx 4096) were ~0.6x of this.
+        """
         keys = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4
-        C = min(CHUNK, ubatch)
-        chunk = cfg.n_v_heads * ubatch * (4 * C + 6 * max(cfg.k_head_dim, cfg.v_head_dim)) * 4
-        width = 4 * cfg.hidden + 3 * cfg.conv_dim + 3 * cfg.n_heads * cfg.head_dim + 3 * cfg.expert_ffn * cfg.top_k
-        acts = ubatch * (width + 3 * cfg.shared_ffn) * 4 * 2
-        return scores + keys + chunk + acts + cfg.vocab_size * 4 * 2
+        scratch = linear.EXPAND_SCRATCH_BYTES if ubatch >= linear.INT4_GEMM_MIN_ROWS else 0  # int4 -> bf16 slices
+        residual = 6 * cfg.hidden
+        attn = 3 * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim  # the query comes with its gate
+        head = max(cfg.k_head_dim, cfg.v_head_dim)
+        deltanet = (cfg.conv_kernel + 3) * cfg.conv_dim + cfg.n_v_heads * (12 * head + 3 * min(CHUNK, ubatch))
+        moe = cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2 + 3 * cfg.shared_ffn
+        per_token = 4 * (residual + max(attn, deltanet, moe)) * 3 // 2
+        runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
+        return keys + scratch + ubatch * per_token + cfg.vocab_size * 4 * 2 + runtime
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> HybridCache:
         dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
