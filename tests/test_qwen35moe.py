@@ -229,6 +229,22 @@ def test_fused_projections_keep_each_kernel(tiny, tmp_path):
     f.close()
 
 
+def test_route_trace_replaces_the_routers_choice(tiny):
+    path, toks, _, _ = tiny
+    eng = _engine(path)
+
+    class Fixed:  # what moestream.routes.RouteTrace answers: ids [T, k] for a layer's tokens
+        def ids(self, layer: int, pos: int, n: int) -> torch.Tensor:
+            return torch.tensor([[layer % 8, 7]] * n)
+
+    try:
+        eng.model.routes = Fixed()
+        eng.generate(toks[:20], 3, Sampler())
+        assert eng.cache.stats.misses == 2 * eng.cfg.n_layers  # only the forced experts were ever read
+    finally:
+        eng.close()
+
+
 def test_failed_call_leaves_a_usable_state(tiny):
     """An error half-way through the layers (a failed read, Ctrl-C) must not leave a half-advanced state."""
     path, toks, _, _ = tiny

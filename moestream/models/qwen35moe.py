@@ -34,6 +34,7 @@ from moestream.gguf_file import GGUFFile
 from moestream.linear import QLinear
 from moestream.models.common import ExpertProvider, KVCache, RoPE, rms_norm
 from moestream.models.qwen3moe import run_experts
+from moestream.routes import RouteTrace
 
 CHUNK = 64  # DeltaNet prompt chunk (as transformers' torch_chunk_gated_delta_rule)
 N_CHECKPOINTS = 3  # saved recurrent states per sequence: ~63 MB each for the 35B-A3B, so few
@@ -414,10 +415,15 @@ class SharedMoE:
         self.layer = i
         self.cfg = cfg
 
-    def __call__(self, x: torch.Tensor, experts: ExpertProvider) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, experts: ExpertProvider, forced: torch.Tensor | None = None) -> torch.Tensor:
+        """forced [T, k]: expert ids that replace the router's choice (route traces); weights stay its own."""
         E = self.cfg.n_experts
         logits = x @ self.gates.T
-        weights, ids = torch.topk(torch.softmax(logits[:, :E], dim=-1), self.cfg.top_k, dim=-1)
+        probs = torch.softmax(logits[:, :E], dim=-1)
+        if forced is None:
+            weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
+        else:
+            ids, weights = forced, probs.gather(-1, forced)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         gate, up = self.shared(x)
         shared = self.shared_down(F.silu(gate) * up) * torch.sigmoid(logits[:, E:])
@@ -459,6 +465,7 @@ class Qwen35Moe:
             self.output = linear.from_gguf(self._embd_raw, emb.ggml_type, emb.shape[0], emb.shape[1], exact)
             w.nbytes += self.output.nbytes
         self.dense_nbytes = w.nbytes
+        self.routes: RouteTrace | None = None  # router choices replayed from a trace (--route-trace)
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rot_dim, max_pos=min(cfg.context_length, 4096))
 
     @staticmethod
@@ -518,7 +525,8 @@ class Qwen35Moe:
                 else:
                     h = mixer(h, i, kv, pos, self.rope)
                 x = x + h
-                x = x + moe(rms_norm(x, ffn_norm, eps), self.experts)
+                forced = self.routes.ids(i, pos, len(tokens)) if self.routes is not None else None
+                x = x + moe(rms_norm(x, ffn_norm, eps), self.experts, forced)
         except BaseException:  # a read error, Ctrl-C: the layers run so far moved their states past pos
             kv.rewind(pos)
             raise
