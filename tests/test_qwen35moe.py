@@ -254,7 +254,7 @@ def test_failed_call_leaves_a_usable_state(tiny):
         layers = eng.model.layers
         saved = layers[2]
 
-        def interrupted(x, experts):
+        def interrupted(*args):
             raise KeyboardInterrupt
 
         layers[2] = (*saved[:3], interrupted)  # layers 0 and 1 have run when layer 2's MoE raises
