@@ -105,7 +105,12 @@ class Qwen35MoeConfig:
         n_heads = int(req("attention.head_count"))
         hidden = int(req("embedding_length"))
         head_dim = int(f.arch_key("attention.key_length", hidden // n_heads))
-        n_v_heads = int(req("ssm.time_step_rank"))
+        n_v_heads, n_k_heads = int(req("ssm.time_step_rank")), int(req("ssm.group_count"))
+        if n_v_heads % n_k_heads:
+            raise ModelFileError(f"{f.path}: {n_v_heads} value heads do not share {n_k_heads} key heads evenly")
+        shared_ffn = f.arch_key("expert_shared_feed_forward_length")  # optional: else the tensors say
+        if shared_ffn is None:
+            shared_ffn = f.tensor("blk.0.ffn_gate_shexp.weight").shape[0]
         return cls(
             n_layers=n_layers,
             hidden=hidden,
@@ -116,12 +121,12 @@ class Qwen35MoeConfig:
             n_experts=int(req("expert_count")),
             top_k=int(req("expert_used_count")),
             expert_ffn=int(scalar("expert_feed_forward_length", req("expert_feed_forward_length"))),
-            shared_ffn=int(req("expert_shared_feed_forward_length")),
+            shared_ffn=int(shared_ffn),
             vocab_size=f.tensor("token_embd.weight").shape[0],
             context_length=int(f.arch_key("context_length", 4096)),
             recurrent=recurrent,
             conv_kernel=int(req("ssm.conv_kernel")),
-            n_k_heads=int(req("ssm.group_count")),
+            n_k_heads=n_k_heads,
             n_v_heads=n_v_heads,
             k_head_dim=int(req("ssm.state_size")),
             v_head_dim=int(req("ssm.inner_size")) // n_v_heads,
