@@ -1,0 +1,177 @@
+"""A/B of two moestream command lines on the same model, interleaved A B A B ... in fresh processes.
+
+    python bench/ab.py --model /tmp/models/q30.gguf --a "--io-threads 2" --b "--io-threads 8" \\
+        --budget-mb 6000 --repeat 5 --tokens 32
+
+Everything but the two flag strings is shared: model, prompt, tokens, threads, budget, and the page-cache
+state made before every run (--condition: cold drops caches, pagecache pre-reads the file, pressure holds
+a balloon leaving --leave-gb GiB, asis leaves the machine alone). Interleaving spreads the drift of a
+shared machine over both arms; the B/A ratios come from the pairs run back to back.
+
+Reports medians and min-max of decode and prefill tok/s, expert hit rate, disk MB per decoded token (the
+kernel's count for the process, and moestream's own), time waiting on reads per token and peak RSS.
+Writes bench/results/<date>-<name>.json and prints a markdown table (also --markdown FILE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from balloon import BalloonError
+from compare import (
+    DEFAULT_PROMPT,
+    RESULTS_DIR,
+    RunResult,
+    cell,
+    condition_context,
+    git_commit,
+    host_info,
+    pair_ratios,
+    prepare,
+    results_path,
+    run_moestream,
+    short,
+    summarize,
+    to_result,
+)
+
+AB_CONDITIONS = ("cold", "pagecache", "pressure", "asis")
+COLUMNS = (
+    ("decode tok/s", "decode_tps", 1.0, ""),
+    ("prefill tok/s", "prompt_tps", 1.0, ""),
+    ("hit rate", "hit_rate", 100.0, "%"),
+    ("disk MB/tok", "decode_disk_mb_per_token", 1.0, ""),
+    ("moestream MB/tok", "engine_mb_per_token", 1.0, ""),
+    ("read wait ms/tok", "read_wait_ms_per_token", 1.0, ""),
+    ("peak RSS MB", "peak_rss_mb", 1.0, ""),
+)
+RATIO_METRICS = ("decode_tps", "prompt_tps", "hit_rate", "engine_mb_per_token")
+
+
+def run_ab(args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    arms = {"A": shlex.split(args.a), "B": shlex.split(args.b)}
+    runs: list[RunResult] = []
+    doc: dict[str, Any] = {}
+    try:
+        with condition_context(args.condition, args.leave_gb) as balloon:
+            if balloon is not None:
+                doc["balloon"] = {"leave_gb": args.leave_gb, "locked_bytes": balloon.locked_bytes,
+                                  "mem_available_bytes": balloon.mem_available_bytes}
+            for rep in range(args.repeat):
+                for arm, extra in arms.items():
+                    setup = prepare(args.condition, args.model, balloon) if args.condition != "asis" else {}
+                    m, stats = run_moestream(args.model, args.prompt, args.tokens, args.threads, args.budget_mb,
+                                             extra, args.timeout_s)
+                    r = to_result("moestream", arm, args.condition, rep, m, stats, setup)
+                    if balloon is not None and not balloon.alive():
+                        r.status = "invalid: the balloon died during the run"
+                    runs.append(r)
+                    log(f"repeat {rep + 1}/{args.repeat} {arm} ({args.a if arm == 'A' else args.b}): {short(r)}")
+    except BalloonError as exc:
+        doc["error"] = str(exc)
+        log(f"failed: {exc}")
+    doc["runs"] = [asdict(r) for r in runs]
+    doc["summary"] = summarize(runs)
+    doc["ratio_b_over_a"] = pair_ratios(runs, lambda r: r.variant == "B", lambda r: r.variant == "A",
+                                        RATIO_METRICS)
+    return doc
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    meta, args = doc["meta"], doc["meta"]["args"]
+    flags = {"A": args["a"] or "(defaults)", "B": args["b"] or "(defaults)"}
+    cond = args["condition"] + (f", {args['leave_gb']:g} GiB left" if args["condition"] == "pressure" else "")
+    lines = [
+        f"### moestream A/B: {os.path.basename(meta['model'])}",
+        "",
+        f"{meta['date']}, {meta['host']['cpu']}, {meta['host']['cores']} cores; condition {cond}; "
+        f"{args['threads']} threads, {args['tokens']} tokens, budget "
+        f"{args['budget_mb'] or 'default'} MB; A B A B ... {args['repeat']} runs each; moestream "
+        f"{meta['moestream_commit']}. Cells: median (min-max).",
+        "",
+        "| arm | flags | runs ok | " + " | ".join(c[0] for c in COLUMNS) + " |",
+        "|---|---|---|" + "---|" * len(COLUMNS),
+    ]
+    for arm in ("A", "B"):
+        s = doc["summary"].get(f"moestream | {arm}")
+        if s is None:
+            lines.append(f"| {arm} | `{flags[arm]}` | 0 | " + " | ".join("-" for _ in COLUMNS) + " |")
+            continue
+        mt = s["metrics"]
+        ok = f"{s['statuses'].get('ok', 0)}/{s['runs']}"
+        lines.append(f"| {arm} | `{flags[arm]}` | {ok} | "
+                     + " | ".join(cell(mt.get(key), scale, suf) for _, key, scale, suf in COLUMNS) + " |")
+    ratio = doc["ratio_b_over_a"]
+    n = ratio["decode_tps"]["n"] if "decode_tps" in ratio else 0
+    cells = [f"**{cell(ratio.get(key), suffix='x')}**" if key == "decode_tps" else
+             (cell(ratio.get(key), suffix="x") if key in RATIO_METRICS else "") for _, key, _, _ in COLUMNS]
+    lines.append(f"| **B / A** | | {n} pairs | " + " | ".join(cells) + " |")
+    bad = [r for r in doc["runs"] if r["status"] != "ok"]
+    notes = [f"{r['variant']} repeat {r['repeat'] + 1}: {r['status']}: {r['error'][-200:]}" for r in bad]
+    if "error" in doc:
+        notes.append(doc["error"])
+    if notes:
+        lines += ["", *[f"- {x}" for x in notes]]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--a", required=True, help="moestream run flags of arm A (quote them; '' for defaults)")
+    ap.add_argument("--b", required=True, help="moestream run flags of arm B")
+    ap.add_argument("--repeat", type=int, default=5, help="runs per arm (default 5)")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--budget-mb", type=int, default=None, help="--ram-budget-mb for both arms")
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT)
+    ap.add_argument("--condition", choices=AB_CONDITIONS, default="cold",
+                    help="page-cache state before each run (default cold)")
+    ap.add_argument("--leave-gb", type=float, default=8.0, help="with --condition pressure")
+    ap.add_argument("--timeout-s", type=float, default=1800)
+    ap.add_argument("--name", default=None, help="results file name (default ab-<model>)")
+    ap.add_argument("--results-dir", default=RESULTS_DIR)
+    ap.add_argument("--markdown", default=None)
+    args = ap.parse_args(argv)
+    if not os.path.isfile(args.model):
+        ap.error(f"no such model file: {args.model}")
+    if args.repeat < 1 or args.tokens < 1:
+        ap.error("--repeat and --tokens must be positive")
+    for flag in ("--ram-budget-mb", "-m", "--model", "-p", "--prompt", "-n", "--threads", "--stats-json"):
+        if flag in shlex.split(args.a) + shlex.split(args.b):
+            ap.error(f"{flag} is set by ab.py itself for both arms; pass it as ab.py's own option")
+    args.model = os.path.abspath(args.model)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    doc: dict[str, Any] = {"meta": {"date": dt.datetime.now().isoformat(timespec="seconds"), "model": args.model,
+                                    "host": host_info(args.model), "moestream_commit": git_commit(),
+                                    "args": vars(args)}}
+    doc |= run_ab(args, log)
+    path = results_path(args.results_dir, args.name or f"ab-{os.path.splitext(os.path.basename(args.model))[0]}")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    md = markdown(doc)
+    print(md)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md)
+    log(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
