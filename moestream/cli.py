@@ -23,7 +23,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, default=None, help="context length (default: min(model's, 4096))")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--io-threads", type=int, default=4, help="parallel reads in flight (default 4)")
-    p.add_argument("--ubatch", type=int, default=128, help="prompt tokens per micro-batch (default 128)")
+    p.add_argument(
+        "--ubatch",
+        type=int,
+        default=None,
+        help="prompt tokens per micro-batch (default: the largest of 128/64/32/16 that fits the budget)",
+    )
+    p.add_argument(
+        "--mlock",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="lock the dense weights in RAM so memory pressure cannot evict them; routed experts are never "
+        "locked (default: on where RLIMIT_MEMLOCK allows, else a line says which limit to raise)",
+    )
     p.add_argument("--buffered", action="store_true", help="read experts with buffered I/O instead of O_DIRECT")
     p.add_argument(
         "--trace",
@@ -95,6 +107,7 @@ def open_engine(args: argparse.Namespace):
         threads=args.threads,
         io_threads=args.io_threads,
         ubatch=args.ubatch,
+        mlock=args.mlock,
         direct=False if args.buffered else None,
         trace_path=args.trace,
         route_trace=args.route_trace,
@@ -112,6 +125,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     _positive("-n", args.n)
     engine = open_engine(args)
+    print(engine.lock_report.line(), file=sys.stderr)
     try:
         tok = engine.tokenizer
         prompt = args.prompt

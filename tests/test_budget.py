@@ -1,0 +1,114 @@
+"""The RAM budget: slot planning, the automatic micro-batch, and peak RSS under the budget in a real run."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from moestream import budget
+from moestream.budget import MB, UBATCH_CHOICES, choose_ubatch, plan_slots
+from moestream.engine import Engine
+from moestream.errors import BudgetError
+from moestream.models.qwen3moe import Qwen3Moe, Qwen3MoeConfig
+from moestream.synth import write_synth
+
+SLOT = 3 * MB
+PLAN = dict(resident=300 * MB, compute=40 * MB, reader=10 * MB, slot_nbytes=SLOT, min_slots=8, max_slots=256)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("budget") / "tiny.gguf")
+    write_synth("tiny", "Q4_0", path, layers=2, progress=False)
+    return path
+
+
+def test_plan_slots_fills_what_is_left_after_everything_else():
+    plan = plan_slots(budget_mb=600, reserve_mb=100, **PLAN)
+    assert plan.n_slots == (600 - 300 - 40 - 10 - 100) * MB // SLOT == 50
+    assert plan.budget == 600 * MB and plan.explicit
+    assert plan_slots(budget_mb=100_000, reserve_mb=100, **PLAN).n_slots == 256  # capped at every expert
+
+
+def test_plan_slots_names_the_minimum_budget():
+    with pytest.raises(BudgetError, match=r"use at least --ram-budget-mb 474\b"):
+        plan_slots(budget_mb=400, reserve_mb=100, **PLAN)  # 300 + 40 + 10 + 100 + 8 x 3
+    assert plan_slots(budget_mb=474, reserve_mb=100, **PLAN).n_slots == 8
+
+
+def test_plan_slots_without_a_budget_leaves_ram_to_others(monkeypatch):
+    monkeypatch.setattr(budget, "available_bytes", lambda: 2048 * MB)
+    plan = plan_slots(budget_mb=None, reserve_mb=100, **PLAN)
+    assert plan.budget == 300 * MB + 2048 * MB - budget.DEFAULT_KEEP_FREE_MB * MB and not plan.explicit
+
+
+def _compute(ub: int) -> int:
+    return ub * MB  # 1 MB per token of micro-batch
+
+
+def test_choose_ubatch_takes_the_largest_that_fits_with_the_minimum_slots():
+    kw = dict(resident=300 * MB, compute_for=_compute, reader=10 * MB, slot_nbytes=SLOT, min_slots=8, reserve_mb=100)
+    floor = 300 + 10 + 100 + 8 * 3  # 434 MB before compute buffers
+    assert choose_ubatch(budget_mb=floor + 128, **kw) == 128
+    assert choose_ubatch(budget_mb=floor + 127, **kw) == 64
+    assert choose_ubatch(budget_mb=floor + 40, **kw) == 32
+    assert choose_ubatch(budget_mb=floor + 16, **kw) == 16
+    assert choose_ubatch(budget_mb=floor, **kw) == 16  # nothing fits: the smallest, and plan_slots says why
+
+
+def test_compute_estimate_grows_with_the_micro_batch_not_with_a_score_matrix():
+    cfg = Qwen3MoeConfig(48, 2048, 32, 4, 128, 128, 8, 768, 151936, 40960)
+    sizes = [Qwen3Moe.compute_nbytes(cfg, ub, 4096) for ub in (16, 32, 64, 128)]
+    assert sizes == sorted(sizes)
+    # SDPA's flash kernel never holds [T, S] scores: a 32k context costs its float keys, not T x S x heads.
+    long_ctx = Qwen3Moe.compute_nbytes(cfg, 128, 32768)
+    assert long_ctx - sizes[-1] == 2 * (32768 - 4096) * cfg.n_kv_heads * cfg.head_dim * 4
+
+
+def test_engine_picks_the_micro_batch_the_budget_fits(tiny):
+    with pytest.raises(BudgetError) as err:
+        Engine(tiny, ram_budget_mb=64, ctx=512)
+    least = int(re.search(r"at least --ram-budget-mb (\d+)", str(err.value)).group(1))
+    # A few MB over: in one process, the refused attempt leaves some heap behind that the next one measures.
+    eng = Engine(tiny, ram_budget_mb=least + 8, ctx=512)
+    try:
+        assert eng.ubatch in UBATCH_CHOICES and eng.plan.n_slots >= eng.cfg.top_k
+        assert eng.plan.compute == Qwen3Moe.compute_nbytes(eng.cfg, eng.ubatch, 512)
+    finally:
+        eng.close()
+    eng = Engine(tiny, ram_budget_mb=least + 200, ctx=512)
+    try:
+        assert eng.ubatch == 128
+    finally:
+        eng.close()
+    eng = Engine(tiny, ram_budget_mb=least + 200, ctx=512, ubatch=64)  # the user's choice stands
+    try:
+        assert eng.ubatch == 64
+    finally:
+        eng.close()
+
+
+def test_peak_rss_stays_under_a_budget_close_to_the_minimum(tiny, tmp_path):
+    """A long prompt then a long generation, in a fresh process (so ru_maxrss is this run's alone)."""
+    prompt = " ".join(f"word{i} the quick brown fox" for i in range(36))  # ~600 tokens
+    base = [sys.executable, "-m", "moestream", "run", "-m", tiny, "--ctx", "1024", "--threads", "2", "-p", prompt]
+    refused = subprocess.run([*base, "--ram-budget-mb", "64", "-n", "1"], capture_output=True, text=True)
+    assert refused.returncode == 2
+    least = int(re.search(r"at least --ram-budget-mb (\d+)", refused.stderr).group(1))
+    stats = tmp_path / "stats.json"
+    run = subprocess.run(
+        [*base, "--ram-budget-mb", str(least + 2), "-n", "200", "--stats-json", str(stats)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(stats.read_text())
+    assert doc["prompt_tokens"] >= 500 and doc["decode_tokens"] == 200
+    plan = doc["plan"]
+    assert plan["budget"] == (least + 2) * MB
+    assert plan["resident"] < doc["peak_rss"] <= plan["budget"], (doc["peak_rss"] / MB, plan)
