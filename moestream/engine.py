@@ -10,7 +10,16 @@ from dataclasses import dataclass, field
 import torch
 
 from moestream import linear, quants
-from moestream.budget import MB, UBATCH_CHOICES, BudgetPlan, choose_ubatch, peak_rss_bytes, plan_slots, rss_bytes
+from moestream.budget import (
+    MB,
+    UBATCH_CHOICES,
+    BudgetPlan,
+    choose_ubatch,
+    peak_rss_bytes,
+    plan_slots,
+    release_free_heap,
+    rss_bytes,
+)
 from moestream.errors import BudgetError, ContextError, ModelFileError
 from moestream.expert_cache import ExpertCache
 from moestream.expert_store import ExpertStore
@@ -22,7 +31,8 @@ from moestream.sampling import Sampler
 
 DEFAULT_UBATCH = 128  # SDQ seed 5.1: small micro-batches keep compute buffers and the expert union small
 # What the runtime itself grows by while loading (kernels and the C library initialised on first use, heap
-# left over from reading tensors): measured 11-17 MB, so the pre-check names the same minimum as the final plan.
+# left over from reading tensors, which release_free_heap mostly returns): measured 13-15 MB, so the
+# pre-check names the same minimum as the final plan.
 LOAD_SLACK = 24 * MB
 FLOAT_TYPES = {0, 1}  # F32, F16: computed in float32 (exact mode)
 
@@ -142,6 +152,7 @@ class Engine:
             plan_slots(resident=rss_bytes() + estimate, **kw)
 
         self.model = model_cls(f, None, self.exact)
+        release_free_heap()  # the loader's freed read buffers would otherwise be measured as resident
         # Locked before sizing, so the budget measures the locked skeleton (mlock leaves RSS as it is).
         self.lock_report: LockReport = lock_dense(self.model, routed_nbytes(f), enabled=mlock is not False)
         self.cfg = self.model.cfg
