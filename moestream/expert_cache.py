@@ -54,9 +54,10 @@ TraceSink = Callable[[int, int, int, str, int, float], None]
 class _Pending:
     """An expert whose three segments are being read; packed segment by segment as reads complete."""
 
-    def __init__(self, layer, expert, slot, segs, outs, futures, exact):
+    def __init__(self, layer, expert, slot, segs, outs, futures, exact, fused=None):
         self.layer, self.expert, self.slot = layer, expert, slot
         self.segs, self.outs, self.futures, self.exact = segs, outs, futures, exact
+        self.fused = fused  # (packed gate|up rows [2F, H/2], scales [H/32, 2F, 2]) or None
         self.parts: list[linear.QLinear | None] = [None, None, None]
         self.left = len(futures)
         self.t0 = time.perf_counter()
@@ -68,11 +69,23 @@ class _Pending:
         try:
             seg = self.segs[i]
             arr = np.frombuffer(lease.view, dtype=np.uint8)
-            self.parts[i] = linear.pack_into(arr, seg.ggml_type, seg.n, seg.k, self.outs[i], self.exact)
+            if self.fused is not None and i < 2:
+                w, sz = self.fused
+                rows = w[i * seg.n : (i + 1) * seg.n]
+                linear.pack_int4_rows(arr, seg.ggml_type, seg.n, seg.k, rows, sz, i * seg.n)
+                self.parts[i] = rows  # type: ignore[assignment]  # a marker: this half is in
+            else:
+                self.parts[i] = linear.pack_into(arr, seg.ggml_type, seg.n, seg.k, self.outs[i], self.exact)
         finally:
             lease.release()
         self.left -= 1
-        return tuple(self.parts) if self.left == 0 else None  # type: ignore[return-value]
+        if self.left:
+            return None
+        if self.fused is not None:
+            w, sz = self.fused
+            gate_up = linear.QLinear(w.shape[0], self.segs[0].k, "int4", w, sz)
+            return (gate_up, None, self.parts[2])  # type: ignore[return-value]
+        return tuple(self.parts)  # type: ignore[return-value]
 
     def finish(self) -> Expert:
         out = None
@@ -163,8 +176,21 @@ class ExpertCache:
             outs.append(self._arena_t[off : off + size])
             off += (size + 63) // 64 * 64
         segs = self.store.segments(layer, expert)
+        fused = None
+        if layout.fused_gate_up:
+            # Same bytes as two separate int4 forms: [gate rows | up rows] then their scales side by side.
+            n, k = segs[0].n, segs[0].k
+            base = slot * self.slot_nbytes
+            w = self._arena_t[base : base + n * k].view(2 * n, k // 2)
+            sz_bytes = (k // linear.GROUP) * 2 * n * 2 * 2
+            sz = (
+                self._arena_t[base + n * k : base + n * k + sz_bytes]
+                .view(torch.bfloat16)
+                .view(k // linear.GROUP, 2 * n, 2)
+            )
+            fused = (w, sz)
         futures = [self.reader.read(seg.offset, seg.nbytes) for seg in segs]
-        return _Pending(layer, expert, slot, segs, outs, futures, self.store.exact)
+        return _Pending(layer, expert, slot, segs, outs, futures, self.store.exact, fused)
 
     # -- the model's view ------------------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ class ExpertLayout:
     up: tuple[int, int, int]
     down: tuple[int, int, int]
     packed: tuple[int, int, int]  # bytes of each matrix in compute form, in gate/up/down order
+    # gate and up packed as one int4 matrix [2F, H]: one kernel call instead of two per expert
+    fused_gate_up: bool = False
 
     @property
     def packed_nbytes(self) -> int:
@@ -61,10 +63,17 @@ class ExpertStore:
                 per_expert = info.nbytes // n_experts
                 segs.append(Segment(info.offset, per_expert, info.ggml_type, info.shape[1], info.shape[2]))
             self._base.append(tuple(segs))
+            g, u = segs[0], segs[1]
+            fused = (
+                g.ggml_type == u.ggml_type
+                and (g.n, g.k) == (u.n, u.k)
+                and linear.compute_kind(g.ggml_type, g.n, g.k, exact) == "int4"
+            )
             self.layouts.append(
                 ExpertLayout(
                     *((s.ggml_type, s.n, s.k) for s in segs),
                     packed=tuple(linear.packed_nbytes(s.ggml_type, s.n, s.k, exact) for s in segs),
+                    fused_gate_up=fused,
                 )
             )
         # A slot holds any layer's expert, so it is sized for the largest (Q4_K_M mixes Q4_K and Q6_K downs).

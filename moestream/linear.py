@@ -264,6 +264,32 @@ def pack_into(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, out:
     return QLinear(n, k, kind, w)
 
 
+def pack_int4_rows(
+    raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, packed: torch.Tensor, sz: torch.Tensor, row0: int
+) -> None:
+    """Pack W [n, k] as rows row0..row0+n of a bigger int4 weight whose packed rows and scales are given.
+
+    `packed` is this part's own [n, k/2] rows (contiguous); `sz` is the whole weight's bf16 [k/32, N, 2]
+    scales, of which this part fills columns row0..row0+n. Used to build one gate|up matrix per expert.
+    """
+    src = _raw_array(raw, ggml_type, n, k)
+    part = _SZ_SCRATCH.get((n, k))
+    if part is None:
+        part = _SZ_SCRATCH[(n, k)] = torch.empty(k // GROUP, n, 2, dtype=torch.bfloat16)
+    lib = native.lib()
+    if lib is not None and native.int4_layout_ok():
+        rc = lib.ms_pack_int4(ggml_type, src.ctypes.data, n, k, packed.data_ptr(), part.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"ms_pack_int4 failed ({rc}) for {quants.type_name(ggml_type)} [{n}, {k}]")
+    else:
+        _pack_int4_torch(src, ggml_type, n, k, packed, part)
+    sz[:, row0 : row0 + n].copy_(part)
+
+
+# One scratch per shape for the scales of a part being packed: packing runs on the model's thread only.
+_SZ_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
+
+
 def from_gguf(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, exact: bool) -> QLinear:
     """As pack_into, in memory of its own (dense weights that live for the whole run)."""
     out = aligned_empty(packed_nbytes(ggml_type, n, k, exact))

@@ -125,6 +125,17 @@ class MoE:
         return out
 
 
+def swiglu(expert, x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with x already in the expert's compute dtype; the cache may hand gate and
+    up over as one fused matrix (gate_up, None, down)."""
+    gate, up, down = expert
+    if up is None:
+        a, b = gate.mm(x).chunk(2, dim=-1)
+    else:
+        a, b = gate.mm(x), up.mm(x)
+    return down.mm((F.silu(a) * b).to(down.dtype))
+
+
 def run_experts(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, layer: int, experts: ExpertProvider
 ) -> torch.Tensor:
@@ -141,19 +152,17 @@ def run_experts(
         w_sorted = weights[0][torch.argsort(ids[0])]
         outs: list[torch.Tensor | None] = [None] * len(id_list)
         xc: torch.Tensor | None = None
-        for e, (gate, up, down) in experts.fetch(layer, id_list):
-            if xc is None or xc.dtype != gate.dtype:
-                xc = x.to(gate.dtype)
-            h = F.silu(gate.mm(xc)) * up.mm(xc)
-            outs[order[e]] = down.mm(h.to(down.dtype)).float()
+        for e, expert in experts.fetch(layer, id_list):
+            if xc is None or xc.dtype != expert[0].dtype:
+                xc = x.to(expert[0].dtype)
+            outs[order[e]] = swiglu(expert, xc).float()
         return (torch.cat(outs) * w_sorted[:, None]).sum(0, keepdim=True)  # type: ignore[arg-type]
     needed = torch.unique(ids).tolist()
     partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for e, (gate, up, down) in experts.fetch(layer, needed):
+    for e, expert in experts.fetch(layer, needed):
         rows, slot = (ids == e).nonzero(as_tuple=True)
-        xe = x[rows].to(gate.dtype)
-        h = F.silu(gate.mm(xe)) * up.mm(xe)
-        partial[e] = (rows, down.mm(h.to(down.dtype)).float() * weights[rows, slot, None])
+        xe = x[rows].to(expert[0].dtype)
+        partial[e] = (rows, swiglu(expert, xe).float() * weights[rows, slot, None])
     out = torch.zeros_like(x)
     for e in sorted(partial):
         rows, y = partial[e]
