@@ -136,6 +136,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                 raise MoestreamError("this model has no chat template; drop --chat")
             prompt = render_chat(tok.chat_template, [{"role": "user", "content": prompt}])
         ids = tok.encode(prompt)
+        if args.preload:
+            n = engine.preload()
+            engine.reader.busy_s, engine.reader.bytes_read = 0.0, 0  # the stats are about the generation
+            print(f"preloaded {n} experts", file=sys.stderr)
         sampler = Sampler(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         decoder = tok.stream(skip_special=True)
         out = sys.stdout
@@ -178,6 +182,9 @@ def write_stats_json(path: str, engine, gen) -> None:
         hit_rate=st.hit_rate,
         decode_mb_per_token=st.decode_bytes_read / 2**20 / max(1, st.decode_tokens),
         io_direct=engine.reader.direct,
+        io_threads=engine.reader.threads,
+        read_busy_s=engine.reader.busy_s,
+        read_busy_mb_s=engine.reader.busy_bandwidth / 1e6,
         model=engine.gguf.path,
         ctx=engine.ctx,
         plan=dataclasses.asdict(engine.plan) if engine.plan is not None else None,
@@ -224,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--stats-json", default=None, help="also write the stats as JSON to this file")
+    p.add_argument(
+        "--preload",
+        action="store_true",
+        help="fill the expert cache before the prompt (benchmarks: compute without disk reads)",
+    )
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("synth", help="write a synthetic model with random weights at a real shape")
