@@ -169,7 +169,9 @@ class Engine:
             n_slots = self.plan.n_slots
         else:
             self.plan = None
-        self.reader = ExpertReader(f.path, self.store.max_segment_nbytes, threads=io_threads, direct=direct)
+        self.reader = ExpertReader(
+            f.path, self.store.max_segment_nbytes, threads=io_threads, direct=direct, buffers=3 * self.cfg.top_k
+        )
         # Admission rules that can turn a miss away need scratch slots for it (carved out of the budget).
         scratch = self.cfg.top_k if (not admit_prompt or min_hits > 0) else 0
         if n_slots - scratch < self.cfg.top_k:
@@ -355,7 +357,8 @@ def _plan_args(
     return dict(
         budget_mb=budget_mb,
         compute=model_cls.compute_nbytes(cfg, ubatch, ctx),
-        reader=3 * io_threads * (store.max_segment_nbytes + 3 * 4096),  # per-thread + pooled buffers
+        # per-thread buffers + the pool (3 x top-k, at least 2 x threads); see ExpertReader
+        reader=(io_threads + max(3 * cfg.top_k, 2 * io_threads)) * (store.max_segment_nbytes + 3 * 4096),
         slot_nbytes=store.slot_nbytes,
         min_slots=cfg.top_k,
         max_slots=cfg.n_layers * cfg.n_experts,
