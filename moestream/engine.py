@@ -185,6 +185,8 @@ class Engine:
             from moestream.routes import RouteTrace
 
             self.model.routes = RouteTrace(route_trace, self.cfg.n_experts, self.cfg.top_k)
+        if ram_budget_mb is not None:
+            self.cache.prefault()
         self.cache.min_slots = self.cfg.top_k
         self.cache.admit_prompt = admit_prompt
         self.cache.min_hits = min_hits

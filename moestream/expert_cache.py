@@ -8,6 +8,7 @@ needs is ever evicted.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 import time
@@ -25,6 +26,7 @@ from moestream.expert_store import ExpertStore
 from moestream.reader import ExpertReader
 
 Expert = tuple[linear.QLinear, linear.QLinear, linear.QLinear]  # gate, up, down
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
 @dataclass
@@ -133,6 +135,8 @@ class ExpertCache:
         self._pinned: dict[tuple[int, int], int] = {}  # profile part: loaded at start, never evicted
         self._parked: list[int] = []  # slots the elastic cache gave back to the OS
         self._lock = threading.RLock()
+        self._closed = False
+        self._prefault_thread: threading.Thread | None = None
         self.stats = CacheStats()
         self.phase = "decode"
         self.trace: TraceSink | None = None
@@ -395,6 +399,35 @@ class ExpertCache:
                 self.stats.grows += 1
         return n
 
+    def prefault(self, background: bool = True) -> threading.Thread | None:
+        """Commit the arena's pages ahead of use (MADV_POPULATE_WRITE, in chunks, off the model's thread).
+
+        A slot's first fill otherwise takes its page faults inside the pack: 0.8 ms instead of 0.18 ms per
+        768x2048 matrix measured here, most of a cold cache's miss cost. Only worth it when the user gave the
+        budget: the memory is promised to the cache anyway. In this VM it commits ~0.45 GB/s, so a 7 GB
+        cache is ready ~16 s after start; fills before that fault as usual.
+        """
+        libc = ctypes.CDLL(None, use_errno=True)
+        base = self._arena_t.data_ptr()
+        total = self.n_slots * self.slot_nbytes
+        chunk = 32 << 20
+
+        def run() -> None:
+            for off in range(0, total, chunk):
+                if self._closed:
+                    return
+                n = min(chunk, total - off)
+                if libc.madvise(ctypes.c_void_p(base + off), ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0:
+                    return  # kernel before 5.14: pages fault in on first use, as without prefaulting
+
+        if not background:
+            run()
+            return None
+        t = threading.Thread(target=run, name="moestream-prefault", daemon=True)
+        t.start()
+        self._prefault_thread = t
+        return t
+
     def _release_memory(self, slot: int) -> None:
         start = slot * self.slot_nbytes
         self._arena.madvise(mmap.MADV_DONTNEED, start, self.slot_nbytes)
@@ -411,6 +444,9 @@ class ExpertCache:
         return len(self._lru)
 
     def close(self) -> None:
+        self._closed = True
+        if self._prefault_thread is not None:
+            self._prefault_thread.join()  # it stops at the next chunk; never unmap under it
         self._experts = [None] * self.n_slots
         del self._arena_t
         try:
