@@ -289,7 +289,7 @@ class Engine:
 
         # Reuse the KV cache for the longest prefix this prompt shares with what it holds.
         common = 0
-        for a, b in zip(self._kv_tokens, prompt):
+        for a, b in zip(self._kv_tokens, prompt, strict=False):  # they differ in length
             if a != b:
                 break
             common += 1
