@@ -31,9 +31,9 @@ from moestream.sampling import Sampler
 
 DEFAULT_UBATCH = 128  # SDQ seed 5.1: small micro-batches keep compute buffers and the expert union small
 # What the runtime itself grows by while loading (kernels and the C library initialised on first use, heap
-# left over from reading tensors, which release_free_heap mostly returns): measured 13-15 MB, so the
-# pre-check names the same minimum as the final plan.
-LOAD_SLACK = 24 * MB
+# left over from reading tensors, which release_free_heap mostly returns): measured 13-15 MB in a warm venv
+# and ~28 MB in a fresh one (CI), so the pre-check never names a minimum below the final plan's.
+LOAD_SLACK = 40 * MB
 FLOAT_TYPES = {0, 1}  # F32, F16: computed in float32 (exact mode)
 
 

@@ -23,7 +23,7 @@ import torch
 from moestream import linear
 from moestream.errors import BudgetError
 from moestream.expert_store import ExpertStore
-from moestream.reader import ExpertReader
+from moestream.reader import ExpertReader, Lease
 
 Expert = tuple[linear.QLinear, linear.QLinear, linear.QLinear]  # gate, up, down
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
@@ -64,22 +64,32 @@ class _Pending:
         self.left = len(futures)
         self.t0 = time.perf_counter()
 
+    def pack(self, i: int, raw: memoryview) -> linear.QLinear | torch.Tensor:
+        """Segment i's bytes into its place in the slot (any thread: the C packer releases the GIL)."""
+        seg = self.segs[i]
+        arr = np.frombuffer(raw, dtype=np.uint8)
+        with torch.inference_mode():  # the slot views were made in inference mode; reader threads are not in it
+            return self._pack(i, seg, arr)
+
+    def _pack(self, i: int, seg, arr: np.ndarray) -> linear.QLinear | torch.Tensor:
+        if self.fused is not None and i < 2:
+            w, sz = self.fused
+            rows = w[i * seg.n : (i + 1) * seg.n]
+            linear.pack_int4_rows(arr, seg.ggml_type, seg.n, seg.k, rows, sz, i * seg.n)
+            return rows  # a marker: this half is in
+        return linear.pack_into(arr, seg.ggml_type, seg.n, seg.k, self.outs[i], self.exact)
+
     def segment_done(self, fut: Future) -> Expert | None:
-        """Pack a finished segment into the slot (in the caller's thread); the expert once all are in."""
+        """Take a finished segment (packing it here if the reader did not); the expert once all are in."""
         i = self.futures.index(fut)
-        lease = fut.result()
-        try:
-            seg = self.segs[i]
-            arr = np.frombuffer(lease.view, dtype=np.uint8)
-            if self.fused is not None and i < 2:
-                w, sz = self.fused
-                rows = w[i * seg.n : (i + 1) * seg.n]
-                linear.pack_int4_rows(arr, seg.ggml_type, seg.n, seg.k, rows, sz, i * seg.n)
-                self.parts[i] = rows  # type: ignore[assignment]  # a marker: this half is in
-            else:
-                self.parts[i] = linear.pack_into(arr, seg.ggml_type, seg.n, seg.k, self.outs[i], self.exact)
-        finally:
-            lease.release()
+        result = fut.result()
+        if isinstance(result, Lease):
+            try:
+                self.parts[i] = self.pack(i, result.view)  # type: ignore[assignment]
+            finally:
+                result.release()
+        else:
+            self.parts[i] = result
         self.left -= 1
         if self.left:
             return None
@@ -102,7 +112,7 @@ class _Pending:
                 lease = fut.result()
             except Exception:
                 continue
-            if self.parts[self.futures.index(fut)] is None:
+            if isinstance(lease, Lease) and self.parts[self.futures.index(fut)] is None:
                 lease.release()
 
     def latency(self) -> float:
@@ -193,8 +203,18 @@ class ExpertCache:
                 .view(k // linear.GROUP, 2 * n, 2)
             )
             fused = (w, sz)
-        futures = [self.reader.read(seg.offset, seg.nbytes) for seg in segs]
-        return _Pending(layer, expert, slot, segs, outs, futures, self.store.exact, fused)
+        p = _Pending(layer, expert, slot, segs, outs, [], self.store.exact, fused)
+        if self.phase == "prompt":
+            # A prompt micro-batch misses most experts of a layer and the model's thread cannot keep up with
+            # packing them all (it capped prefill far below the disk); let the reader threads pack.
+            p.futures = [
+                self.reader.submit(seg.offset, seg.nbytes, lambda raw, i=i: p.pack(i, raw))
+                for i, seg in enumerate(segs)
+            ]
+        else:
+            p.futures = [self.reader.read(seg.offset, seg.nbytes) for seg in segs]
+        p.left = len(p.futures)
+        return p
 
     # -- the model's view ------------------------------------------------------------------------------
 
@@ -446,10 +466,11 @@ class ExpertCache:
     def close(self) -> None:
         self._closed = True
         if self._prefault_thread is not None:
-            self._prefault_thread.join()  # it stops at the next chunk; never unmap under it
+            self._prefault_thread.join()  # it stops at the next chunk
         self._experts = [None] * self.n_slots
-        del self._arena_t
-        try:
-            self._arena.close()
-        except BufferError:
-            pass  # a view is still alive somewhere; the mapping goes with the process
+        self._lru.clear()
+        self._pinned.clear()
+        # No explicit munmap: tensors made by torch.frombuffer keep the mapping alive for as long as any
+        # expert view a caller still holds, and it goes when the last one does (unmapping under them crashed).
+        self._arena_t = None  # type: ignore[assignment]
+        self._arena = None  # type: ignore[assignment]

@@ -13,6 +13,7 @@ it; the conversion runs in C with the GIL released so reader threads convert in 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,9 +274,10 @@ def pack_int4_rows(
     scales, of which this part fills columns row0..row0+n. Used to build one gate|up matrix per expert.
     """
     src = _raw_array(raw, ggml_type, n, k)
-    part = _SZ_SCRATCH.get((n, k))
+    scratch = _SZ_SCRATCH.__dict__.setdefault("by_shape", {})
+    part = scratch.get((n, k))
     if part is None:
-        part = _SZ_SCRATCH[(n, k)] = torch.empty(k // GROUP, n, 2, dtype=torch.bfloat16)
+        part = scratch[(n, k)] = torch.empty(k // GROUP, n, 2, dtype=torch.bfloat16)
     lib = native.lib()
     if lib is not None and native.int4_layout_ok():
         rc = lib.ms_pack_int4(ggml_type, src.ctypes.data, n, k, packed.data_ptr(), part.data_ptr())
@@ -286,8 +288,8 @@ def pack_int4_rows(
     sz[:, row0 : row0 + n].copy_(part)
 
 
-# One scratch per shape for the scales of a part being packed: packing runs on the model's thread only.
-_SZ_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
+# One scratch per shape and thread for the scales of a part being packed (reader threads pack too).
+_SZ_SCRATCH = threading.local()
 
 
 def from_gguf(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, exact: bool) -> QLinear:

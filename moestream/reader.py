@@ -184,8 +184,13 @@ class ExpertReader:
         """Read a range on the pool and run consume(bytes) in the same thread (e.g. pack into a cache slot)."""
 
         def task() -> object:
-            return consume(self.read_into(offset, nbytes))
+            try:
+                view = self.read_into(offset, nbytes)
+            finally:
+                self._busy_end(nbytes)
+            return consume(view)
 
+        self._busy_begin()
         return self._pool.submit(task)
 
     def close(self) -> None:
