@@ -62,9 +62,13 @@ def cmd_probe(args: argparse.Namespace) -> int:
     modes = ("buffered", "direct")
     if args.buffered_only or args.direct_only:
         modes = ("buffered",) if args.buffered_only else ("direct",)
-    kw = dict(inflight=tuple(_ints(args.inflight, "--inflight")), modes=modes,
-              reads_per_row=args.reads_per_row, seconds_per_row=args.seconds_per_row,
-              progress=not args.json and sys.stderr.isatty())
+    kw = dict(
+        inflight=tuple(_ints(args.inflight, "--inflight")),
+        modes=modes,
+        reads_per_row=args.reads_per_row,
+        seconds_per_row=args.seconds_per_row,
+        progress=not args.json and sys.stderr.isatty(),
+    )
     if args.reads_per_row < 1 or args.seconds_per_row <= 0:
         raise MoestreamError("--reads-per-row and --seconds-per-row must be positive")
     if args.file:
@@ -104,31 +108,50 @@ def cmd_replay(args: argparse.Namespace) -> int:
         profile = load_profile(args.profile).ranked()
     if args.half_life <= 0 or not 0 <= args.pin_fraction <= 1:
         raise MoestreamError("--half-life must be positive and --pin-fraction between 0 and 1")
-    results = rp.replay_many(acc, policies, slots, per_layer=args.per_layer, admission=admission,
-                             progress=not args.json and sys.stderr.isatty(), half_life=args.half_life,
-                             pin_fraction=args.pin_fraction, profile=profile)
+    results = rp.replay_many(
+        acc,
+        policies,
+        slots,
+        per_layer=args.per_layer,
+        admission=admission,
+        progress=not args.json and sys.stderr.isatty(),
+        half_life=args.half_life,
+        pin_fraction=args.pin_fraction,
+        profile=profile,
+    )
     live = rp.live_result(acc) if args.phases == "all" else None
     check = None
     if live is not None and live.slots:
         own = rp.replay(acc, "lru", live.slots, admission=rp.Admission.parse("engine", meta))
-        check = {"slots": live.slots, "live_hits": live.hits, "replay_hits": own.hits,
-                 "exact": live.hits == own.hits}
+        check = {"slots": live.slots, "live_hits": live.hits, "replay_hits": own.hits, "exact": live.hits == own.hits}
     plot = None
     if not args.no_plot:
         plot = args.plot or os.path.splitext(args.trace)[0] + ".replay.png"
         rp.plot_replay(results, plot, title=os.path.basename(args.trace), live=live)
     if args.json:
-        _print_json({"trace": args.trace, "phases": args.phases, "admission": str(admission),
-                     "results": [r.to_dict() for r in results], "live": live.to_dict() if live else None,
-                     "live_check": check, "plot": plot})
+        _print_json(
+            {
+                "trace": args.trace,
+                "phases": args.phases,
+                "admission": str(admission),
+                "results": [r.to_dict() for r in results],
+                "live": live.to_dict() if live else None,
+                "live_check": check,
+                "plot": plot,
+            }
+        )
         return 0
-    print(f"{args.trace}: {acc.decode_tokens} decode tokens, {len(acc.keys)} accesses replayed "
-          f"({'prompt and decode' if args.phases == 'all' else 'decode only'}), admission {admission}")
+    print(
+        f"{args.trace}: {acc.decode_tokens} decode tokens, {len(acc.keys)} accesses replayed "
+        f"({'prompt and decode' if args.phases == 'all' else 'decode only'}), admission {admission}"
+    )
     print(rp.replay_table(results + ([live] if live is not None and live.slots else [])))
     if check is not None:
         verdict = "exact" if check["exact"] else f"differs by {check['replay_hits'] - check['live_hits']:+d}"
-        print(f"engine's own policy (lru, {check['slots']} slots): replay {check['replay_hits']} hits, live "
-              f"{check['live_hits']}: {verdict}")
+        print(
+            f"engine's own policy (lru, {check['slots']} slots): replay {check['replay_hits']} hits, live "
+            f"{check['live_hits']}: {verdict}"
+        )
     if plot:
         print(f"plot: {plot}")
     return 0
@@ -163,8 +186,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     write_profile(prof, args.output)
     n = len(prof.entries)
     shares = ", ".join(f"top {k}: {100 * prof.coverage(k):.1f}%" for k in (64, 256, 1024, 4096) if k < n)
-    print(f"{args.output}: {n} (layer, expert) pairs from {prof.total} {args.phases} accesses"
-          + (f"; {shares}" if shares else ""))
+    print(
+        f"{args.output}: {n} (layer, expert) pairs from {prof.total} {args.phases} accesses"
+        + (f"; {shares}" if shares else "")
+    )
     return 0
 
 
@@ -185,16 +210,20 @@ def cmd_forecast(args: argparse.Namespace) -> int:
     elif meta:
         geom = fc.geometry_from_meta(meta)
     else:
-        raise MoestreamError("give the model's geometry: --model MODEL.gguf, a --trace, or --layers/--top-k/"
-                             "--expert-bytes")
+        raise MoestreamError(
+            "give the model's geometry: --model MODEL.gguf, a --trace, or --layers/--top-k/--expert-bytes"
+        )
 
     if args.probe:
         probe = pr.load_probe(args.probe)
     elif args.model:
-        print("no --probe given: probing the model file briefly (save a full one with moestream probe -o)",
-              file=sys.stderr)
-        probe = pr.probe_file(args.model, sizes=None, reads_per_row=32, seconds_per_row=1.0,
-                              progress=sys.stderr.isatty())
+        print(
+            "no --probe given: probing the model file briefly (save a full one with moestream probe -o)",
+            file=sys.stderr,
+        )
+        probe = pr.probe_file(
+            args.model, sizes=None, reads_per_row=32, seconds_per_row=1.0, progress=sys.stderr.isatty()
+        )
     else:
         raise MoestreamError("give a disk probe: --probe PROBE.json, from moestream probe ... -o PROBE.json")
 
@@ -211,15 +240,19 @@ def cmd_forecast(args: argparse.Namespace) -> int:
             raise MoestreamError("--measure-compute needs --model")
         compute_ms = fc.measure_compute_ms(args.model)
     else:
-        raise MoestreamError("give the compute time per token: --compute-ms MS, --compute-from STATS.json "
-                             "(a run's decode time minus its read waits) or --measure-compute")
+        raise MoestreamError(
+            "give the compute time per token: --compute-ms MS, --compute-from STATS.json "
+            "(a run's decode time minus its read waits) or --measure-compute"
+        )
     if compute_ms < 0:
         raise MoestreamError("--compute-ms must not be negative")
 
     if args.io_threads < 1:
         raise MoestreamError("--io-threads must be at least 1")
     direct = False if args.buffered else (True if args.direct else None)
-    kw = dict(io_threads=args.io_threads, direct=direct)
+    if args.pack_ms < 0:
+        raise MoestreamError("--pack-ms must not be negative")
+    kw = dict(io_threads=args.io_threads, direct=direct, pack_ms=args.pack_ms)
     cases: list[tuple[str, fc.Forecast]] = [
         ("no cache hits", fc.forecast(probe, geom, compute_ms, hit_rate=0.0, **kw)),
     ]
@@ -232,8 +265,7 @@ def cmd_forecast(args: argparse.Namespace) -> int:
             raise MoestreamError("the trace has no n_slots in its metadata; give --slots")
         r = rp.replay(acc, args.policy, slots)
         name = f"replay {args.policy} @{slots}"
-        cases.append((name, fc.forecast(probe, geom, compute_ms, miss_hist=r.miss_hist, hit_source=name,
-                                        **kw)))
+        cases.append((name, fc.forecast(probe, geom, compute_ms, miss_hist=r.miss_hist, hit_source=name, **kw)))
     if args.hit_rate is not None:
         h = _rate(args.hit_rate)
         name = f"hit rate {100 * h:.1f}%"
@@ -245,8 +277,9 @@ def cmd_forecast(args: argparse.Namespace) -> int:
     if measured:
         main.measured_tok_s = measured["decode_tps"]
     if args.json:
-        _print_json({"geometry": vars(geom), "probe": probe.path,
-                     "cases": [{"case": n, **f.to_dict()} for n, f in cases]})
+        _print_json(
+            {"geometry": vars(geom), "probe": probe.path, "cases": [{"case": n, **f.to_dict()} for n, f in cases]}
+        )
     else:
         print(fc.format_forecast(geom, probe, cases))
     return 0
@@ -261,12 +294,16 @@ def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("probe", help="measure the disk: random reads of the model's expert size, cold")
     p.add_argument("--file", help="a GGUF model (reads its own expert segment size) or any large file")
     p.add_argument("--dir", help="write a temporary test file here, probe it and delete it")
-    p.add_argument("--size", default="4G", help="test file size with --dir (default 4G; twice the RAM is "
-                                                "representative)")
-    p.add_argument("--inflight", default="1,2,4,8,16,32",
-                   help="reads in flight per row (default 1,2,4,8,16,32)")
-    p.add_argument("--reads-per-row", type=int, default=128,
-                   help="reads per row for the expert size, 4x that for 4 KiB (default 128)")
+    p.add_argument(
+        "--size", default="4G", help="test file size with --dir (default 4G; twice the RAM is representative)"
+    )
+    p.add_argument("--inflight", default="1,2,4,8,16,32", help="reads in flight per row (default 1,2,4,8,16,32)")
+    p.add_argument(
+        "--reads-per-row",
+        type=int,
+        default=128,
+        help="reads per row for the expert size, 4x that for 4 KiB (default 128)",
+    )
     p.add_argument("--seconds-per-row", type=float, default=2.0, help="time limit per row (default 2)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--buffered-only", action="store_true")
@@ -277,15 +314,28 @@ def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("replay", help="replay a trace against cache policies and sizes")
     p.add_argument("trace", help="a trace written with --trace")
-    p.add_argument("--policy", default="lru,fifo,lfu-decay,s3fifo,pin,belady",
-                   help=f"comma-separated, from {', '.join(POLICIES)} (belady is always added)")
-    p.add_argument("--slots", help="sizes: 256,512,1024 or 256:4096 (powers of two) or engine (the trace's); "
-                                   "default powers of two up to every expert")
+    p.add_argument(
+        "--policy",
+        default="lru,fifo,lfu-decay,s3fifo,pin,belady",
+        help=f"comma-separated, from {', '.join(POLICIES)} (belady is always added)",
+    )
+    p.add_argument(
+        "--slots",
+        help="sizes: 256,512,1024 or 256:4096 (powers of two) or engine (the trace's); "
+        "default powers of two up to every expert",
+    )
     p.add_argument("--per-layer", action="store_true", help="split the slots evenly per layer")
-    p.add_argument("--admission", default="engine",
-                   help="engine (as recorded), all, decode-only, min-hits:N, or decode-only+min-hits:N")
-    p.add_argument("--phases", choices=("all", "decode"), default="all",
-                   help="replay the prompt's accesses too (default: they warm the cache) or decode only")
+    p.add_argument(
+        "--admission",
+        default="engine",
+        help="engine (as recorded), all, decode-only, min-hits:N, or decode-only+min-hits:N",
+    )
+    p.add_argument(
+        "--phases",
+        choices=("all", "decode"),
+        default="all",
+        help="replay the prompt's accesses too (default: they warm the cache) or decode only",
+    )
     p.add_argument("--profile", help="profile to pin from (default: the trace's own decode counts)")
     p.add_argument("--half-life", type=float, default=64.0, help="lfu-decay half-life in forward steps")
     p.add_argument("--pin-fraction", type=float, default=0.5, help="share of slots pinned by pin+lru")
@@ -323,6 +373,12 @@ def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--compute-from", help="stats JSON of a run: its decode time minus its read waits")
     c.add_argument("--measure-compute", action="store_true", help="measure it: run --model fully cached")
     p.add_argument("--io-threads", type=int, default=4, help="reader threads to forecast for (default 4)")
+    p.add_argument(
+        "--pack-ms",
+        type=float,
+        default=1.0,
+        help="ms to pack one expert read from disk (default 1.0: short runs are mostly first fills)",
+    )
     m = p.add_mutually_exclusive_group()
     m.add_argument("--buffered", action="store_true", help="forecast buffered reads")
     m.add_argument("--direct", action="store_true", help="forecast O_DIRECT reads (default when probed)")

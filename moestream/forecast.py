@@ -62,31 +62,38 @@ def geometry_from_gguf(path: str) -> Geometry:
         f.close()
     if not per_layer or top_k < 1:
         raise MoestreamError(f"{path} has no routed experts (or no expert_used_count); is it a MoE model?")
-    return Geometry(len(per_layer), top_k, round(sum(per_layer.values()) / len(per_layer)), n_experts,
-                    os.path.basename(path))
+    return Geometry(
+        len(per_layer), top_k, round(sum(per_layer.values()) / len(per_layer)), n_experts, os.path.basename(path)
+    )
 
 
 def geometry_from_meta(meta: dict[str, Any]) -> Geometry:
     """From a trace's metadata (the engine writes layers, experts, top_k and expert_bytes)."""
     try:
-        return Geometry(int(meta["layers"]), int(meta["top_k"]), int(meta["expert_bytes"]),
-                        int(meta.get("experts", 0)), str(meta.get("model", "")))
+        return Geometry(
+            int(meta["layers"]),
+            int(meta["top_k"]),
+            int(meta["expert_bytes"]),
+            int(meta.get("experts", 0)),
+            str(meta.get("model", "")),
+        )
     except (KeyError, TypeError, ValueError):
         raise MoestreamError(
-            "the trace's metadata lacks layers/top_k/expert_bytes; "
-            "pass --model or --layers/--top-k/--expert-bytes"
+            "the trace's metadata lacks layers/top_k/expert_bytes; pass --model or --layers/--top-k/--expert-bytes"
         ) from None
 
 
 def bandwidth(probe: ProbeResult, inflight: float, direct: bool) -> float:
     """Aggregate MB/s at `inflight` reads of the probe's segment size, interpolated between depths."""
     mode = "direct" if direct else "buffered"
-    rows = sorted((r.inflight, r.mb_s) for r in probe.rows if r.size == probe.segment_bytes and r.mode == mode
-                  and r.reads > 0)
+    rows = sorted(
+        (r.inflight, r.mb_s) for r in probe.rows if r.size == probe.segment_bytes and r.mode == mode and r.reads > 0
+    )
     if not rows:
         other = "buffered" if direct else "direct"
-        raise MoestreamError(f"the probe has no {mode} rows at the segment size; forecast with --{other} "
-                             "or probe again")
+        raise MoestreamError(
+            f"the probe has no {mode} rows at the segment size; forecast with --{other} or probe again"
+        )
     if inflight <= rows[0][0]:
         return rows[0][1]
     for (q0, b0), (q1, b1) in itertools.pairwise(rows):
@@ -131,17 +138,47 @@ class Forecast:
         return asdict(self) | {"error": self.error}
 
 
-def forecast(probe: ProbeResult, geom: Geometry, compute_ms: float, *, hit_rate: float | None = None,
-             miss_hist: list[int] | None = None, hit_source: str = "", io_threads: int = ENGINE_IO_THREADS,
-             direct: bool | None = None) -> Forecast:
+# Of the compute of a layer with every expert cached, the share spent in the routed experts (profiled on
+# the Qwen3-30B-A3B shape: 24 of the 26 int4 matmuls of a layer; the rest is attention and the router).
+EXPERT_SHARE = 0.7
+# Packing one expert that was read (3 segments into the int4 form) on the model's thread: ~0.5 ms warm,
+# ~2.4 ms on a slot filled for the first time (page faults), measured on this machine; short runs are mostly
+# first fills.
+DEFAULT_PACK_MS = 1.0
+
+
+def _layer_ms(geom: Geometry, compute_ms: float, misses: int, read_ms: float, pack_ms: float) -> float:
+    """One layer as the engine runs it: the cached experts are computed while the misses are read; each
+    miss is packed and computed as it lands, so the layer ends when both the reads (plus the last miss's
+    work) and all the CPU work are done."""
+    layer = compute_ms / geom.n_layers
+    per_expert = EXPERT_SHARE * layer / geom.top_k
+    dense = layer - per_expert * geom.top_k
+    if misses == 0:
+        return layer
+    cpu = (geom.top_k - misses) * per_expert + misses * (per_expert + pack_ms)
+    return dense + max(read_ms + per_expert + pack_ms, cpu)
+
+
+def forecast(
+    probe: ProbeResult,
+    geom: Geometry,
+    compute_ms: float,
+    *,
+    hit_rate: float | None = None,
+    miss_hist: list[int] | None = None,
+    hit_source: str = "",
+    io_threads: int = ENGINE_IO_THREADS,
+    direct: bool | None = None,
+    pack_ms: float = DEFAULT_PACK_MS,
+) -> Forecast:
     """Decode tok/s for one cache. miss_hist[m] = decode (token, layer) groups that missed m experts
     (ReplayResult.miss_hist); else hit_rate with misses spread binomially."""
     if direct is None:
         direct = any(r.mode == "direct" for r in probe.rows)
     if miss_hist and sum(miss_hist):
         total = sum(miss_hist)
-        per_layer_s = sum(c * layer_read_s(probe, geom, m, io_threads, direct)
-                          for m, c in enumerate(miss_hist)) / total
+        probs = [c / total for c in miss_hist]
         misses = sum(m * c for m, c in enumerate(miss_hist)) / total * geom.n_layers
         if hit_rate is None:
             hit_rate = 1 - misses / (geom.n_layers * geom.top_k)
@@ -149,16 +186,26 @@ def forecast(probe: ProbeResult, geom: Geometry, compute_ms: float, *, hit_rate:
         if not 0 <= hit_rate <= 1:
             raise MoestreamError(f"the hit rate must be between 0 and 1 (or 0% and 100%), got {hit_rate}")
         probs = _binomial(geom.top_k, 1 - hit_rate)
-        per_layer_s = sum(p * layer_read_s(probe, geom, m, io_threads, direct) for m, p in enumerate(probs))
         misses = geom.n_layers * geom.top_k * (1 - hit_rate)
     else:
         raise MoestreamError("give a hit rate (--hit-rate) or a trace to replay (--trace)")
-    read_ms = 1e3 * per_layer_s * geom.n_layers
-    total_ms = compute_ms + read_ms
+    read_s = sum(p * layer_read_s(probe, geom, m, io_threads, direct) for m, p in enumerate(probs))
+    read_ms = 1e3 * read_s * geom.n_layers
+    layer_ms = sum(
+        p * _layer_ms(geom, compute_ms, m, 1e3 * layer_read_s(probe, geom, m, io_threads, direct), pack_ms)
+        for m, p in enumerate(probs)
+    )
+    total_ms = layer_ms * geom.n_layers
     return Forecast(
-        hit_rate=hit_rate, hit_source=hit_source, misses_per_token=misses,
-        mb_per_token=misses * geom.expert_bytes / 1e6, read_ms=read_ms, compute_ms=compute_ms,
-        tok_s=1e3 / total_ms if total_ms > 0 else float("inf"), io_threads=io_threads, direct=direct,
+        hit_rate=hit_rate,
+        hit_source=hit_source,
+        misses_per_token=misses,
+        mb_per_token=misses * geom.expert_bytes / 1e6,
+        read_ms=read_ms,
+        compute_ms=compute_ms,
+        tok_s=1e3 / total_ms if total_ms > 0 else float("inf"),
+        io_threads=io_threads,
+        direct=direct,
     )
 
 
@@ -177,9 +224,7 @@ def read_stats(path_or_value: str) -> dict[str, float]:
             f"cannot read {path_or_value}: {exc.strerror}; give a tok/s number or a JSON file"
         ) from None
     except json.JSONDecodeError:
-        raise MoestreamError(
-            f"{path_or_value} is not JSON; give a tok/s number or the engine's stats JSON"
-        ) from None
+        raise MoestreamError(f"{path_or_value} is not JSON; give a tok/s number or the engine's stats JSON") from None
     if isinstance(doc, dict) and isinstance(doc.get("stats"), dict):
         doc = doc["stats"]
     if not isinstance(doc, dict):
@@ -240,14 +285,20 @@ def format_forecast(geom: Geometry, probe: ProbeResult, rows: list[tuple[str, Fo
     ]
     if abs(probe.segment_bytes - geom.segment_bytes) > 0.5 * geom.segment_bytes:
         lines.append("warning: the probe's read size differs from this model's segments; probe the model")
-    lines.append(f"  {'case':<24} {'hit %':>6} {'misses/tok':>10} {'MB/tok':>7} {'read ms':>8} "
-                 f"{'compute ms':>10} {'tok/s':>7} {'reader':>14}")
+    lines.append(
+        f"  {'case':<24} {'hit %':>6} {'misses/tok':>10} {'MB/tok':>7} {'read ms':>8} "
+        f"{'compute ms':>10} {'tok/s':>7} {'reader':>14}"
+    )
     for name, fc in rows:
         reader = f"{fc.io_threads} {'direct' if fc.direct else 'buffered'}"
-        lines.append(f"  {name:<24} {100 * fc.hit_rate:>6.1f} {fc.misses_per_token:>10.1f} "
-                     f"{fc.mb_per_token:>7.0f} {fc.read_ms:>8.1f} {fc.compute_ms:>10.1f} {fc.tok_s:>7.2f} "
-                     f"{reader:>14}")
+        lines.append(
+            f"  {name:<24} {100 * fc.hit_rate:>6.1f} {fc.misses_per_token:>10.1f} "
+            f"{fc.mb_per_token:>7.0f} {fc.read_ms:>8.1f} {fc.compute_ms:>10.1f} {fc.tok_s:>7.2f} "
+            f"{reader:>14}"
+        )
         if fc.measured_tok_s:
-            lines.append(f"  {'  measured':<24} {'':>6} {'':>10} {'':>7} {'':>8} {'':>10} "
-                         f"{fc.measured_tok_s:>7.2f}   forecast {100 * (fc.error or 0):+.0f}%")
+            lines.append(
+                f"  {'  measured':<24} {'':>6} {'':>10} {'':>7} {'':>8} {'':>10} "
+                f"{fc.measured_tok_s:>7.2f}   forecast {100 * (fc.error or 0):+.0f}%"
+            )
     return "\n".join(lines)

@@ -13,8 +13,15 @@ SEG = 1_000_000
 def _probe(direct=((1, 500), (2, 1000), (4, 2000), (8, 2000)), buffered=()):
     rows = [ProbeRow(SEG, "direct", q, 64, 1.0, 1.0, 1.0, 1.0, 1.0, mb) for q, mb in direct]
     rows += [ProbeRow(SEG, "buffered", q, 64, 1.0, 1.0, 1.0, 1.0, 1.0, mb) for q, mb in buffered]
-    return ProbeResult(path="disk", file_bytes=1 << 40, segment_bytes=SEG, expert_bytes=3 * SEG,
-                       ram_bytes=1 << 34, representative=True, rows=rows)
+    return ProbeResult(
+        path="disk",
+        file_bytes=1 << 40,
+        segment_bytes=SEG,
+        expert_bytes=3 * SEG,
+        ram_bytes=1 << 34,
+        representative=True,
+        rows=rows,
+    )
 
 
 def test_bandwidth_interpolates_between_depths():
@@ -31,7 +38,7 @@ def test_forecast_from_hit_rate():
     geom = fc.Geometry(n_layers=10, top_k=1, expert_bytes=3 * SEG)
     p = _probe()
     # no hits: every layer misses its one expert = 3 reads of 1 MB with 3 in flight
-    f = fc.forecast(p, geom, compute_ms=20.0, hit_rate=0.0, io_threads=4)
+    f = fc.forecast(p, geom, compute_ms=20.0, hit_rate=0.0, io_threads=4, pack_ms=0.0)
     per_layer_ms = 3 * SEG / (fc.bandwidth(p, 3, True) * 1e6) * 1e3
     assert f.read_ms == pytest.approx(10 * per_layer_ms)
     assert f.tok_s == pytest.approx(1e3 / (20 + 10 * per_layer_ms))
@@ -98,8 +105,9 @@ def test_forecast_cli_with_trace_and_measured(tiny, tmp_path, capsys):
     from moestream.trace import TraceWriter
 
     trace = tmp_path / "t.csv"
-    with TraceWriter(trace, {"layers": 4, "top_k": 4, "experts": 16, "expert_bytes": 3 * SEG, "n_slots": 16,
-                             "admit_prompt": True}) as w:
+    with TraceWriter(
+        trace, {"layers": 4, "top_k": 4, "experts": 16, "expert_bytes": 3 * SEG, "n_slots": 16, "admit_prompt": True}
+    ) as w:
         for step in range(1, 30):
             for layer in range(4):
                 for rank, e in enumerate((0, 1, 2, 3 + step % 5)):
@@ -108,18 +116,47 @@ def test_forecast_cli_with_trace_and_measured(tiny, tmp_path, capsys):
     probe_json.write_text(json.dumps(_probe().to_dict()))
     parser = argparse.ArgumentParser()
     add_analysis_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["forecast", "--probe", str(probe_json), "--trace", str(trace), "--slots", "16",
-                              "--compute-ms", "30", "--measured", "12.5", "--json"])
+    args = parser.parse_args(
+        [
+            "forecast",
+            "--probe",
+            str(probe_json),
+            "--trace",
+            str(trace),
+            "--slots",
+            "16",
+            "--compute-ms",
+            "30",
+            "--measured",
+            "12.5",
+            "--json",
+        ]
+    )
     assert args.func(args) == 0
     cases = {c["case"]: c for c in json.loads(capsys.readouterr().out)["cases"]}
     replayed = cases["replay lru @16"]
     assert 0.5 < replayed["hit_rate"] < 1 and replayed["measured_tok_s"] == 12.5
     assert cases["no cache hits"]["tok_s"] < replayed["tok_s"] < cases["all cached"]["tok_s"]
-    args = parser.parse_args(["forecast", "--probe", str(probe_json), "--model", tiny, "--hit-rate", "60%",
-                              "--compute-ms", "30"])
+    args = parser.parse_args(
+        ["forecast", "--probe", str(probe_json), "--model", tiny, "--hit-rate", "60%", "--compute-ms", "30"]
+    )
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "hit rate 60.0%" in out and "tiny.gguf" in out
     args = parser.parse_args(["forecast", "--probe", str(probe_json), "--model", tiny, "--hit-rate", "60%"])
     with pytest.raises(MoestreamError, match="compute time"):
         args.func(args)
+
+
+def test_forecast_overlaps_reads_with_cached_experts():
+    # 8 experts, 4 of them missing: the 4 cached ones are computed while the misses are read, so the layer
+    # costs the dense part + max(read + one miss's work, all the CPU work), never read + compute.
+    geom = fc.Geometry(n_layers=1, top_k=8, expert_bytes=3 * SEG)
+    p = _probe()
+    read_ms = 1e3 * fc.layer_read_s(p, geom, 4, 4, True)
+    f = fc.forecast(p, geom, compute_ms=10.0, miss_hist=[0, 0, 0, 0, 1], pack_ms=0.5)
+    per_expert = fc.EXPERT_SHARE * 10.0 / 8
+    dense = 10.0 - 8 * per_expert
+    expected = dense + max(read_ms + per_expert + 0.5, 8 * per_expert + 4 * 0.5)
+    assert 1e3 / f.tok_s == pytest.approx(expected)
+    assert 1e3 / f.tok_s < 10.0 + read_ms + 4 * 0.5  # cheaper than reading, then computing
