@@ -247,12 +247,7 @@ def pack_into(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, out:
         n_packed, n_sz = _int4_sizes(n, k)
         packed = out[:n_packed].view(n, k // 2)
         sz = out[n_packed : n_packed + n_sz].view(torch.bfloat16).view(k // GROUP, n, 2)
-        if lib is not None and native.int4_layout_ok():
-            rc = lib.ms_pack_int4(ggml_type, src.ctypes.data, n, k, packed.data_ptr(), sz.data_ptr())
-            if rc != 0:
-                raise RuntimeError(f"ms_pack_int4 failed ({rc}) for {quants.type_name(ggml_type)} [{n}, {k}]")
-        else:
-            _pack_int4_torch(src, ggml_type, n, k, packed, sz)
+        _pack_int4(src, ggml_type, n, k, packed, sz)
         return QLinear(n, k, kind, packed, sz)
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
     w = out[:nbytes].view(dtype).view(n, k)
@@ -278,14 +273,21 @@ def pack_int4_rows(
     part = scratch.get((n, k))
     if part is None:
         part = scratch[(n, k)] = torch.empty(k // GROUP, n, 2, dtype=torch.bfloat16)
+    _pack_int4(src, ggml_type, n, k, packed, part)
+    # A numpy copy, not torch's: a parallel torch op called from a reader thread starts another OpenMP
+    # team there, whose spinning threads then slow every later op of the model's thread (seen: decode -25%).
+    sz.view(torch.int16).numpy()[:, row0 : row0 + n] = part.view(torch.int16).numpy()
+
+
+def _pack_int4(src: np.ndarray, ggml_type: int, n: int, k: int, packed: torch.Tensor, sz: torch.Tensor) -> None:
+    """GGUF Q4_0/Q4_K bytes -> torch's int4 layout in `packed` and bf16 scales/zeros in `sz` (C, else torch)."""
     lib = native.lib()
     if lib is not None and native.int4_layout_ok():
-        rc = lib.ms_pack_int4(ggml_type, src.ctypes.data, n, k, packed.data_ptr(), part.data_ptr())
+        rc = lib.ms_pack_int4(ggml_type, src.ctypes.data, n, k, packed.data_ptr(), sz.data_ptr())
         if rc != 0:
             raise RuntimeError(f"ms_pack_int4 failed ({rc}) for {quants.type_name(ggml_type)} [{n}, {k}]")
     else:
-        _pack_int4_torch(src, ggml_type, n, k, packed, part)
-    sz[:, row0 : row0 + n].copy_(part)
+        _pack_int4_torch(src, ggml_type, n, k, packed, sz)
 
 
 # One scratch per shape and thread for the scales of a part being packed (reader threads pack too).
