@@ -152,7 +152,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 out.write(text)
                 out.flush()
 
-        gen = engine.generate(ids, args.n, sampler, stop_ids=tok.stop_ids, on_token=on_token)
+        stop_ids = set() if args.ignore_eos else tok.stop_ids
+        gen = engine.generate(ids, args.n, sampler, stop_ids=stop_ids, on_token=on_token)
         out.write(decoder.flush() + "\n")
         if engine.plan is not None:
             print(engine.plan.describe(), file=sys.stderr)
@@ -231,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--stats-json", default=None, help="also write the stats as JSON to this file")
+    p.add_argument("--ignore-eos", action="store_true", help="generate all -n tokens (benchmarks)")
     p.add_argument(
         "--preload",
         action="store_true",

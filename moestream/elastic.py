@@ -33,6 +33,7 @@ class ElasticWatcher:
         self.available = available
         self.grow_step = max(1, grow_step_mb * MB // cache.slot_nbytes)
         self.events: list[tuple[str, int, int]] = []  # (action, slots, available bytes)
+        self.last_error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moestream-elastic", daemon=True)
 
@@ -60,7 +61,11 @@ class ElasticWatcher:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.step()
+            try:
+                self.step()
+            except Exception as exc:  # the watcher must outlive a bad reading; say what happened
+                self.events.append(("error", 0, 0))
+                self.last_error = repr(exc)
 
     def stop(self) -> None:
         self._stop.set()

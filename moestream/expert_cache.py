@@ -429,16 +429,21 @@ class ExpertCache:
         """
         libc = ctypes.CDLL(None, use_errno=True)
         base = self._arena_t.data_ptr()
-        total = self.n_slots * self.slot_nbytes
-        chunk = 32 << 20
+        slots_per_call = max(1, (32 << 20) // self.slot_nbytes)
 
         def run() -> None:
-            for off in range(0, total, chunk):
-                if self._closed:
+            for first in range(0, self.n_slots, slots_per_call):
+                # Stop as soon as the elastic cache has had to give memory back: prefaulting would take it again.
+                if self._closed or self.stats.shrinks:
                     return
-                n = min(chunk, total - off)
-                if libc.madvise(ctypes.c_void_p(base + off), ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0:
-                    return  # kernel before 5.14: pages fault in on first use, as without prefaulting
+                with self._lock:
+                    todo = [s for s in range(first, min(self.n_slots, first + slots_per_call)) if s not in self._parked]
+                for slot in todo:
+                    if self.stats.shrinks:
+                        return
+                    addr = ctypes.c_void_p(base + slot * self.slot_nbytes)
+                    if libc.madvise(addr, ctypes.c_size_t(self.slot_nbytes), MADV_POPULATE_WRITE) != 0:
+                        return  # kernel before 5.14: pages fault in on first use, as without prefaulting
 
         if not background:
             run()
