@@ -10,6 +10,7 @@ that halved decode speed.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from moestream.budget import MB, available_bytes
@@ -26,6 +27,7 @@ class ElasticWatcher:
         interval_s: float = 0.25,
         available: Callable[[], int] = available_bytes,
         grow_step_mb: int = GROW_STEP_MB,
+        cooldown_s: float = 5.0,
     ):
         self.cache = cache
         self.keep_free = keep_free_mb * MB
@@ -34,6 +36,8 @@ class ElasticWatcher:
         self.grow_step = max(1, grow_step_mb * MB // cache.slot_nbytes)
         self.events: list[tuple[str, int, int]] = []  # (action, slots, available bytes)
         self.last_error: str | None = None
+        self.cooldown_s = cooldown_s
+        self._last_shrink = float("-inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moestream-elastic", daemon=True)
 
@@ -45,14 +49,18 @@ class ElasticWatcher:
         """One look at the available memory; returns slots released (<0) or regained (>0)."""
         avail = self.available()
         slot = self.cache.slot_nbytes
+        now = time.monotonic()
         if avail < self.keep_free:
             n = self.cache.shrink(-(-(self.keep_free - avail) // slot))
             if n:
                 self.events.append(("shrink", n, avail))
+                self._last_shrink = now
             return -n
-        # Grow only when a whole step fits above the floor, so it does not oscillate around it.
+        # Grow only when a whole step fits above the floor, and not while another program is still taking
+        # memory: growing between its allocations let the cache refill at once and that program was
+        # OOM-killed on its next step (bench/elastic_pressure.py).
         room = (avail - self.keep_free) // slot
-        if room >= self.grow_step:
+        if room >= self.grow_step and now - self._last_shrink >= self.cooldown_s:
             n = self.cache.grow(self.grow_step)
             if n:
                 self.events.append(("grow", n, avail))
