@@ -130,7 +130,10 @@ def test_k_quantizers_bounded_error(w, scale, ggml_type):
     # per super-block, no weight is off by more than a fraction of the block's largest magnitude
     peak = np.abs(w).max(axis=1, keepdims=True)
     frac = 0.15 if ggml_type == T.Q4_K else 0.05
-    assert (np.abs(back - w) <= frac * peak + 1e-6 * scale).all()
+    # Below ~6e-5 a block's fp16 super-block scale (d = peak / 63 / 15 for Q4_K) underflows and the block
+    # can only come back as zeros: that much absolute error is the format's, not the quantizer's.
+    fp16_floor = 2.0**-24 * 63 * 15
+    assert (np.abs(back - w) <= frac * peak + fp16_floor).all()
 
 
 @settings(max_examples=30, deadline=None)
