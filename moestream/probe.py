@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from moestream.errors import MoestreamError
+from moestream.reader import open_direct
 
 ALIGN = 4096
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -84,9 +85,7 @@ def load_probe(path: str | os.PathLike[str]) -> ProbeResult:
     except OSError as exc:
         raise MoestreamError(f"cannot read the probe result {path}: {exc.strerror}") from None
     except (json.JSONDecodeError, TypeError, KeyError):
-        raise MoestreamError(
-            f"{path} is not a probe result; write one with `moestream probe ... -o FILE`"
-        ) from None
+        raise MoestreamError(f"{path} is not a probe result; write one with `moestream probe ... -o FILE`") from None
 
 
 def expert_geometry(path: str) -> tuple[int, int, tuple[int, int]]:
@@ -116,25 +115,6 @@ def expert_geometry(path: str) -> tuple[int, int, tuple[int, int]]:
     return int(values[np.argmax(counts)]), int(round(float(np.mean(experts)))), (lo, hi)
 
 
-def _open_direct(path: str) -> int | None:
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | flag)
-    except OSError:
-        return None
-    buf = mmap.mmap(-1, ALIGN)
-    try:
-        os.preadv(fd, [buf], 0)
-    except OSError:  # tmpfs and some others accept the flag and then refuse the read
-        os.close(fd)
-        return None
-    finally:
-        buf.close()
-    return fd
-
-
 def _drop(fd: int, offset: int = 0, nbytes: int = 0) -> None:
     if hasattr(os, "posix_fadvise"):
         try:
@@ -143,8 +123,9 @@ def _drop(fd: int, offset: int = 0, nbytes: int = 0) -> None:
             pass
 
 
-def _run_row(fd: int, direct: bool, size: int, inflight: int, offsets: np.ndarray,
-             seconds: float) -> tuple[list[float], float, int]:
+def _run_row(
+    fd: int, direct: bool, size: int, inflight: int, offsets: np.ndarray, seconds: float
+) -> tuple[list[float], float, int]:
     """Read offsets[i] with `inflight` threads until all are read or `seconds` pass.
     Returns (latencies in s, wall seconds, bytes)."""
     nbytes = (size + ALIGN - 1) // ALIGN * ALIGN if direct else size
@@ -188,9 +169,16 @@ def _run_row(fd: int, direct: bool, size: int, inflight: int, offsets: np.ndarra
 def _summarize(size: int, mode: str, inflight: int, lat: list[float], wall: float, nbytes: int) -> ProbeRow:
     a = np.array(lat) * 1e3 if lat else np.zeros(1)
     return ProbeRow(
-        size=size, mode=mode, inflight=inflight, reads=len(lat), seconds=round(wall, 4),
-        mean_ms=float(a.mean()), p50_ms=float(np.percentile(a, 50)), p90_ms=float(np.percentile(a, 90)),
-        p99_ms=float(np.percentile(a, 99)), mb_s=nbytes / 1e6 / wall if wall > 0 else 0.0,
+        size=size,
+        mode=mode,
+        inflight=inflight,
+        reads=len(lat),
+        seconds=round(wall, 4),
+        mean_ms=float(a.mean()),
+        p50_ms=float(np.percentile(a, 50)),
+        p90_ms=float(np.percentile(a, 90)),
+        p99_ms=float(np.percentile(a, 99)),
+        mb_s=nbytes / 1e6 / wall if wall > 0 else 0.0,
     )
 
 
@@ -216,14 +204,28 @@ def recommend(rows: list[ProbeRow], segment: int) -> dict[str, Any]:
     else:
         pick = best["buffered"]
     flags = f"--io-threads {pick.inflight}" + (" --buffered" if pick.mode == "buffered" else "")
-    return {"io_threads": pick.inflight, "direct": pick.mode == "direct", "mb_s": pick.mb_s,
-            "p50_ms": pick.p50_ms, "p99_ms": pick.p99_ms, "flags": flags}
+    return {
+        "io_threads": pick.inflight,
+        "direct": pick.mode == "direct",
+        "mb_s": pick.mb_s,
+        "p50_ms": pick.p50_ms,
+        "p99_ms": pick.p99_ms,
+        "flags": flags,
+    }
 
 
-def probe_file(path: str, *, segment: int | None = None, inflight: tuple[int, ...] = INFLIGHT,
-               modes: tuple[str, ...] = ("buffered", "direct"), reads_per_row: int = 128,
-               seconds_per_row: float = 2.0, sizes: tuple[int, ...] | None = None, seed: int = 0,
-               progress: bool = True) -> ProbeResult:
+def probe_file(
+    path: str,
+    *,
+    segment: int | None = None,
+    inflight: tuple[int, ...] = INFLIGHT,
+    modes: tuple[str, ...] = ("buffered", "direct"),
+    reads_per_row: int = 128,
+    seconds_per_row: float = 2.0,
+    sizes: tuple[int, ...] | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> ProbeResult:
     """Probe random reads of an existing file (a GGUF model: its own expert segment size and region)."""
     import psutil
     from tqdm import tqdm
@@ -260,13 +262,20 @@ def probe_file(path: str, *, segment: int | None = None, inflight: tuple[int, ..
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fds["buffered"], 0, 0, os.POSIX_FADV_RANDOM)
     if "direct" in modes:
-        fd = _open_direct(path)
+        fd = open_direct(path)
         if fd is None:
             warnings.append("O_DIRECT is not supported on this filesystem; only buffered reads were probed")
         else:
             fds["direct"] = fd
-    result = ProbeResult(path=path, file_bytes=file_bytes, segment_bytes=segment, expert_bytes=expert_bytes,
-                         ram_bytes=ram, representative=representative, warnings=warnings)
+    result = ProbeResult(
+        path=path,
+        file_bytes=file_bytes,
+        segment_bytes=segment,
+        expert_bytes=expert_bytes,
+        ram_bytes=ram,
+        representative=representative,
+        warnings=warnings,
+    )
     plan = [(s, m, q) for s in sizes for m in modes if m in fds for q in inflight]
     if not plan:
         for fd in fds.values():
@@ -306,8 +315,9 @@ def probe_dir(directory: str, size_bytes: int = 4 * GIB, *, progress: bool = Tru
     try:
         chunk = 16 * MIB
         rng = np.random.default_rng(1)
-        bar = tqdm(total=size_bytes, unit="B", unit_scale=True, desc="writing test file",
-                   disable=not progress, leave=False)
+        bar = tqdm(
+            total=size_bytes, unit="B", unit_scale=True, desc="writing test file", disable=not progress, leave=False
+        )
         with os.fdopen(fd, "wb") as f, bar:
             done = 0
             while done < size_bytes:
@@ -318,8 +328,10 @@ def probe_dir(directory: str, size_bytes: int = 4 * GIB, *, progress: bool = Tru
             f.flush()
             os.fsync(f.fileno())
         result = probe_file(path, segment=kw.pop("segment", None) or DEFAULT_SEGMENT, progress=progress, **kw)
-        result.warnings.append("freshly written test file: an SSD may still serve it from its SLC cache; "
-                               "probing the model file itself (--file) is closer to real use")
+        result.warnings.append(
+            "freshly written test file: an SSD may still serve it from its SLC cache; "
+            "probing the model file itself (--file) is closer to real use"
+        )
         return result
     finally:
         try:
@@ -329,19 +341,27 @@ def probe_dir(directory: str, size_bytes: int = 4 * GIB, *, progress: bool = Tru
 
 
 def format_probe(r: ProbeResult) -> str:
-    head = (f"probe: {r.path} ({r.file_bytes / GIB:.2f} GiB), read size {r.segment_bytes / MIB:.2f} MiB"
-            + (f" (one expert = {r.expert_bytes / MIB:.2f} MiB in 3 segments)" if r.expert_bytes else ""))
-    lines = [head, f"  {'size':>9} {'mode':>8} {'in flight':>9} {'reads':>6} {'p50 ms':>8} {'p90 ms':>8} "
-                   f"{'p99 ms':>8} {'MB/s':>8}"]
+    head = f"probe: {r.path} ({r.file_bytes / GIB:.2f} GiB), read size {r.segment_bytes / MIB:.2f} MiB" + (
+        f" (one expert = {r.expert_bytes / MIB:.2f} MiB in 3 segments)" if r.expert_bytes else ""
+    )
+    lines = [
+        head,
+        f"  {'size':>9} {'mode':>8} {'in flight':>9} {'reads':>6} {'p50 ms':>8} {'p90 ms':>8} "
+        f"{'p99 ms':>8} {'MB/s':>8}",
+    ]
     for row in r.rows:
         size = f"{row.size / MIB:.2f} MiB" if row.size >= MIB else f"{row.size // KIB} KiB"
-        lines.append(f"  {size:>9} {row.mode:>8} {row.inflight:>9} {row.reads:>6} {row.p50_ms:>8.2f} "
-                     f"{row.p90_ms:>8.2f} {row.p99_ms:>8.2f} {row.mb_s:>8.0f}")
+        lines.append(
+            f"  {size:>9} {row.mode:>8} {row.inflight:>9} {row.reads:>6} {row.p50_ms:>8.2f} "
+            f"{row.p90_ms:>8.2f} {row.p99_ms:>8.2f} {row.mb_s:>8.0f}"
+        )
     rec = r.recommended
     if rec:
-        lines.append(f"recommended reader: reads in flight {rec['io_threads']}, "
-                     f"{'O_DIRECT' if rec['direct'] else 'buffered'} ({rec['mb_s']:.0f} MB/s, p99 "
-                     f"{rec['p99_ms']:.1f} ms): moestream run {rec['flags']} ...")
+        lines.append(
+            f"recommended reader: reads in flight {rec['io_threads']}, "
+            f"{'O_DIRECT' if rec['direct'] else 'buffered'} ({rec['mb_s']:.0f} MB/s, p99 "
+            f"{rec['p99_ms']:.1f} ms): moestream run {rec['flags']} ..."
+        )
     for w in r.warnings:
         lines.append(f"warning: {w}")
     return "\n".join(lines)

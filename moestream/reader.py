@@ -45,7 +45,7 @@ class AlignedBuffer:
         self.view = memoryview(self.mem)
 
 
-def _open_direct(path: str) -> int | None:
+def open_direct(path: str) -> int | None:
     """An O_DIRECT descriptor if this filesystem supports it (tmpfs, for one, refuses)."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
@@ -75,7 +75,7 @@ class ExpertReader:
         self.path = path
         self.threads = max(1, threads)
         self._fd_buffered = os.open(path, os.O_RDONLY)
-        self._fd_direct = _open_direct(path) if direct in (None, True) else None
+        self._fd_direct = open_direct(path) if direct in (None, True) else None
         if direct is True and self._fd_direct is None:
             raise MoestreamError(f"O_DIRECT reads are not supported on the filesystem of {path}; drop --direct")
         self.direct = self._fd_direct is not None
