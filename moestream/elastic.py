@@ -24,10 +24,11 @@ class ElasticWatcher:
         self,
         cache: ExpertCache,
         keep_free_mb: int,
-        interval_s: float = 0.25,
+        interval_s: float = 0.1,
         available: Callable[[], int] = available_bytes,
         grow_step_mb: int = GROW_STEP_MB,
         cooldown_s: float = 5.0,
+        overshoot_slots: int | None = None,
     ):
         self.cache = cache
         self.keep_free = keep_free_mb * MB
@@ -37,6 +38,7 @@ class ElasticWatcher:
         self.events: list[tuple[str, int, int]] = []  # (action, slots, available bytes)
         self.last_error: str | None = None
         self.cooldown_s = cooldown_s
+        self.overshoot = overshoot_slots if overshoot_slots is not None else self.grow_step
         self._last_shrink = float("-inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moestream-elastic", daemon=True)
@@ -51,7 +53,9 @@ class ElasticWatcher:
         slot = self.cache.slot_nbytes
         now = time.monotonic()
         if avail < self.keep_free:
-            n = self.cache.shrink(-(-(self.keep_free - avail) // slot))
+            # Give back a grow step more than the shortfall: a program that is taking memory usually takes
+            # more before the next reading, and the floor should absorb it rather than the OOM killer.
+            n = self.cache.shrink(-(-(self.keep_free - avail) // slot) + self.overshoot)
             if n:
                 self.events.append(("shrink", n, avail))
                 self._last_shrink = now

@@ -129,7 +129,9 @@ class ExpertCache:
         self.slot_nbytes = store.slot_nbytes
         # Anonymous mmap: pages are only committed when a slot is first filled, and can be handed back to
         # the OS (madvise) when the cache shrinks.
-        self._arena = mmap.mmap(-1, n_slots * self.slot_nbytes)
+        # Private, not Python's default shared mapping: MADV_DONTNEED on shared anonymous memory leaves the
+        # pages in shmem, so a shrinking cache gave nothing back (a second process was OOM-killed).
+        self._arena = mmap.mmap(-1, n_slots * self.slot_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._arena_t = torch.frombuffer(self._arena, dtype=torch.uint8)
         self._experts: list[Expert | None] = [None] * n_slots
         self._key_of: list[tuple[int, int] | None] = [None] * n_slots
