@@ -90,7 +90,9 @@ def test_elastic_cache_shrinks_below_the_floor_and_grows_back(tiny, baseline):
     eng = Engine(tiny, n_slots=48)
     try:
         eng.generate(PROMPT_A, N, Sampler())
-        w = ElasticWatcher(eng.cache, keep_free_mb=1024, available=lambda: avail[0], grow_step_mb=1, cooldown_s=0.0, overshoot_slots=0)
+        w = ElasticWatcher(
+            eng.cache, keep_free_mb=1024, available=lambda: avail[0], grow_step_mb=1, cooldown_s=0.0, overshoot_slots=0
+        )
         assert w.step() == 0 or eng.cache.capacity == 48  # plenty free: nothing to give back
         used_before = eng.cache.used_slots
         avail[0] = 1024 * 2**20 - 20 * eng.cache.slot_nbytes  # a program took memory: 20 slots short
