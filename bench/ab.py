@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import shlex
 import sys
@@ -35,8 +34,8 @@ from compare import (
     host_info,
     pair_ratios,
     prepare,
-    results_path,
     run_moestream,
+    save_results,
     short,
     summarize,
     to_result,
@@ -62,13 +61,17 @@ def run_ab(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     try:
         with condition_context(args.condition, args.leave_gb) as balloon:
             if balloon is not None:
-                doc["balloon"] = {"leave_gb": args.leave_gb, "locked_bytes": balloon.locked_bytes,
-                                  "mem_available_bytes": balloon.mem_available_bytes}
+                doc["balloon"] = {
+                    "leave_gb": args.leave_gb,
+                    "locked_bytes": balloon.locked_bytes,
+                    "mem_available_bytes": balloon.mem_available_bytes,
+                }
             for rep in range(args.repeat):
                 for arm, extra in arms.items():
                     setup = prepare(args.condition, args.model, balloon) if args.condition != "asis" else {}
-                    m, stats = run_moestream(args.model, args.prompt, args.tokens, args.threads, args.budget_mb,
-                                             extra, args.timeout_s)
+                    m, stats = run_moestream(
+                        args.model, args.prompt, args.tokens, args.threads, args.budget_mb, extra, args.timeout_s
+                    )
                     r = to_result("moestream", arm, args.condition, rep, m, stats, setup)
                     if balloon is not None and not balloon.alive():
                         r.status = "invalid: the balloon died during the run"
@@ -79,8 +82,7 @@ def run_ab(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         log(f"failed: {exc}")
     doc["runs"] = [asdict(r) for r in runs]
     doc["summary"] = summarize(runs)
-    doc["ratio_b_over_a"] = pair_ratios(runs, lambda r: r.variant == "B", lambda r: r.variant == "A",
-                                        RATIO_METRICS)
+    doc["ratio_b_over_a"] = pair_ratios(runs, lambda r: r.variant == "B", lambda r: r.variant == "A", RATIO_METRICS)
     return doc
 
 
@@ -106,12 +108,19 @@ def markdown(doc: dict[str, Any]) -> str:
             continue
         mt = s["metrics"]
         ok = f"{s['statuses'].get('ok', 0)}/{s['runs']}"
-        lines.append(f"| {arm} | `{flags[arm]}` | {ok} | "
-                     + " | ".join(cell(mt.get(key), scale, suf) for _, key, scale, suf in COLUMNS) + " |")
+        lines.append(
+            f"| {arm} | `{flags[arm]}` | {ok} | "
+            + " | ".join(cell(mt.get(key), scale, suf) for _, key, scale, suf in COLUMNS)
+            + " |"
+        )
     ratio = doc["ratio_b_over_a"]
     n = ratio["decode_tps"]["n"] if "decode_tps" in ratio else 0
-    cells = [f"**{cell(ratio.get(key), suffix='x')}**" if key == "decode_tps" else
-             (cell(ratio.get(key), suffix="x") if key in RATIO_METRICS else "") for _, key, _, _ in COLUMNS]
+    cells = [
+        f"**{cell(ratio.get(key), suffix='x')}**"
+        if key == "decode_tps"
+        else (cell(ratio.get(key), suffix="x") if key in RATIO_METRICS else "")
+        for _, key, _, _ in COLUMNS
+    ]
     lines.append(f"| **B / A** | | {n} pairs | " + " | ".join(cells) + " |")
     bad = [r for r in doc["runs"] if r["status"] != "ok"]
     notes = [f"{r['variant']} repeat {r['repeat'] + 1}: {r['status']}: {r['error'][-200:]}" for r in bad]
@@ -132,8 +141,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--budget-mb", type=int, default=None, help="--ram-budget-mb for both arms")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
-    ap.add_argument("--condition", choices=AB_CONDITIONS, default="cold",
-                    help="page-cache state before each run (default cold)")
+    ap.add_argument(
+        "--condition", choices=AB_CONDITIONS, default="cold", help="page-cache state before each run (default cold)"
+    )
     ap.add_argument("--leave-gb", type=float, default=8.0, help="with --condition pressure")
     ap.add_argument("--timeout-s", type=float, default=1800)
     ap.add_argument("--name", default=None, help="results file name (default ab-<model>)")
@@ -157,19 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    doc: dict[str, Any] = {"meta": {"date": dt.datetime.now().isoformat(timespec="seconds"), "model": args.model,
-                                    "host": host_info(args.model), "moestream_commit": git_commit(),
-                                    "args": vars(args)}}
+    doc: dict[str, Any] = {
+        "meta": {
+            "date": dt.datetime.now().isoformat(timespec="seconds"),
+            "model": args.model,
+            "host": host_info(args.model),
+            "moestream_commit": git_commit(),
+            "args": vars(args),
+        }
+    }
     doc |= run_ab(args, log)
-    path = results_path(args.results_dir, args.name or f"ab-{os.path.splitext(os.path.basename(args.model))[0]}")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    md = markdown(doc)
-    print(md)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(md)
-    log(f"results: {path}")
+    save_results(doc, markdown(doc), args, "ab", log)
     return 0
 
 

@@ -109,19 +109,21 @@ def plan_hold(leave_bytes: int) -> int:
     mi = meminfo()
     total, avail = mi["MemTotal"], mi["MemAvailable"]
     if leave_bytes >= total:
-        raise BalloonError(f"asked to leave {leave_bytes / GIB:.1f} GiB but the machine has only "
-                           f"{total / GIB:.1f} GiB of RAM")
+        raise BalloonError(
+            f"asked to leave {leave_bytes / GIB:.1f} GiB but the machine has only {total / GIB:.1f} GiB of RAM"
+        )
     if leave_bytes > avail:
-        raise BalloonError(f"asked to leave {leave_bytes / GIB:.1f} GiB but only {avail / GIB:.1f} GiB is "
-                           "available now (other processes use the rest); nothing to balloon")
+        raise BalloonError(
+            f"asked to leave {leave_bytes / GIB:.1f} GiB but only {avail / GIB:.1f} GiB is "
+            "available now (other processes use the rest); nothing to balloon"
+        )
     return (avail - leave_bytes) // MIB * MIB
 
 
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_long]
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -149,8 +151,7 @@ class Held:
             n = min(self.chunk_bytes, nbytes)
             addr = self.libc.mmap(None, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
             if addr in (None, MAP_FAILED):
-                raise BalloonError(f"mmap failed after {self.nbytes / GIB:.2f} GiB: "
-                                   f"{os.strerror(ctypes.get_errno())}")
+                raise BalloonError(f"mmap failed after {self.nbytes / GIB:.2f} GiB: {os.strerror(ctypes.get_errno())}")
             self.libc.memset(addr, 0x5A, n)  # non-zero: real pages, nothing to dedupe
             if self.libc.mlock(addr, n) != 0:
                 err = os.strerror(ctypes.get_errno())
@@ -234,16 +235,18 @@ def hold(leave_bytes: int, chunk_bytes: int = 256 * MIB, max_hold_s: float = 3 *
         if stop["signal"]:
             print(f"stopped by signal {stop['signal']} while inflating", file=sys.stderr)
             return 1
-        print(f"READY locked_bytes={held.nbytes} mem_available_bytes={avail} "
-              f"inflate_s={time.monotonic() - t0:.1f} oom_score_adj={adj} via={how.replace(' ', '_')}", flush=True)
+        print(
+            f"READY locked_bytes={held.nbytes} mem_available_bytes={avail} "
+            f"inflate_s={time.monotonic() - t0:.1f} oom_score_adj={adj} via={how.replace(' ', '_')}",
+            flush=True,
+        )
         deadline = time.monotonic() + max_hold_s
         while not stop["signal"] and time.monotonic() < deadline:
             if stop["relevel"]:
                 stop["relevel"] = 0
                 avail = held.level(leave_bytes, stop)
                 adj = set_adj(held.nbytes)
-                print(f"LEVEL locked_bytes={held.nbytes} mem_available_bytes={avail} oom_score_adj={adj}",
-                      flush=True)
+                print(f"LEVEL locked_bytes={held.nbytes} mem_available_bytes={avail} oom_score_adj={adj}", flush=True)
             time.sleep(0.1)
         return 0
     finally:
@@ -258,8 +261,9 @@ class Balloon:
     test should be started with `preexec_fn=make_oom_victim` or passed to `b.victim(pid)`.
     """
 
-    def __init__(self, leave_gb: float, *, chunk_mb: int = 256, ready_timeout_s: float = 600,
-                 max_hold_s: float = 3 * 3600):
+    def __init__(
+        self, leave_gb: float, *, chunk_mb: int = 256, ready_timeout_s: float = 600, max_hold_s: float = 3 * 3600
+    ):
         self.leave_bytes = int(leave_gb * GIB)
         self.chunk_mb = chunk_mb
         self.ready_timeout_s = ready_timeout_s
@@ -272,8 +276,16 @@ class Balloon:
 
     def __enter__(self) -> Balloon:
         plan_hold(self.leave_bytes)  # refuse early, with the message, in the caller's process
-        cmd = [sys.executable, os.path.abspath(__file__), "--leave-bytes", str(self.leave_bytes),
-               "--chunk-mb", str(self.chunk_mb), "--max-hold-s", str(self.max_hold_s)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--leave-bytes",
+            str(self.leave_bytes),
+            "--chunk-mb",
+            str(self.chunk_mb),
+            "--max-hold-s",
+            str(self.max_hold_s),
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + self.ready_timeout_s
@@ -299,8 +311,9 @@ class Balloon:
                 last = err.strip().splitlines()[-1] if err.strip() else f"exit code {self.proc.returncode}"
                 raise BalloonError(f"balloon failed: {last}")
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._stop()
 
     def relevel(self, timeout_s: float = 120) -> int:
@@ -354,8 +367,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--leave-gb", type=float, help="GiB of RAM to leave available to everything else")
     g.add_argument("--leave-bytes", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--chunk-mb", type=int, default=256, help="touch and mlock this much at a time")
-    ap.add_argument("--max-hold-s", type=float, default=3 * 3600,
-                    help="release by itself after this long (a safety net; default 3 h)")
+    ap.add_argument(
+        "--max-hold-s",
+        type=float,
+        default=3 * 3600,
+        help="release by itself after this long (a safety net; default 3 h)",
+    )
     args = ap.parse_args(argv)
     leave = args.leave_bytes if args.leave_bytes is not None else int(args.leave_gb * GIB)
     try:

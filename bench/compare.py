@@ -98,8 +98,7 @@ def cached_fraction(path: str) -> float:
         return 1.0
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_long]
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     page = mmap.PAGESIZE
@@ -149,17 +148,25 @@ def host_info(model: str) -> dict[str, Any]:
                 cpu = line.split(":", 1)[1].strip()
                 break
     mi = meminfo()
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_total_bytes": mi["MemTotal"],
-            "mem_available_bytes": mi["MemAvailable"], "kernel": os.uname().release,
-            "read_ahead_kb": read_ahead_kb(model), "loadavg": os.getloadavg()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "mem_total_bytes": mi["MemTotal"],
+        "mem_available_bytes": mi["MemAvailable"],
+        "kernel": os.uname().release,
+        "read_ahead_kb": read_ahead_kb(model),
+        "loadavg": os.getloadavg(),
+    }
 
 
 def git_commit() -> str:
     try:
-        head = subprocess.run(["git", "-C", REPO_DIR, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", REPO_DIR, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", REPO_DIR, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", REPO_DIR, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -203,8 +210,15 @@ def run_measured(cmd: list[str], timeout_s: float, env: dict[str, str] | None = 
     """
     kills_before = oom_kills()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=make_oom_victim,
-                            start_new_session=True, env=env, cwd=REPO_DIR)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=make_oom_victim,
+        start_new_session=True,
+        env=env,
+        cwd=REPO_DIR,
+    )
     marks: dict[str, int] = {}
     out_chunks: list[bytes] = []
     err_lines: list[bytes] = []
@@ -259,10 +273,18 @@ def run_measured(cmd: list[str], timeout_s: float, env: dict[str, str] | None = 
         status = f"failed (rc {rc})"
     else:
         status = "ok"
-    return Measured(cmd=cmd, status=status, rc=rc, wall_s=wall, ru_maxrss=ru.ru_maxrss * 1024,
-                    ru_inblock_bytes=ru.ru_inblock * 512, ru_majflt=ru.ru_majflt, marks=marks,
-                    stdout=b"".join(out_chunks).decode("utf-8", "replace"),
-                    stderr=b"".join(err_lines).decode("utf-8", "replace"))
+    return Measured(
+        cmd=cmd,
+        status=status,
+        rc=rc,
+        wall_s=wall,
+        ru_maxrss=ru.ru_maxrss * 1024,
+        ru_inblock_bytes=ru.ru_inblock * 512,
+        ru_majflt=ru.ru_majflt,
+        marks=marks,
+        stdout=b"".join(out_chunks).decode("utf-8", "replace"),
+        stderr=b"".join(err_lines).decode("utf-8", "replace"),
+    )
 
 
 @dataclass
@@ -319,37 +341,64 @@ def _tail(text: str, lines: int = 3) -> str:
     return " | ".join(text.strip().splitlines()[-lines:])
 
 
-def run_moestream(model: str, prompt: str, tokens: int, threads: int, budget_mb: int | None,
-                  extra: list[str], timeout_s: float) -> tuple[Measured, dict[str, Any]]:
+def run_moestream(
+    model: str, prompt: str, tokens: int, threads: int, budget_mb: int | None, extra: list[str], timeout_s: float
+) -> tuple[Measured, dict[str, Any]]:
     """One `moestream run` in a fresh process; returns (outside view, its --stats-json)."""
-    fd, stats_path = tempfile.mkstemp(prefix="moestream-stats-", suffix=".json")
-    os.close(fd)
-    cmd = [sys.executable, "-m", "moestream", "run", "-m", model, "-p", prompt, "-n", str(tokens),
-           "--threads", str(threads), "--stats-json", stats_path, *extra]
-    if budget_mb is not None:
-        cmd += ["--ram-budget-mb", str(budget_mb)]
-    try:
-        m = run_measured(cmd, timeout_s)
-        stats: dict[str, Any] = {}
-        if m.status == "ok":
-            try:
-                with open(stats_path) as f:
-                    stats = json.load(f)
-            except (OSError, json.JSONDecodeError):
-                m.status = "failed (no stats JSON)"
-        return m, stats
-    finally:
-        os.unlink(stats_path)
+
+    def cmd(stats_path: str) -> list[str]:
+        c = [
+            sys.executable,
+            "-m",
+            "moestream",
+            "run",
+            "-m",
+            model,
+            "-p",
+            prompt,
+            "-n",
+            str(tokens),
+            "--threads",
+            str(threads),
+            "--stats-json",
+            stats_path,
+            *extra,
+        ]
+        return c + (["--ram-budget-mb", str(budget_mb)] if budget_mb is not None else [])
+
+    return _run_with_stats(cmd, "moestream-stats-", timeout_s)
 
 
-def run_llamacpp(model: str, prompt: str, tokens: int, threads: int, repack: bool,
-                 timeout_s: float) -> tuple[Measured, dict[str, Any]]:
-    fd, stats_path = tempfile.mkstemp(prefix="llamacpp-stats-", suffix=".json")
+def run_llamacpp(
+    model: str, prompt: str, tokens: int, threads: int, repack: bool, timeout_s: float
+) -> tuple[Measured, dict[str, Any]]:
+    def cmd(stats_path: str) -> list[str]:
+        return [
+            sys.executable,
+            LLAMA_RUNNER,
+            "-m",
+            model,
+            "-p",
+            prompt,
+            "-n",
+            str(tokens),
+            "--threads",
+            str(threads),
+            "--repack",
+            "on" if repack else "off",
+            "--json",
+            stats_path,
+        ]
+
+    return _run_with_stats(cmd, "llamacpp-stats-", timeout_s)
+
+
+def _run_with_stats(cmd: Callable[[str], list[str]], prefix: str, timeout_s: float) -> tuple[Measured, dict[str, Any]]:
+    """Run an engine that writes its stats JSON to the path it is given; (measurement, stats)."""
+    fd, stats_path = tempfile.mkstemp(prefix=prefix, suffix=".json")
     os.close(fd)
-    cmd = [sys.executable, LLAMA_RUNNER, "-m", model, "-p", prompt, "-n", str(tokens), "--threads", str(threads),
-           "--repack", "on" if repack else "off", "--json", stats_path]
     try:
-        m = run_measured(cmd, timeout_s)
+        m = run_measured(cmd(stats_path), timeout_s)
         stats: dict[str, Any] = {}
         if m.status == "ok":
             try:
@@ -363,20 +412,36 @@ def run_llamacpp(model: str, prompt: str, tokens: int, threads: int, repack: boo
 
 
 def external_view(m: Measured) -> dict[str, Any]:
-    out: dict[str, Any] = {"ru_maxrss": m.ru_maxrss, "read_bytes_total": m.ru_inblock_bytes,
-                           "majflt": m.ru_majflt, "marks": m.marks}
+    out: dict[str, Any] = {
+        "ru_maxrss": m.ru_maxrss,
+        "read_bytes_total": m.ru_inblock_bytes,
+        "majflt": m.ru_majflt,
+        "marks": m.marks,
+    }
     if "first_output" in m.marks and "stats_line" in m.marks:
         out["decode_read_bytes"] = m.marks["stats_line"] - m.marks["first_output"]
     return out
 
 
-def to_result(engine: str, variant: str, condition: str, repeat: int, m: Measured, stats: dict[str, Any],
-              setup: dict[str, Any]) -> RunResult:
+def to_result(
+    engine: str, variant: str, condition: str, repeat: int, m: Measured, stats: dict[str, Any], setup: dict[str, Any]
+) -> RunResult:
     stats = {k: v for k, v in stats.items() if k != "tokens"} | (
-        {"tokens_head": stats["tokens"][:16]} if "tokens" in stats else {})
-    return RunResult(engine=engine, variant=variant, condition=condition, repeat=repeat, status=m.status,
-                     wall_s=m.wall_s, stats=stats, external=external_view(m), setup=setup, cmd=m.cmd,
-                     error="" if m.status == "ok" else _tail(m.stderr))
+        {"tokens_head": stats["tokens"][:16]} if "tokens" in stats else {}
+    )
+    return RunResult(
+        engine=engine,
+        variant=variant,
+        condition=condition,
+        repeat=repeat,
+        status=m.status,
+        wall_s=m.wall_s,
+        stats=stats,
+        external=external_view(m),
+        setup=setup,
+        cmd=m.cmd,
+        error="" if m.status == "ok" else _tail(m.stderr),
+    )
 
 
 # ---- conditions ----------------------------------------------------------------------------------
@@ -402,8 +467,10 @@ def prepare(condition: str, model: str, balloon: Balloon | None = None) -> dict[
 def pagecache_fits(model: str) -> tuple[bool, str]:
     size, avail = os.path.getsize(model), meminfo()["MemAvailable"]
     if size + GIB > avail:
-        return False, (f"the {size / GIB:.1f} GiB file does not fit in the page cache next to 1 GiB "
-                       f"({avail / GIB:.1f} GiB available)")
+        return False, (
+            f"the {size / GIB:.1f} GiB file does not fit in the page cache next to 1 GiB "
+            f"({avail / GIB:.1f} GiB available)"
+        )
     return True, ""
 
 
@@ -432,18 +499,37 @@ def _flag_value(args: list[str], flag: str, default: str | None = None) -> str |
 def disk_bandwidth(model: str, io_threads: int, direct: bool, seconds: float = 4.0) -> dict[str, Any]:
     """MB/s of the engine's reads: `moestream probe` at its read size and reads in flight, else our own."""
     mode = "direct" if direct else "buffered"
-    cmd = [sys.executable, "-m", "moestream", "probe", "--file", model, "--json", "--inflight", str(io_threads),
-           "--direct-only" if direct else "--buffered-only"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moestream",
+        "probe",
+        "--file",
+        model,
+        "--json",
+        "--inflight",
+        str(io_threads),
+        "--direct-only" if direct else "--buffered-only",
+    ]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO_DIR)
         if r.returncode == 0:
             doc = json.loads(r.stdout)
-            rows = [x for x in doc.get("rows", []) if x["size"] == doc["segment_bytes"] and x["mode"] == mode
-                    and x["inflight"] == io_threads]
+            rows = [
+                x
+                for x in doc.get("rows", [])
+                if x["size"] == doc["segment_bytes"] and x["mode"] == mode and x["inflight"] == io_threads
+            ]
             if rows:
-                return {"source": "moestream probe", "mb_s": rows[0]["mb_s"], "read_bytes": rows[0]["size"],
-                        "inflight": io_threads, "mode": mode, "p99_ms": rows[0]["p99_ms"],
-                        "warnings": doc.get("warnings", [])}
+                return {
+                    "source": "moestream probe",
+                    "mb_s": rows[0]["mb_s"],
+                    "read_bytes": rows[0]["size"],
+                    "inflight": io_threads,
+                    "mode": mode,
+                    "p99_ms": rows[0]["p99_ms"],
+                    "warnings": doc.get("warnings", []),
+                }
     except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError, KeyError):
         pass
     return own_probe(model, io_threads, direct, seconds)
@@ -483,12 +569,26 @@ def own_probe(model: str, io_threads: int, direct: bool, seconds: float, size: i
         t.join()
     wall = time.perf_counter() - t0
     os.close(fd)
-    return {"source": "bench own probe", "mb_s": sum(done) / 1e6 / wall, "read_bytes": size,
-            "inflight": io_threads, "mode": "direct" if direct else "buffered", "warnings": []}
+    return {
+        "source": "bench own probe",
+        "mb_s": sum(done) / 1e6 / wall,
+        "read_bytes": size,
+        "inflight": io_threads,
+        "mode": "direct" if direct else "buffered",
+        "warnings": [],
+    }
 
 
-def calibrate_compute(model: str, prompt: str, tokens: int, threads: int, extra: list[str], timeout_s: float,
-                      prompt_repeat: int, budget_mb: int | None) -> dict[str, Any]:
+def calibrate_compute(
+    model: str,
+    prompt: str,
+    tokens: int,
+    threads: int,
+    extra: list[str],
+    timeout_s: float,
+    prompt_repeat: int,
+    budget_mb: int | None,
+) -> dict[str, Any]:
     """Decode time per token with every expert already cached: a long prompt touches (nearly) every expert
     during prefill, the budget keeps them all, and the decode then reads (almost) nothing."""
     long_prompt = " ".join([prompt] * prompt_repeat)
@@ -498,10 +598,16 @@ def calibrate_compute(model: str, prompt: str, tokens: int, threads: int, extra:
         return {"status": m.status, "error": _tail(m.stderr)}
     n = max(1, stats["decode_tokens"])
     compute_s = (stats["decode_s"] - stats["decode_read_wait_s"]) / n
-    return {"status": "ok", "compute_ms_per_token": 1e3 * compute_s,
-            "decode_ms_per_token": 1e3 * stats["decode_s"] / n, "decode_mb_per_token": stats["decode_mb_per_token"],
-            "fully_cached": stats["decode_bytes_read"] == 0, "prompt_tokens": stats["prompt_tokens"],
-            "n_slots": stats["n_slots"], "hit_rate": stats["hit_rate"]}
+    return {
+        "status": "ok",
+        "compute_ms_per_token": 1e3 * compute_s,
+        "decode_ms_per_token": 1e3 * stats["decode_s"] / n,
+        "decode_mb_per_token": stats["decode_mb_per_token"],
+        "fully_cached": stats["decode_bytes_read"] == 0,
+        "prompt_tokens": stats["prompt_tokens"],
+        "n_slots": stats["n_slots"],
+        "hit_rate": stats["hit_rate"],
+    }
 
 
 def ceiling_for(stats: dict[str, Any], mb_s: float, compute_ms: float | None) -> dict[str, Any] | None:
@@ -513,9 +619,14 @@ def ceiling_for(stats: dict[str, Any], mb_s: float, compute_ms: float | None) ->
     read_ms = 1e3 * missed / (mb_s * 1e6)
     measured_ms = 1e3 * stats["decode_s"] / n
     run_compute_ms = 1e3 * (stats["decode_s"] - stats["decode_read_wait_s"]) / n
-    out: dict[str, Any] = {"missed_mb_per_token": missed / MIB, "disk_mb_s": mb_s, "read_ms": read_ms,
-                           "measured_ms": measured_ms, "run_compute_ms": run_compute_ms,
-                           "run_read_wait_ms": 1e3 * stats["decode_read_wait_s"] / n}
+    out: dict[str, Any] = {
+        "missed_mb_per_token": missed / MIB,
+        "disk_mb_s": mb_s,
+        "read_ms": read_ms,
+        "measured_ms": measured_ms,
+        "run_compute_ms": run_compute_ms,
+        "run_read_wait_ms": 1e3 * stats["decode_read_wait_s"] / n,
+    }
     if compute_ms is not None:
         out["compute_ms"] = compute_ms
         out["ceiling_ms"] = read_ms + compute_ms
@@ -526,8 +637,17 @@ def ceiling_for(stats: dict[str, Any], mb_s: float, compute_ms: float | None) ->
 # ---- summaries -----------------------------------------------------------------------------------
 
 
-METRICS = ("decode_tps", "prompt_tps", "decode_ms_per_token", "decode_disk_mb_per_token", "engine_mb_per_token",
-           "peak_rss_mb", "hit_rate", "read_wait_ms_per_token", "measured_over_ceiling")
+METRICS = (
+    "decode_tps",
+    "prompt_tps",
+    "decode_ms_per_token",
+    "decode_disk_mb_per_token",
+    "engine_mb_per_token",
+    "peak_rss_mb",
+    "hit_rate",
+    "read_wait_ms_per_token",
+    "measured_over_ceiling",
+)
 
 
 def spread(values: Iterable[float | None]) -> dict[str, float] | None:
@@ -546,14 +666,21 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
         for r in mine:
             statuses[r.status] = statuses.get(r.status, 0) + 1
         out[f"{key[0]} | {key[1]}"] = {
-            "engine": key[0], "variant": key[1], "runs": len(mine), "statuses": statuses,
+            "engine": key[0],
+            "variant": key[1],
+            "runs": len(mine),
+            "statuses": statuses,
             "metrics": {m: s for m in METRICS if (s := spread(r.metric(m) for r in mine)) is not None},
         }
     return out
 
 
-def pair_ratios(runs: list[RunResult], num: Callable[[RunResult], bool], den: Callable[[RunResult], bool],
-                metrics: tuple[str, ...] = ("decode_tps", "prompt_tps")) -> dict[str, Any]:
+def pair_ratios(
+    runs: list[RunResult],
+    num: Callable[[RunResult], bool],
+    den: Callable[[RunResult], bool],
+    metrics: tuple[str, ...] = ("decode_tps", "prompt_tps"),
+) -> dict[str, Any]:
     """num/den of each metric for runs of the same repeat (measured back to back), over the repeats."""
     by_rep: dict[int, dict[str, RunResult]] = {}
     for r in runs:
@@ -592,8 +719,9 @@ def repack_label(repack: bool) -> str:
     return "mmap, repack on (default)" if repack else "mmap, repack off (use_extra_bufts=False)"
 
 
-def run_condition(args: argparse.Namespace, condition: str, extra: list[str], compute_ms: float | None,
-                  log: Callable[[str], None]) -> dict[str, Any]:
+def run_condition(
+    args: argparse.Namespace, condition: str, extra: list[str], compute_ms: float | None, log: Callable[[str], None]
+) -> dict[str, Any]:
     model = args.model
     doc: dict[str, Any] = {"condition": condition, "runs": []}
     if condition == "pagecache":
@@ -611,15 +739,23 @@ def run_condition(args: argparse.Namespace, condition: str, extra: list[str], co
     try:
         with condition_context(condition, args.leave_gb) as balloon:
             if balloon is not None:
-                doc["balloon"] = {"leave_gb": args.leave_gb, "locked_bytes": balloon.locked_bytes,
-                                  "mem_available_bytes": balloon.mem_available_bytes, "inflate_s": balloon.inflate_s,
-                                  "oom_score_adj": balloon.oom_score_adj}
-                log(f"[{condition}] balloon holds {balloon.locked_bytes / GIB:.1f} GiB, "
-                    f"{balloon.mem_available_bytes / GIB:.1f} GiB left")
+                doc["balloon"] = {
+                    "leave_gb": args.leave_gb,
+                    "locked_bytes": balloon.locked_bytes,
+                    "mem_available_bytes": balloon.mem_available_bytes,
+                    "inflate_s": balloon.inflate_s,
+                    "oom_score_adj": balloon.oom_score_adj,
+                }
+                log(
+                    f"[{condition}] balloon holds {balloon.locked_bytes / GIB:.1f} GiB, "
+                    f"{balloon.mem_available_bytes / GIB:.1f} GiB left"
+                )
             if not args.no_ceiling:
                 doc["disk"] = disk_bandwidth(model, io_threads, direct)
-                log(f"[{condition}] disk: {doc['disk']['mb_s']:.0f} MB/s ({doc['disk']['source']}, "
-                    f"{doc['disk']['inflight']} in flight, {doc['disk']['mode']})")
+                log(
+                    f"[{condition}] disk: {doc['disk']['mb_s']:.0f} MB/s ({doc['disk']['source']}, "
+                    f"{doc['disk']['inflight']} in flight, {doc['disk']['mode']})"
+                )
             for rep in range(args.repeat):
                 jobs: list[tuple[str, bool | None]] = [("moestream", None)]
                 jobs += [("llama.cpp", rp) for rp in llama_variants(args.llama_repack, condition)]
@@ -628,15 +764,15 @@ def run_condition(args: argparse.Namespace, condition: str, extra: list[str], co
                 for engine, repack in jobs:
                     setup = prepare(condition, model, balloon)
                     if engine == "moestream":
-                        m, stats = run_moestream(model, args.prompt, args.tokens, args.threads, budget, extra,
-                                                 args.timeout_s)
+                        m, stats = run_moestream(
+                            model, args.prompt, args.tokens, args.threads, budget, extra, args.timeout_s
+                        )
                         r = to_result(engine, ms_variant, condition, rep, m, stats, setup)
                         if r.ok and "disk" in doc:
                             r.ceiling = ceiling_for(r.stats, doc["disk"]["mb_s"], compute_ms)
                     else:
                         assert repack is not None
-                        m, stats = run_llamacpp(model, args.prompt, args.tokens, args.threads, repack,
-                                                args.timeout_s)
+                        m, stats = run_llamacpp(model, args.prompt, args.tokens, args.threads, repack, args.timeout_s)
                         r = to_result(engine, repack_label(repack), condition, rep, m, stats, setup)
                     if balloon is not None and not balloon.alive():
                         r.status = "invalid: the balloon died during the run"
@@ -649,8 +785,11 @@ def run_condition(args: argparse.Namespace, condition: str, extra: list[str], co
     doc["summary"] = summarize(runs)
     doc["ratios"] = [
         {"label": f"moestream / llama.cpp (repack {'on' if rp else 'off'})", "versus": repack_label(rp)}
-        | pair_ratios(runs, lambda r: r.engine == "moestream",
-                      lambda r, rp=rp: r.engine == "llama.cpp" and r.variant == repack_label(rp))
+        | pair_ratios(
+            runs,
+            lambda r: r.engine == "moestream",
+            lambda r, rp=rp: r.engine == "llama.cpp" and r.variant == repack_label(rp),
+        )
         for rp in llama_variants(args.llama_repack, condition)
     ]
     return doc
@@ -660,8 +799,10 @@ def short(r: RunResult) -> str:
     if not r.ok:
         return f"{r.status} after {r.wall_s:.0f} s {r.error[-160:]}"
     disk = r.metric("decode_disk_mb_per_token")
-    txt = (f"prefill {r.metric('prompt_tps'):.1f} tok/s, decode {r.metric('decode_tps'):.2f} tok/s, "
-           f"disk {disk if disk is not None else float('nan'):.1f} MB/tok, peak RSS {r.metric('peak_rss_mb'):.0f} MB")
+    txt = (
+        f"prefill {r.metric('prompt_tps'):.1f} tok/s, decode {r.metric('decode_tps'):.2f} tok/s, "
+        f"disk {disk if disk is not None else float('nan'):.1f} MB/tok, peak RSS {r.metric('peak_rss_mb'):.0f} MB"
+    )
     if r.engine == "moestream":
         txt += f", hit {100 * (r.metric('hit_rate') or 0):.1f}%"
         if r.ceiling and "measured_over_ceiling" in r.ceiling:
@@ -726,7 +867,8 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(
                 f"| {title if first else ''} | {engine} | {runs_ok} | {cell(mt.get('decode_tps'))} | "
                 f"{cell(mt.get('prompt_tps'))} | {cell(mt.get('decode_disk_mb_per_token'))} | "
-                f"{cell(mt.get('peak_rss_mb'))} | {cell(mt.get('hit_rate'), 100, '%')} |")
+                f"{cell(mt.get('peak_rss_mb'))} | {cell(mt.get('hit_rate'), 100, '%')} |"
+            )
             first = False
         for ratio in cond.get("ratios", []):
             pairs = ratio["decode_tps"]["n"] if "decode_tps" in ratio else 0
@@ -740,37 +882,63 @@ def markdown(doc: dict[str, Any]) -> str:
         if ceil_runs and "disk" in cond:
             c0 = ceil_runs[0]
             moc = spread(c.get("measured_over_ceiling") for c in ceil_runs)
-            parts = [f"{title}: moestream ceiling = missed {cell(spread(c['missed_mb_per_token'] for c in ceil_runs))}"
-                     f" MB/tok / {cond['disk']['mb_s']:.0f} MB/s ({cond['disk']['source']}, "
-                     f"{cond['disk']['inflight']} in flight)"]
+            parts = [
+                f"{title}: moestream ceiling = missed {cell(spread(c['missed_mb_per_token'] for c in ceil_runs))}"
+                f" MB/tok / {cond['disk']['mb_s']:.0f} MB/s ({cond['disk']['source']}, "
+                f"{cond['disk']['inflight']} in flight)"
+            ]
             if "compute_ms" in c0:
-                parts.append(f" + compute {c0['compute_ms']:.1f} ms/tok (all cached) = "
-                             f"{cell(spread(c['ceiling_ms'] for c in ceil_runs))} ms/tok; measured "
-                             f"{cell(spread(c['measured_ms'] for c in ceil_runs))} ms/tok = **{cell(moc, suffix='x')}"
-                             " the ceiling** (runs: "
-                             + ", ".join(f"{c['measured_over_ceiling']:.2f}x" for c in ceil_runs) + ")")
-            parts.append(f" (this run's own split: compute {cell(spread(c['run_compute_ms'] for c in ceil_runs))}"
-                         f" + waiting on reads {cell(spread(c['run_read_wait_ms'] for c in ceil_runs))} ms/tok)")
+                parts.append(
+                    f" + compute {c0['compute_ms']:.1f} ms/tok (all cached) = "
+                    f"{cell(spread(c['ceiling_ms'] for c in ceil_runs))} ms/tok; measured "
+                    f"{cell(spread(c['measured_ms'] for c in ceil_runs))} ms/tok = **{cell(moc, suffix='x')}"
+                    " the ceiling** (runs: " + ", ".join(f"{c['measured_over_ceiling']:.2f}x" for c in ceil_runs) + ")"
+                )
+            parts.append(
+                f" (this run's own split: compute {cell(spread(c['run_compute_ms'] for c in ceil_runs))}"
+                f" + waiting on reads {cell(spread(c['run_read_wait_ms'] for c in ceil_runs))} ms/tok)"
+            )
             notes.append("".join(parts))
             notes += [f"{title}: disk probe: {w}" for w in cond["disk"].get("warnings", [])[:1]]
         for r in cond["runs"]:
             if r["status"] != "ok":
-                notes.append(f"{title}: {r['engine']} ({r['variant']}) repeat {r['repeat'] + 1}: {r['status']}"
-                             + (f": {r['error'][-200:]}" if r["error"] else ""))
+                notes.append(
+                    f"{title}: {r['engine']} ({r['variant']}) repeat {r['repeat'] + 1}: {r['status']}"
+                    + (f": {r['error'][-200:]}" if r["error"] else "")
+                )
     cal = doc.get("calibration")
     if cal:
         if cal.get("status") == "ok":
-            notes.append(f"compute calibration: {cal['prompt_tokens']}-token prompt, {cal['n_slots']} slots, decode "
-                         f"{cal['decode_ms_per_token']:.1f} ms/tok of which {cal['compute_ms_per_token']:.1f} compute, "
-                         f"{cal['decode_mb_per_token']:.2f} MB/tok still read"
-                         + ("" if cal["decode_mb_per_token"] < 1 else " (not every expert was cached: compute is "
-                                                                       "the decode time not spent waiting on reads)"))
+            notes.append(
+                f"compute calibration: {cal['prompt_tokens']}-token prompt, {cal['n_slots']} slots, decode "
+                f"{cal['decode_ms_per_token']:.1f} ms/tok of which {cal['compute_ms_per_token']:.1f} compute, "
+                f"{cal['decode_mb_per_token']:.2f} MB/tok still read"
+                + (
+                    ""
+                    if cal["decode_mb_per_token"] < 1
+                    else " (not every expert was cached: compute is the decode time not spent waiting on reads)"
+                )
+            )
         else:
             notes.append(f"compute calibration {cal.get('status')}: {cal.get('error', '')}")
     notes += meta.get("notes", [])
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
     return "\n".join(lines) + "\n"
+
+
+def save_results(doc: dict[str, Any], md: str, args: argparse.Namespace, kind: str, log: Callable[[str], None]) -> str:
+    """Write the JSON under --results-dir, print the markdown table (and to --markdown); the JSON path."""
+    name = args.name or f"{kind}-{os.path.splitext(os.path.basename(args.model))[0]}"
+    path = results_path(args.results_dir, name)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(md)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md)
+    log(f"results: {path}")
+    return path
 
 
 def results_path(directory: str, name: str) -> str:
@@ -799,20 +967,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=32, help="tokens to decode (default 32)")
     ap.add_argument("--threads", type=int, default=2, help="compute threads for both engines (default 2)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
-    ap.add_argument("--budget-mb", type=int, default=None,
-                    help="moestream --ram-budget-mb in pagecache and cold (default: moestream's own default)")
-    ap.add_argument("--pressure-budget-mb", type=int, default=None,
-                    help="moestream's budget under pressure (default: leave-gb minus 1 GiB)")
+    ap.add_argument(
+        "--budget-mb",
+        type=int,
+        default=None,
+        help="moestream --ram-budget-mb in pagecache and cold (default: moestream's own default)",
+    )
+    ap.add_argument(
+        "--pressure-budget-mb",
+        type=int,
+        default=None,
+        help="moestream's budget under pressure (default: leave-gb minus 1 GiB)",
+    )
     ap.add_argument("--moestream-args", default="", help="extra flags for moestream run, e.g. '--io-threads 8'")
-    ap.add_argument("--llama-repack", choices=("auto", "on", "off", "both"), default="auto",
-                    help="llama.cpp weight repacking: auto = default (on) in pagecache/cold, off under pressure")
+    ap.add_argument(
+        "--llama-repack",
+        choices=("auto", "on", "off", "both"),
+        default="auto",
+        help="llama.cpp weight repacking: auto = default (on) in pagecache/cold, off under pressure",
+    )
     ap.add_argument("--timeout-s", type=float, default=1800, help="per run (default 1800)")
     ap.add_argument("--no-ceiling", action="store_true", help="skip the disk probe and the compute calibration")
-    ap.add_argument("--calib-prompt-repeat", type=int, default=3,
-                    help="the calibration prompt is the prompt repeated this many times (default 3: ~300 "
-                         "tokens, enough for a uniform top-8-of-128 router to touch every expert)")
-    ap.add_argument("--calib-budget-mb", type=int, default=None,
-                    help="moestream budget for the calibration run (default: moestream's default)")
+    ap.add_argument(
+        "--calib-prompt-repeat",
+        type=int,
+        default=3,
+        help="the calibration prompt is the prompt repeated this many times (default 3: ~300 "
+        "tokens, enough for a uniform top-8-of-128 router to touch every expert)",
+    )
+    ap.add_argument(
+        "--calib-budget-mb",
+        type=int,
+        default=None,
+        help="moestream budget for the calibration run (default: moestream's default)",
+    )
     ap.add_argument("--name", default=None, help="results file name (default compare-<model>)")
     ap.add_argument("--results-dir", default=RESULTS_DIR)
     ap.add_argument("--markdown", default=None, help="also write the markdown table here")
@@ -829,8 +1017,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.pressure_budget_mb = int((args.leave_gb - 1) * 1024)
     if "pressure" in args.conditions:
         if args.pressure_budget_mb <= 0 or args.pressure_budget_mb > args.leave_gb * 1024:
-            ap.error(f"--pressure-budget-mb {args.pressure_budget_mb} must fit in the {args.leave_gb:g} GiB "
-                     "the balloon leaves")
+            ap.error(
+                f"--pressure-budget-mb {args.pressure_budget_mb} must fit in the {args.leave_gb:g} GiB "
+                "the balloon leaves"
+            )
     args.model = os.path.abspath(args.model)
     return args
 
@@ -858,13 +1048,23 @@ def main(argv: list[str] | None = None) -> int:
     compute_ms = None
     if not args.no_ceiling:
         log("calibrating compute: moestream with every expert cached ...")
-        cal = calibrate_compute(args.model, args.prompt, args.tokens, args.threads, extra, args.timeout_s,
-                                args.calib_prompt_repeat, args.calib_budget_mb)
+        cal = calibrate_compute(
+            args.model,
+            args.prompt,
+            args.tokens,
+            args.threads,
+            extra,
+            args.timeout_s,
+            args.calib_prompt_repeat,
+            args.calib_budget_mb,
+        )
         doc["calibration"] = cal
         if cal.get("status") == "ok":
             compute_ms = cal["compute_ms_per_token"]
-            log(f"compute with experts cached: {compute_ms:.1f} ms/tok (decode reads {cal['decode_mb_per_token']:.2f} "
-                f"MB/tok, {cal['prompt_tokens']}-token prompt)")
+            log(
+                f"compute with experts cached: {compute_ms:.1f} ms/tok (decode reads {cal['decode_mb_per_token']:.2f} "
+                f"MB/tok, {cal['prompt_tokens']}-token prompt)"
+            )
         else:
             log(f"calibration {cal.get('status')}: {cal.get('error')}")
     for condition in args.conditions:
@@ -878,20 +1078,14 @@ def main(argv: list[str] | None = None) -> int:
         doc["meta"]["notes"].append(
             "llama.cpp's default CPU repack copies Q4_0/Q4_K weights into anonymous memory (as much again as the "
             "file); with less RAM than that it is OOM-killed while loading, so under pressure it runs with repack "
-            "off (use_extra_bufts=False) unless --llama-repack says otherwise.")
+            "off (use_extra_bufts=False) unless --llama-repack says otherwise."
+        )
     doc["meta"]["notes"].append(
         "All runs on a shared 2-core VM are noisy: compare ratios measured in the same run, not absolute figures "
         "across days. The guest reclaims memory idle for ~60 s (DAMON), so page-cache state is re-made before "
-        "every run.")
-    path = results_path(args.results_dir, args.name or f"compare-{os.path.splitext(os.path.basename(args.model))[0]}")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    md = markdown(doc)
-    print(md)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(md)
-    log(f"results: {path}")
+        "every run."
+    )
+    save_results(doc, markdown(doc), args, "compare", log)
     return 0
 
 

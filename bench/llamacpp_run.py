@@ -78,15 +78,22 @@ def load_llama(model: str, *, threads: int, ctx: int, mmap: bool, repack: bool) 
 
         lib.llama_model_default_params = params_without_repack  # Llama() reads it from this module
     try:
-        return Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=ctx, n_batch=512,
-                     use_mmap=mmap, logits_all=False, verbose=False)
+        return Llama(
+            model_path=model,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_ctx=ctx,
+            n_batch=512,
+            use_mmap=mmap,
+            logits_all=False,
+            verbose=False,
+        )
     finally:
         if not repack:
             lib.llama_model_default_params = default_params
 
 
-def generate(model: str, prompt: str, n: int, *, threads: int, ctx: int, mmap: bool,
-             repack: bool) -> dict[str, Any]:
+def generate(model: str, prompt: str, n: int, *, threads: int, ctx: int, mmap: bool, repack: bool) -> dict[str, Any]:
     import llama_cpp.llama_cpp as lib
     import numpy as np
 
@@ -177,19 +184,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=4096, help="context length (default 4096, as moestream)")
     ap.add_argument("--no-mmap", action="store_true", help="read the whole model into RAM instead of mmap")
-    ap.add_argument("--repack", choices=("on", "off"), default="on",
-                    help="on: llama.cpp's default CPU weight repacking; off: use_extra_bufts=False")
+    ap.add_argument(
+        "--repack",
+        choices=("on", "off"),
+        default="on",
+        help="on: llama.cpp's default CPU weight repacking; off: use_extra_bufts=False",
+    )
     ap.add_argument("--json", help="write the stats here (default: stdout)")
     args = ap.parse_args(argv)
     if not os.path.isfile(args.model):
         print(f"error: no such model file: {args.model}", file=sys.stderr)
         return 2
-    doc = generate(args.model, args.prompt, args.n, threads=args.threads, ctx=args.ctx,
-                   mmap=not args.no_mmap, repack=args.repack == "on")
+    doc = generate(
+        args.model,
+        args.prompt,
+        args.n,
+        threads=args.threads,
+        ctx=args.ctx,
+        mmap=not args.no_mmap,
+        repack=args.repack == "on",
+    )
     print(doc["text"])
-    print(f"llama.cpp prompt {doc['prompt_tokens']} tok @ {doc['prompt_tps']:.1f} tok/s | decode "
-          f"{doc['decode_tokens']} tok @ {doc['decode_tps']:.2f} tok/s | disk "
-          f"{doc['decode_mb_per_token']:.1f} MB/tok | peak RSS {doc['peak_rss'] / 2**20:.0f} MB", file=sys.stderr)
+    print(
+        f"llama.cpp prompt {doc['prompt_tokens']} tok @ {doc['prompt_tps']:.1f} tok/s | decode "
+        f"{doc['decode_tokens']} tok @ {doc['decode_tps']:.2f} tok/s | disk "
+        f"{doc['decode_mb_per_token']:.1f} MB/tok | peak RSS {doc['peak_rss'] / 2**20:.0f} MB",
+        file=sys.stderr,
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from moestream.errors import MoestreamError
-from moestream.trace import DECODE, VRAM
+from moestream.trace import DECODE, VRAM, parse_meta_line
 
 VERSION = 1
 HEADER = "layer expert count"
@@ -65,21 +65,22 @@ class Profile:
         return sum(c for _, _, c in self.entries[:n]) / t if t else 0.0
 
 
-def build_profile(meta: dict[str, Any], rows: np.ndarray, phases: str = "decode",
-                  source: str = "") -> Profile:
+def build_profile(meta: dict[str, Any], rows: np.ndarray, phases: str = "decode", source: str = "") -> Profile:
     """Count accesses per (layer, expert); phases 'decode' (what decoding speed depends on) or 'all'."""
     if phases not in ("decode", "all"):
         raise MoestreamError(f"phases must be 'decode' or 'all', got {phases!r}")
     rows = rows[rows["source"] != VRAM] if phases == "all" else rows[(rows["phase"] == DECODE)]
     if not len(rows):
-        raise MoestreamError("the trace has no decode accesses to profile; record a session that generates "
-                             "tokens, or use --phases all")
+        raise MoestreamError(
+            "the trace has no decode accesses to profile; record a session that generates tokens, or use --phases all"
+        )
     n_experts = int(meta.get("experts") or int(rows["expert"].max()) + 1)
     keys = rows["layer"].astype(np.int64) * n_experts + rows["expert"]
     uniq, counts = np.unique(keys, return_counts=True)
     order = np.lexsort((uniq, -counts))
-    entries = [(k // n_experts, k % n_experts, c)
-               for k, c in zip(uniq[order].tolist(), counts[order].tolist(), strict=True)]
+    entries = [
+        (k // n_experts, k % n_experts, c) for k, c in zip(uniq[order].tolist(), counts[order].tolist(), strict=True)
+    ]
     pmeta = {"source": source, "phases": phases, "accesses": int(counts.sum())}
     for key in ("model", "layers", "experts", "top_k"):
         if key in meta:
@@ -92,8 +93,10 @@ def write_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
     try:
         with open(path, "w", encoding="utf-8") as f:
             if path.endswith(".json"):
-                json.dump({"moestream-profile": VERSION, "meta": profile.meta,
-                           "entries": [list(e) for e in profile.entries]}, f)
+                json.dump(
+                    {"moestream-profile": VERSION, "meta": profile.meta, "entries": [list(e) for e in profile.entries]},
+                    f,
+                )
                 f.write("\n")
                 return
             f.write(f"# moestream-profile: {VERSION}\n")
@@ -102,9 +105,7 @@ def write_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
             f.write(HEADER + "\n")
             f.write("".join(f"{layer} {e} {c}\n" for layer, e, c in profile.entries))
     except OSError as exc:
-        raise MoestreamError(
-            f"cannot write the profile {path}: {exc.strerror}; pick a writable path"
-        ) from None
+        raise MoestreamError(f"cannot write the profile {path}: {exc.strerror}; pick a writable path") from None
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
@@ -127,13 +128,7 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     entries = []
     seen_header = False
     for n, line in enumerate(text.splitlines(), 1):
-        if line.startswith("#"):
-            key, sep, value = line[1:].partition(":")
-            if sep:
-                try:
-                    meta[key.strip()] = json.loads(value)
-                except json.JSONDecodeError:
-                    meta[key.strip()] = value.strip()
+        if parse_meta_line(line, meta):
             continue
         if not line.strip():
             continue

@@ -47,10 +47,19 @@ SOURCES = ("vram", "ram", "disk")  # codes 0, 1, 2
 PROMPT, DECODE = 0, 1
 VRAM, RAM, DISK = 0, 1, 2
 
-TRACE_DTYPE = np.dtype([
-    ("token", np.int64), ("phase", np.int8), ("step", np.int64), ("layer", np.int32), ("expert", np.int32),
-    ("rank", np.int32), ("source", np.int8), ("bytes", np.int64), ("latency_us", np.int64),
-])
+TRACE_DTYPE = np.dtype(
+    [
+        ("token", np.int64),
+        ("phase", np.int8),
+        ("step", np.int64),
+        ("layer", np.int32),
+        ("expert", np.int32),
+        ("rank", np.int32),
+        ("source", np.int8),
+        ("bytes", np.int64),
+        ("latency_us", np.int64),
+    ]
+)
 
 _FLUSH_ROWS = 4096
 
@@ -64,15 +73,12 @@ class TraceWriter:
     `close()` writes what is still buffered: rows recorded after the last flush are lost without it.
     """
 
-    def __init__(self, path: str | os.PathLike[str], meta: dict[str, Any] | None = None,
-                 flush_rows: int = _FLUSH_ROWS):
+    def __init__(self, path: str | os.PathLike[str], meta: dict[str, Any] | None = None, flush_rows: int = _FLUSH_ROWS):
         self.path = os.fspath(path)
         try:
             self._f = open(self.path, "w", encoding="utf-8", newline="\n")
         except OSError as exc:
-            raise MoestreamError(
-                f"cannot write the trace {self.path}: {exc.strerror}; pick a writable path"
-            ) from None
+            raise MoestreamError(f"cannot write the trace {self.path}: {exc.strerror}; pick a writable path") from None
         head = [f"# moestream-trace: {VERSION}"]
         for key, value in (meta or {}).items():
             if "\n" in key or ":" in key:
@@ -89,8 +95,18 @@ class TraceWriter:
         self._thread = threading.Thread(target=self._write_loop, name="moestream-trace", daemon=True)
         self._thread.start()
 
-    def record(self, token: int, phase: str, step: int, layer: int, expert: int, rank: int, source: str,
-               nbytes: int, latency_s: float) -> None:
+    def record(
+        self,
+        token: int,
+        phase: str,
+        step: int,
+        layer: int,
+        expert: int,
+        rank: int,
+        source: str,
+        nbytes: int,
+        latency_s: float,
+    ) -> None:
         rows = self._rows
         rows.append((token, phase, step, layer, expert, rank, source, nbytes, latency_s))
         if len(rows) >= self._flush_rows:
@@ -109,10 +125,14 @@ class TraceWriter:
                 continue
             try:
                 # Latency becomes integer microseconds here, off the model's thread.
-                self._f.write("".join([
-                    f"{t},{ph},{st},{la},{ex},{rk},{src},{nb},{round(lat * 1e6)}\n"
-                    for t, ph, st, la, ex, rk, src, nb, lat in rows
-                ]))
+                self._f.write(
+                    "".join(
+                        [
+                            f"{t},{ph},{st},{la},{ex},{rk},{src},{nb},{round(lat * 1e6)}\n"
+                            for t, ph, st, la, ex, rk, src, nb, lat in rows
+                        ]
+                    )
+                )
                 self._f.flush()
             except BaseException as exc:  # a full disk must not kill decoding; close() reports it
                 self._error = exc
@@ -140,6 +160,20 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
+def parse_meta_line(line: str, meta: dict[str, Any]) -> bool:
+    """Take a `# key: JSON value` line into meta (a value that is not JSON is kept as text); False for
+    any line that is not a comment. Traces and profiles share this header format."""
+    if not line.startswith("#"):
+        return False
+    key, sep, value = line[1:].partition(":")
+    if sep:
+        try:
+            meta[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            meta[key.strip()] = value.strip()
+    return True
+
+
 def _read_head(path: str) -> tuple[dict[str, Any], int]:
     """Metadata and the byte offset of the first data row."""
     meta: dict[str, Any] = {}
@@ -152,26 +186,18 @@ def _read_head(path: str) -> tuple[dict[str, Any], int]:
         for raw in f:
             offset += len(raw)
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            if line.startswith("#"):
-                key, sep, value = line[1:].partition(":")
-                if sep:
-                    try:
-                        meta[key.strip()] = json.loads(value)
-                    except json.JSONDecodeError:
-                        meta[key.strip()] = value.strip()
+            if parse_meta_line(line, meta):
                 continue
             if line.strip() != HEADER:
                 raise MoestreamError(
-                    f"{path} is not a moestream trace (expected the header '{HEADER}'); "
-                    "record one with --trace FILE"
+                    f"{path} is not a moestream trace (expected the header '{HEADER}'); record one with --trace FILE"
                 )
             return meta, offset
     raise MoestreamError(f"{path} is not a moestream trace (no header line); record one with --trace FILE")
 
 
 # Text codes substituted before numeric parsing; the surrounding commas make each replacement exact.
-_CODES = [(b",prompt,", b",0,"), (b",decode,", b",1,"), (b",vram,", b",0,"), (b",ram,", b",1,"),
-          (b",disk,", b",2,")]
+_CODES = [(b",prompt,", b",0,"), (b",decode,", b",1,"), (b",vram,", b",0,"), (b",ram,", b",1,"), (b",disk,", b",2,")]
 
 
 def read_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray]:
