@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moestream import linear, quants
+from moestream import linear, native, quants
 from moestream.budget import (
     MB,
     UBATCH_CHOICES,
@@ -126,6 +126,7 @@ class Engine:
     ):
         if threads:
             torch.set_num_threads(threads)
+        native.set_threads(threads or torch.get_num_threads())  # the lane kernels' own pool
         # Small activations times small weights produce denormals, which cost the CPU kernels ~10x.
         torch.set_flush_denormal(True)
         self.gguf = f = GGUFFile(model_path)

@@ -59,7 +59,8 @@ class _Pending:
     def __init__(self, layer, expert, slot, segs, outs, futures, exact, fused=None):
         self.layer, self.expert, self.slot = layer, expert, slot
         self.segs, self.outs, self.futures, self.exact = segs, outs, futures, exact
-        self.fused = fused  # (packed gate|up rows [2F, H/2], scales [H/32, 2F, 2]) or None
+        # int4: (packed gate|up rows [2F, H/2], scales [H/32, 2F, 2]); lane: the [2F, row bytes] rows; or None
+        self.fused = fused
         self.parts: list[linear.QLinear | None] = [None, None, None]
         self.left = len(futures)
         self.t0 = time.perf_counter()
@@ -72,7 +73,7 @@ class _Pending:
             return self._pack(i, seg, arr)
 
     def _pack(self, i: int, seg, arr: np.ndarray) -> linear.QLinear | torch.Tensor:
-        if self.fused is not None and i < 2:
+        if isinstance(self.fused, tuple) and i < 2:
             w, sz = self.fused
             rows = w[i * seg.n : (i + 1) * seg.n]
             linear.pack_int4_rows(arr, seg.ggml_type, seg.n, seg.k, rows, sz, i * seg.n)
@@ -93,6 +94,10 @@ class _Pending:
         self.left -= 1
         if self.left:
             return None
+        if isinstance(self.fused, torch.Tensor):  # lane form: the two halves were packed in place
+            seg = self.segs[0]
+            gate_up = linear.QLinear(2 * seg.n, seg.k, "lane", self.fused, ggml_type=seg.ggml_type)
+            return (gate_up, None, self.parts[2])  # type: ignore[return-value]
         if self.fused is not None:
             w, sz = self.fused
             gate_up = linear.QLinear(w.shape[0], self.segs[0].k, "int4", w, sz)
@@ -193,7 +198,11 @@ class ExpertCache:
             off += (size + 63) // 64 * 64
         segs = self.store.segments(layer, expert)
         fused = None
-        if layout.fused_gate_up:
+        if layout.fused_gate_up and segs[0].n * linear.lane_row_bytes_or_0(segs[0]) == layout.packed[0]:
+            # lane form: gate rows then up rows are adjacent in the slot, one [2F, row bytes] matrix
+            base = slot * self.slot_nbytes
+            fused = self._arena_t[base : base + 2 * layout.packed[0]].view(2 * segs[0].n, -1)
+        elif layout.fused_gate_up:
             # Same bytes as two separate int4 forms: [gate rows | up rows] then their scales side by side.
             n, k = segs[0].n, segs[0].k
             base = slot * self.slot_nbytes
@@ -221,7 +230,14 @@ class ExpertCache:
     # -- the model's view ------------------------------------------------------------------------------
 
     def fetch(self, layer: int, ids: list[int], admit: bool = True) -> Iterator[tuple[int, Expert]]:
-        """Yield (expert id, weights) for every id, cached ones first; each stays pinned until the next yield.
+        """Yield (expert id, weights) for every id, cached ones first (see fetch_groups)."""
+        for group in self.fetch_groups(layer, ids, admit):
+            yield from group
+
+    def fetch_groups(self, layer: int, ids: list[int], admit: bool = True) -> Iterator[list[tuple[int, Expert]]]:
+        """Yield every id's (expert id, weights) in groups: first all the cached ones, then the misses as their
+        reads complete (those that complete together in one group). A group stays pinned until the next yield,
+        so the model can compute a whole group in one kernel call.
 
         With admit=False, experts read from disk are used once and their slots go straight back to the free
         list, so the access does not push anything out of the cache (the prompt path, when configured so).
@@ -285,37 +301,43 @@ class ExpertCache:
 
         try:
             launch()
-            while hitq:
-                e, slot = hitq.popleft()
-                try:
-                    if self.trace is not None:
+            if hitq:
+                if self.trace is not None:
+                    for e, _slot in hitq:
                         self.trace(layer, e, ids.index(e), "ram", 0, 0.0)
-                    yield e, self._experts[slot]  # type: ignore[misc]
+                group = [(e, self._experts[slot]) for e, slot in hitq]
+                try:
+                    yield group  # type: ignore[misc]
                 finally:
-                    self._unpin(slot)
+                    while hitq:
+                        self._unpin(hitq.popleft()[1])
             launch()
             while inflight:
                 t_wait = time.perf_counter()
                 done, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
                 self.stats.read_wait_s += time.perf_counter() - t_wait
-                for fut in done:
-                    p = inflight.pop(fut)
-                    try:
-                        experts = p.segment_done(fut)
-                    except BaseException:
-                        self._abandon(p, inflight)
-                        raise
-                    if experts is None:
-                        continue  # other segments of this expert are still being read
-                    try:
+                ready: list[_Pending] = []
+                try:
+                    for fut in done:
+                        p = inflight.pop(fut)
+                        try:
+                            experts = p.segment_done(fut)
+                        except BaseException:
+                            self._abandon(p, inflight)
+                            raise
+                        if experts is None:
+                            continue  # other segments of this expert are still being read
+                        ready.append(p)
                         nbytes = self.store.expert_file_nbytes[layer]
                         self.stats.bytes_read += nbytes
                         if self.trace is not None:
                             self.trace(layer, p.expert, ids.index(p.expert), "disk", nbytes, p.latency())
                         with self._lock:
                             self._experts[p.slot] = experts
-                        yield p.expert, experts
-                    finally:
+                    if ready:
+                        yield [(p.expert, self._experts[p.slot]) for p in ready]  # type: ignore[misc]
+                finally:
+                    for p in ready:
                         self._unpin(p.slot, release=True)  # frees it only if it was not admitted
                 launch()
         finally:

@@ -33,7 +33,7 @@ class ExpertLayout:
     up: tuple[int, int, int]
     down: tuple[int, int, int]
     packed: tuple[int, int, int]  # bytes of each matrix in compute form, in gate/up/down order
-    # gate and up packed as one int4 matrix [2F, H]: one kernel call instead of two per expert
+    # gate and up packed as one matrix [2F, H] (int4 or lane form): one kernel call instead of two per expert
     fused_gate_up: bool = False
 
     @property
@@ -64,10 +64,14 @@ class ExpertStore:
                 segs.append(Segment(info.offset, per_expert, info.ggml_type, info.shape[1], info.shape[2]))
             self._base.append(tuple(segs))
             g, u = segs[0], segs[1]
+            kind = linear.compute_kind(g.ggml_type, g.n, g.k, exact)
+            packed_gate = linear.packed_nbytes(g.ggml_type, g.n, g.k, exact)
+            # lane rows are independent, so gate rows followed by up rows is already one matrix [2F, H]
+            # (the up half must start where the slot layout puts it: 64-byte steps)
             fused = (
                 g.ggml_type == u.ggml_type
                 and (g.n, g.k) == (u.n, u.k)
-                and linear.compute_kind(g.ggml_type, g.n, g.k, exact) == "int4"
+                and (kind == "int4" or (kind == "lane" and packed_gate % 64 == 0))
             )
             self.layouts.append(
                 ExpertLayout(

@@ -31,9 +31,7 @@ _STAGE_BYTES = 32 << 20
 def tensor_nbytes(ggml_type: int, shape: Sequence[int]) -> int:
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     if shape[-1] % block:
-        raise ValueError(
-            f"{GGMLQuantizationType(ggml_type).name} rows must be a multiple of {block}, got {shape}"
-        )
+        raise ValueError(f"{GGMLQuantizationType(ggml_type).name} rows must be a multiple of {block}, got {shape}")
     return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * size
 
 
@@ -56,9 +54,7 @@ def array_tensor(name: str, ggml_type: int, shape: Sequence[int], raw: np.ndarra
     data = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
     spec = TensorSpec(name, GGMLQuantizationType(ggml_type), tuple(int(s) for s in shape), lambda: (data,))
     if data.nbytes != spec.nbytes:
-        raise ValueError(
-            f"{name}: got {data.nbytes} bytes, {spec.ggml_type.name} {spec.shape} needs {spec.nbytes}"
-        )
+        raise ValueError(f"{name}: got {data.nbytes} bytes, {spec.ggml_type.name} {spec.shape} needs {spec.nbytes}")
     return spec
 
 
@@ -217,9 +213,7 @@ def write_gguf(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(
-            desc=desc or os.path.basename(path), total=total, unit="B", unit_scale=True, unit_divisor=1024
-        )
+        bar = tqdm(desc=desc or os.path.basename(path), total=total, unit="B", unit_scale=True, unit_divisor=1024)
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()

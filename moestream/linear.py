@@ -1,6 +1,9 @@
 """The compute form of one weight matrix: GGUF bytes in, `y = x @ W.T` out.
 
-Three forms, picked per tensor by `compute_kind`:
+Four forms, picked per tensor by `compute_kind`:
+  lane  Q4_0 / Q4_K / Q8_0 kept at their own bits in the lane layout of native/qmm.c (a reshuffle of the
+        GGUF blocks, same size) and multiplied by its VNNI kernel against int8-quantized activations, as
+        llama.cpp does. Needs AVX-512 VNNI and rows of a multiple of 256; else one of:
   int4  Q4_0 / Q4_K kept at 4 bits in torch's CPU int4pack layout and multiplied with
         `_weight_int4pack_mm_for_cpu` (the fastest CPU matvec we measured; both formats map onto it
         exactly up to bf16 rounding of each group's scale and zero).
@@ -13,6 +16,7 @@ it; the conversion runs in C with the GIL released so reader threads convert in 
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +39,8 @@ INT4_GEMM_MIN_ROWS = 48
 EXPAND_SCRATCH_BYTES = 8 << 20  # bf16 scratch for one slice of an expanded weight
 
 INT4_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K)})
+LANE_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K), int(T.Q8_0)})
+LANE_K = 256  # rows must be whole groups of the lane layout
 F32_TYPES = frozenset({int(T.F32), int(T.F16)})
 
 
@@ -44,13 +50,16 @@ class QLinear:
 
     out_features: int
     in_features: int
-    kind: str  # 'int4' | 'bf16' | 'f32'
-    weight: torch.Tensor  # int4: uint8 [N, K/2] packed; bf16/f32: [N, K]
+    kind: str  # 'lane' | 'int4' | 'bf16' | 'f32'
+    weight: torch.Tensor  # lane: uint8 [N, row bytes]; int4: uint8 [N, K/2] packed; bf16/f32: [N, K]
     scales_zeros: torch.Tensor | None = None  # int4 only: bf16 [K/32, N, 2]
+    ggml_type: int = -1  # lane only: the GGUF type its blocks came from
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [..., K] -> float32 [..., N]."""
         lead = x.shape[:-1]
+        if self.kind == "lane":
+            return self.mm(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
         if self.kind == "int4":
             # the int4 kernel's fast path takes bf16 activations (float32 ones hit a ~25x slower path)
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
@@ -87,10 +96,20 @@ class QLinear:
     @property
     def dtype(self) -> torch.dtype:
         """The activation dtype this weight computes in natively (see `mm`)."""
-        return torch.float32 if self.kind == "f32" else torch.bfloat16
+        return torch.float32 if self.kind in ("f32", "lane") else torch.bfloat16
 
     def mm(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] already in `self.dtype` -> [M, N] in `self.dtype`: no conversions, for hot loops."""
+        if self.kind == "lane":
+            x2 = x2.contiguous()
+            y = torch.empty(x2.shape[0], self.out_features)
+            rc = native.lib().ms_qmm(
+                self.ggml_type, self.weight.data_ptr(), self.out_features, self.in_features,
+                x2.data_ptr(), x2.shape[0], self.in_features, y.data_ptr(), self.out_features,
+            )  # fmt: skip
+            if rc != 0:
+                raise RuntimeError(f"ms_qmm failed ({rc}) for {quants.type_name(self.ggml_type)} {tuple(self.shape)}")
+            return y
         if self.kind == "int4":
             if x2.shape[0] >= INT4_GEMM_MIN_ROWS and (lib := _int4_expander()) is not None:
                 return self._expanded_mm(x2, lib)
@@ -105,8 +124,18 @@ class QLinear:
             n += self.scales_zeros.numel() * self.scales_zeros.element_size()
         return n
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
     def dense(self) -> torch.Tensor:
         """W as float32 [N, K], as the kernels see it (tests, debugging)."""
+        if self.kind == "lane":
+            w = torch.empty(self.out_features, self.in_features)
+            native.lib().ms_lane_unpack(
+                self.ggml_type, self.weight.data_ptr(), self.out_features, self.in_features, w.data_ptr()
+            )
+            return w
         if self.kind != "int4":
             return self.weight.float()
         if (lib := _int4_expander()) is not None:
@@ -123,11 +152,13 @@ def concat(parts: list[QLinear]) -> QLinear | None:
 
     The int4 layout is blocked by 64 rows, so stacking whole blocks along N is a plain concatenation.
     """
-    kind, k = parts[0].kind, parts[0].in_features
-    if any(p.kind != kind or p.in_features != k for p in parts):
+    kind, k, gt = parts[0].kind, parts[0].in_features, parts[0].ggml_type
+    if any(p.kind != kind or p.in_features != k or p.ggml_type != gt for p in parts):
         return None
     n = sum(p.out_features for p in parts)
     weight = torch.cat([p.weight for p in parts], dim=0)
+    if kind == "lane":  # rows are independent in the lane layout
+        return QLinear(n, k, kind, weight, ggml_type=gt)
     sz = None
     if kind == "int4":
         if any(p.out_features % INT4_BLOCK_N for p in parts):
@@ -141,9 +172,21 @@ def compute_kind(ggml_type: int, n: int, k: int, exact: bool) -> str:
     quants.tensor_nbytes(ggml_type, k)  # raises for an unsupported type or a ragged row
     if exact or ggml_type in F32_TYPES:
         return "f32"
+    if ggml_type in LANE_TYPES and k % LANE_K == 0 and native.lane_ok():
+        return "lane"
     if ggml_type in INT4_TYPES and n % INT4_BLOCK_N == 0 and k % GROUP == 0:
         return "int4"
     return "bf16"
+
+
+def lane_row_bytes(ggml_type: int, k: int) -> int:
+    """Bytes of one row of a [*, k] weight in the lane layout (the same as its GGUF row for Q4_0 and Q8_0)."""
+    return {int(T.Q4_0): 36, int(T.Q4_K): 37, int(T.Q8_0): 68}[ggml_type] * (k // 32) // 2
+
+
+def lane_row_bytes_or_0(seg) -> int:
+    """Row bytes of a segment (anything with ggml_type, n, k) if it is computed in the lane form, else 0."""
+    return lane_row_bytes(seg.ggml_type, seg.k) if compute_kind(seg.ggml_type, seg.n, seg.k, False) == "lane" else 0
 
 
 def _int4_sizes(n: int, k: int) -> tuple[int, int]:
@@ -153,6 +196,8 @@ def _int4_sizes(n: int, k: int) -> tuple[int, int]:
 def packed_nbytes(ggml_type: int, n: int, k: int, exact: bool) -> int:
     """Bytes of the compute form (what `pack_into` needs in `out`)."""
     kind = compute_kind(ggml_type, n, k, exact)
+    if kind == "lane":
+        return n * lane_row_bytes(ggml_type, k)
     if kind == "int4":
         return sum(_int4_sizes(n, k))
     return n * k * (2 if kind == "bf16" else 4)
@@ -243,6 +288,12 @@ def pack_into(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, out:
     _check_out(out, nbytes)
     src = _raw_array(raw, ggml_type, n, k)
     lib = native.lib()
+    if kind == "lane":
+        w = out[:nbytes].view(n, nbytes // n)
+        rc = lib.ms_lane_pack(ggml_type, src.ctypes.data, n, k, w.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"ms_lane_pack failed ({rc}) for {quants.type_name(ggml_type)} [{n}, {k}]")
+        return QLinear(n, k, kind, w, ggml_type=ggml_type)
     if kind == "int4":
         n_packed, n_sz = _int4_sizes(n, k)
         packed = out[:n_packed].view(n, k // 2)
@@ -298,3 +349,56 @@ def from_gguf(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, exac
     """As pack_into, in memory of its own (dense weights that live for the whole run)."""
     out = aligned_empty(packed_nbytes(ggml_type, n, k, exact))
     return pack_into(raw, ggml_type, n, k, out, exact)
+
+
+def lane_swiglu_ok(expert: tuple) -> bool:
+    """True when an expert (gate_up, None, down) can go through `lane_swiglu`."""
+    gate_up, up, down = expert
+    return up is None and gate_up.kind == "lane" and down.kind == "lane"
+
+
+# Rows of one lane_swiglu call at most: bounds the C scratch (act + quantized inputs, ~10 MB for Qwen3-30B).
+SWIGLU_MAX_ROWS = 1024
+
+
+def lane_swiglu_scratch_bytes(rows: int, hidden: int, ffn: int) -> int:
+    lib = native.lib()
+    return int(lib.ms_moe_scratch_bytes(min(rows, SWIGLU_MAX_ROWS), hidden, ffn)) if lib is not None else 0
+
+
+def lane_swiglu(experts: list[tuple], x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) for several lane-form experts in one native call.
+
+    x float32 [sum(counts), H]: expert i's rows are the counts[i] rows after the previous experts' rows;
+    returns float32 [sum(counts), H] in the same order. All experts' gate/up rows run as one parallel pass,
+    then all down rows: one call per group of experts instead of three kernel calls per expert.
+    """
+    n = len(experts)
+    hidden, ffn = x.shape[1], experts[0][2].in_features
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    lib = native.lib()
+    i = 0
+    while i < n:  # chunks of at most SWIGLU_MAX_ROWS rows (one expert may exceed it alone)
+        j, rows = i, 0
+        while j < n and (j == i or rows + counts[j] <= SWIGLU_MAX_ROWS):
+            rows += counts[j]
+            j += 1
+        group = experts[i:j]
+        r0 = sum(counts[:i])
+        rc = lib.ms_moe_ffn(
+            j - i,
+            (ctypes.c_int * (j - i))(*(e[0].ggml_type for e in group)),
+            (ctypes.c_void_p * (j - i))(*(e[0].weight.data_ptr() for e in group)),
+            (ctypes.c_int * (j - i))(*(e[2].ggml_type for e in group)),
+            (ctypes.c_void_p * (j - i))(*(e[2].weight.data_ptr() for e in group)),
+            hidden,
+            ffn,
+            x[r0:].data_ptr(),
+            (ctypes.c_int64 * (j - i))(*counts[i:j]),
+            out[r0:].data_ptr(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"ms_moe_ffn failed ({rc}) for {j - i} experts [{ffn}, {hidden}]")
+        i = j
+    return out

@@ -404,9 +404,7 @@ def quantize(w: np.ndarray, ggml_type: int) -> np.ndarray:
     block, size = _check_type(ggml_type)
     w = np.ascontiguousarray(w, dtype=np.float32)
     if w.shape[-1] % block:
-        raise ValueError(
-            f"{type_name(ggml_type)} needs rows that are a multiple of {block}, got {w.shape[-1]}"
-        )
+        raise ValueError(f"{type_name(ggml_type)} needs rows that are a multiple of {block}, got {w.shape[-1]}")
     out_shape = (*w.shape[:-1], w.shape[-1] // block * size)
     if ggml_type == T.F32:
         return w.view(np.uint8).reshape(out_shape)

@@ -803,9 +803,7 @@ class Service:
             yield line
         async with aclosing(self.run_job(job, request)) as events:
             async for ev in events:
-                if isinstance(
-                    ev, ErrorEvent
-                ):  # the status line is sent already: the error goes in the stream
+                if isinstance(ev, ErrorEvent):  # the status line is sent already: the error goes in the stream
                     yield _sse(ev.error.body())
                     break
                 if isinstance(ev, DoneEvent) and ev.finish_reason == "cancelled":

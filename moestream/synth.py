@@ -414,13 +414,9 @@ def write_synth(
     tok_md = tiny_bpe_metadata()
     vocab = s.vocab or len(tok_md["tokenizer.ggml.tokens"])
     if vocab != len(tok_md["tokenizer.ggml.tokens"]):
-        raise ValueError(
-            f"{shape} wants vocab {vocab} but the tokenizer has {len(tok_md['tokenizer.ggml.tokens'])}"
-        )
+        raise ValueError(f"{shape} wants vocab {vocab} but the tokenizer has {len(tok_md['tokenizer.ggml.tokens'])}")
     name = f"moestream-synth-{shape}-{quant.upper()}" + (f"-{layers}L" if layers is not None else "")
     md = shape_metadata(s, name, _FILE_TYPE[expert_type]) | tok_md
     path = os.fspath(path)
-    write_gguf(
-        path, s.arch, md, synth_tensors(s, expert_type, dense_type, vocab, seed), progress=progress, desc=name
-    )
+    write_gguf(path, s.arch, md, synth_tensors(s, expert_type, dense_type, vocab, seed), progress=progress, desc=name)
     return path

@@ -139,14 +139,11 @@ class Tokenizer:
             )
         if model != "gpt2":
             raise ModelFileError(
-                f"tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2', as Qwen and Llama 3 use) "
-                "is supported"
+                f"tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2', as Qwen and Llama 3 use) is supported"
             )
         tokens = md.get("tokenizer.ggml.tokens")
         if not tokens:
-            raise ModelFileError(
-                "the model file has no tokenizer.ggml.tokens vocabulary; re-convert the model"
-            )
+            raise ModelFileError("the model file has no tokenizer.ggml.tokens vocabulary; re-convert the model")
 
         def opt_id(key: str) -> int | None:
             v = md.get(f"tokenizer.ggml.{key}")
@@ -266,13 +263,9 @@ def _build_hf_tokenizer(tokens: list[str], types: list[int], merges: list[str], 
             raise ModelFileError(f"tokenizer.ggml.merges has a malformed entry {m!r}; re-convert the model")
         pairs.append((a, b))
     try:
-        model = BPE(
-            vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges
-        )
+        model = BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges)
     except Exception as exc:  # a merge naming a token the vocabulary lacks
-        raise ModelFileError(
-            f"the tokenizer vocabulary is inconsistent ({exc}); re-convert the model"
-        ) from None
+        raise ModelFileError(f"the tokenizer vocabulary is inconsistent ({exc}); re-convert the model") from None
     tok = HFTokenizer(model)
     if nfc:
         tok.normalizer = normalizers.NFC()
@@ -286,9 +279,7 @@ def _build_hf_tokenizer(tokens: list[str], types: list[int], merges: list[str], 
     # Control tokens are "special" (skipped by skip_special); user-defined ones (<think>) are plain
     # added text. Both are matched whole in the input before the regex split, as llama.cpp does.
     special = [
-        AddedToken(t, special=True, normalized=False)
-        for t, k in zip(tokens, types, strict=True)
-        if k == CONTROL and t
+        AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True) if k == CONTROL and t
     ]
     added = [
         AddedToken(t, special=False, normalized=False)

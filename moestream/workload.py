@@ -32,8 +32,9 @@ def _decode_view(meta: dict[str, Any], rows: np.ndarray) -> tuple[np.ndarray, np
     return tok.astype(np.int64), keys, n_experts, len(steps)
 
 
-def u_of_k(tok: np.ndarray, keys: np.ndarray, n_tokens: int, n_experts: int,
-           ks: tuple[int, ...]) -> list[dict[str, float]]:
+def u_of_k(
+    tok: np.ndarray, keys: np.ndarray, n_tokens: int, n_experts: int, ks: tuple[int, ...]
+) -> list[dict[str, float]]:
     """Mean distinct experts per (layer, k-token window) over whole windows, and the read saving."""
     out = []
     for k in ks:
@@ -47,8 +48,15 @@ def u_of_k(tok: np.ndarray, keys: np.ndarray, n_tokens: int, n_experts: int,
         groups = len(np.unique(win * (1 << 20) + layer))
         accesses = int(keep.sum())
         u = distinct / groups
-        out.append({"k": k, "windows": int(n_win), "U": u, "per_token": u / k,
-                    "saving": 1.0 - distinct / accesses if accesses else 0.0})
+        out.append(
+            {
+                "k": k,
+                "windows": int(n_win),
+                "U": u,
+                "per_token": u / k,
+                "saving": 1.0 - distinct / accesses if accesses else 0.0,
+            }
+        )
     return out
 
 
@@ -68,8 +76,7 @@ def reuse_distances(tok: np.ndarray, keys: np.ndarray) -> dict[str, Any]:
         lo = hi + 1
     labels.append(f">{REUSE_BUCKETS[-1]}")
     total = max(len(keys), 1)
-    hist = [{"tokens": lab, "accesses": c, "share": c / total}
-            for lab, c in zip(labels, counts.tolist(), strict=True)]
+    hist = [{"tokens": lab, "accesses": c, "share": c / total} for lab, c in zip(labels, counts.tolist(), strict=True)]
     hist.append({"tokens": "first use", "accesses": int(first), "share": first / total})
     return {"median": float(np.median(gaps)) if len(gaps) else None, "histogram": hist}
 
@@ -104,13 +111,17 @@ def coverage(keys: np.ndarray, sizes: list[int]) -> dict[str, Any]:
     counts = np.sort(np.unique(keys, return_counts=True)[1])[::-1]
     cum = np.cumsum(counts) / counts.sum()
     top = [{"n": n, "share": float(cum[min(n, len(cum)) - 1])} for n in sizes if n >= 1]
-    slots_for = {f"{round(100 * s)}%": int(np.searchsorted(cum, s - 1e-12) + 1)
-                 for s in (0.5, 0.8, 0.9, 0.95, 0.99)}
+    slots_for = {f"{round(100 * s)}%": int(np.searchsorted(cum, s - 1e-12) + 1) for s in (0.5, 0.8, 0.9, 0.95, 0.99)}
     return {"distinct": len(counts), "top": top, "slots_for": slots_for}
 
 
-def workload_stats(meta: dict[str, Any], rows: np.ndarray, ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
-                   window: int = 48, top_n: list[int] | None = None) -> dict[str, Any]:
+def workload_stats(
+    meta: dict[str, Any],
+    rows: np.ndarray,
+    ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+    window: int = 48,
+    top_n: list[int] | None = None,
+) -> dict[str, Any]:
     """All of the above as one JSON-ready dict."""
     tok, keys, n_experts, n_tokens = _decode_view(meta, rows)
     n_layers = max(int(meta.get("layers") or 0), int(rows["layer"].max()) + 1 if len(rows) else 0)
@@ -171,16 +182,20 @@ def format_report(s: dict[str, Any]) -> str:
         f"  {'k':>4} {'U(k)':>8} {'per token':>10} {'saving':>8} {'MB/token':>9} {'windows':>8}",
     ]
     for r in s["u_of_k"]:
-        lines.append(f"  {r['k']:>4} {r['U']:>8.2f} {r['per_token']:>10.2f} {100 * r['saving']:>7.1f}% "
-                     f"{r['mb_per_token']:>9.1f} {r['windows']:>8}")
+        lines.append(
+            f"  {r['k']:>4} {r['U']:>8.2f} {r['per_token']:>10.2f} {100 * r['saving']:>7.1f}% "
+            f"{r['mb_per_token']:>9.1f} {r['windows']:>8}"
+        )
     reuse = s["reuse"]
-    lines += ["", "reuse distance: decode tokens since the same expert was last used "
-                  f"(median {reuse['median']})"]
+    lines += ["", f"reuse distance: decode tokens since the same expert was last used (median {reuse['median']})"]
     for h in reuse["histogram"]:
         lines.append(f"  {h['tokens']:>10} {h['accesses']:>9} {100 * h['share']:>6.1f}%")
     sg = s["singletons"]
-    lines += ["", f"singletons: {100 * sg['share']:.1f}% of accesses use an expert only once in their "
-                  f"{sg['window']}-token window (what min-hits admission could keep out)"]
+    lines += [
+        "",
+        f"singletons: {100 * sg['share']:.1f}% of accesses use an expert only once in their "
+        f"{sg['window']}-token window (what min-hits admission could keep out)",
+    ]
     cov = s["coverage"]
     lines += ["", f"coverage of the N most used experts ({cov['distinct']} distinct used)"]
     for t in cov["top"]:

@@ -226,9 +226,10 @@ def test_tiny_template_agrees_with_qwen3_without_reasoning() -> None:
         (TOOL_CONVERSATION, {}),
         ([*MULTI_TURN[:1], {"role": "assistant", "content": "4"}, MULTI_TURN[2]], {}),
     ]:
-        assert render_chat(TINY_CHAT_TEMPLATE, messages, **kwargs) == render_chat(
-            QWEN3_TEMPLATE, messages, **kwargs
-        ), (messages, kwargs)
+        assert render_chat(TINY_CHAT_TEMPLATE, messages, **kwargs) == render_chat(QWEN3_TEMPLATE, messages, **kwargs), (
+            messages,
+            kwargs,
+        )
 
 
 def test_messages_are_not_modified() -> None:
@@ -263,20 +264,14 @@ def test_dataclass_and_reasoning_aliases() -> None:
         reasoning: str | None = None
 
     out = render_chat(
-        "{% for m in messages %}"
-        "{{ m.role }}|{{ m.content }}|{{ m.reasoning_content }}|{{ m.thinking }};"
-        "{% endfor %}",
+        "{% for m in messages %}{{ m.role }}|{{ m.content }}|{{ m.reasoning_content }}|{{ m.thinking }};{% endfor %}",
         [Msg("user", "hi"), Msg("assistant", "ok", "because")],
     )
     assert out == "user|hi||;assistant|ok|because|because;"
 
 
 def test_raise_exception_becomes_one_line_error() -> None:
-    tpl = (
-        "{% if messages[0].role != 'user' %}"
-        "{{ raise_exception('Conversation roles must\nalternate') }}"
-        "{% endif %}"
-    )
+    tpl = "{% if messages[0].role != 'user' %}{{ raise_exception('Conversation roles must\nalternate') }}{% endif %}"
     with pytest.raises(MoestreamError, match="rejected the conversation: Conversation roles must alternate$"):
         render_chat(tpl, [{"role": "assistant", "content": "x"}])
 

@@ -28,6 +28,12 @@ def reference(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> np.nda
 needs_native = pytest.mark.skipif(native.lib() is None, reason="native library unavailable")
 
 
+@pytest.fixture
+def no_lane(monkeypatch):
+    """The torch int4 / bf16 forms, as on a CPU without AVX-512 VNNI."""
+    monkeypatch.setattr(native, "_lane_ok", False)
+
+
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y - ref).norm() / ref.norm())
 
@@ -49,14 +55,15 @@ def test_qlinear_matches_reference(ggml_type, exact):
     if lin.kind == "f32":
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     else:
-        assert rel_err(y, ref) < 1e-2
+        # lane: int8 activations (tests/test_lane.py checks that product exactly); others: bf16 rounding
+        assert rel_err(y, ref) < (2e-2 if lin.kind == "lane" else 1e-2)
         # bf16 rounding of the weights alone, seen through dense(), stays well inside that
         assert rel_err(lin.dense(), w) < 1e-2
         if lin.kind == "int4":
             torch.testing.assert_close(lin.dense(), _eye_dense(lin), rtol=0, atol=0)
 
 
-def test_compute_kind_and_sizes():
+def test_compute_kind_and_sizes(no_lane):
     assert linear.compute_kind(T.Q4_0, 768, 2048, False) == "int4"
     assert linear.compute_kind(T.Q4_K, 768, 2048, False) == "int4"
     assert linear.compute_kind(T.Q4_K, 96, 2048, False) == "bf16"  # rows not a multiple of 64
@@ -181,7 +188,7 @@ def test_dequant_rejects_bad_input():
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K, T.BF16], ids=lambda t: t.name)
-def test_pack_into_without_native(monkeypatch, ggml_type):
+def test_pack_into_without_native(monkeypatch, no_lane, ggml_type):
     n, k = 128, 512
     raw = random_gguf(ggml_type, n * k, np.random.default_rng(9))
     with_c = linear.from_gguf(raw, ggml_type, n, k, False)
@@ -221,7 +228,7 @@ def _eye_dense(lin: linear.QLinear) -> torch.Tensor:
 
 @needs_native
 @pytest.mark.parametrize("scalar", [False, True])
-def test_int4_expansion_equals_kernel(scalar):
+def test_int4_expansion_equals_kernel(no_lane, scalar):
     n, k = 192, 512
     lin = linear.from_gguf(random_gguf(T.Q4_K, n * k, np.random.default_rng(3)), T.Q4_K, n, k, False)
     lib = native.lib(("-DMS_SCALAR",) if scalar else ())
@@ -231,15 +238,13 @@ def test_int4_expansion_equals_kernel(scalar):
     part = torch.empty(64, k, dtype=torch.bfloat16)
     lin._expand(lib, 64, 128, part)
     assert torch.equal(part, full[64:128])
-    bad = lib.ms_int4_to_bf16(
-        lin.weight.data_ptr(), lin.scales_zeros.data_ptr(), n, k, 32, 96, part.data_ptr()
-    )
+    bad = lib.ms_int4_to_bf16(lin.weight.data_ptr(), lin.scales_zeros.data_ptr(), n, k, 32, 96, part.data_ptr())
     assert bad < 0
 
 
 @needs_native
 @pytest.mark.parametrize("scratch", [linear.EXPAND_SCRATCH_BYTES, 64 * 512 * 2])
-def test_many_rows_use_bf16_gemm(monkeypatch, scratch):
+def test_many_rows_use_bf16_gemm(monkeypatch, no_lane, scratch):
     monkeypatch.setattr(linear, "EXPAND_SCRATCH_BYTES", scratch)  # small: expands 64 rows at a time
     n, k = 192, 512
     raw = random_gguf(T.Q4_0, n * k, np.random.default_rng(4))
@@ -248,9 +253,7 @@ def test_many_rows_use_bf16_gemm(monkeypatch, scratch):
     ref = x @ torch.from_numpy(reference(raw, T.Q4_0, (n, k))).T
     y = lin(x)
     assert rel_err(y, ref) < 1e-2
-    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x.bfloat16(), lin.weight, 32, lin.scales_zeros
-    ).float()
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), lin.weight, 32, lin.scales_zeros).float()
     assert rel_err(y, kernel) < 1e-2
 
 

@@ -68,8 +68,14 @@ def test_recommend_prefers_fewest_reads_near_the_best():
     def row(mode, q, mb):
         return probe.ProbeRow(2 << 20, mode, q, 64, 1.0, 1.0, 1.0, 2.0, 3.0, mb)
 
-    rows = [row("buffered", 1, 900), row("buffered", 4, 2000), row("buffered", 8, 2100),
-            row("direct", 1, 1300), row("direct", 2, 1900), row("direct", 4, 1950)]
+    rows = [
+        row("buffered", 1, 900),
+        row("buffered", 4, 2000),
+        row("buffered", 8, 2100),
+        row("direct", 1, 1300),
+        row("direct", 2, 1900),
+        row("direct", 4, 1950),
+    ]
     rec = probe.recommend(rows, 2 << 20)
     assert rec["direct"] and rec["io_threads"] == 2
     rows = [row("buffered", 4, 3000), row("direct", 4, 1000)]
@@ -92,8 +98,23 @@ def test_probe_cli(small_file, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_analysis_commands(parser.add_subparsers(dest="command", required=True))
     out = tmp_path / "probe.json"
-    args = parser.parse_args(["probe", "--file", small_file, "--inflight", "1", "--reads-per-row", "4",
-                              "--seconds-per-row", "0.5", "--buffered-only", "--json", "-o", str(out)])
+    args = parser.parse_args(
+        [
+            "probe",
+            "--file",
+            small_file,
+            "--inflight",
+            "1",
+            "--reads-per-row",
+            "4",
+            "--seconds-per-row",
+            "0.5",
+            "--buffered-only",
+            "--json",
+            "-o",
+            str(out),
+        ]
+    )
     assert args.func(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["representative"] is False and json.loads(out.read_text()) == doc

@@ -41,9 +41,7 @@ def test_dequantize_rows(ggml_type):
     full = quants.dequantize(raw, ggml_type, (n_rows, n_cols))
     rows = np.array([3, 0, 39, 3, 17])
     np.testing.assert_array_equal(quants.dequantize_rows(raw, ggml_type, n_cols, rows), full[rows])
-    np.testing.assert_array_equal(
-        quants.dequantize_rows(memoryview(raw.tobytes()), ggml_type, n_cols, [5]), full[[5]]
-    )
+    np.testing.assert_array_equal(quants.dequantize_rows(memoryview(raw.tobytes()), ggml_type, n_cols, [5]), full[[5]])
     assert quants.dequantize_rows(raw, ggml_type, n_cols, []).shape == (0, n_cols)
     with pytest.raises(IndexError):
         quants.dequantize_rows(raw, ggml_type, n_cols, [n_rows])

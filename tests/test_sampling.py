@@ -79,9 +79,7 @@ def test_top_p_example() -> None:
     top_k=st.integers(0, 14),
     temperature=st.floats(0.3, 3.0),
 )
-def test_filtered_distribution_properties(
-    logits: list[float], top_p: float, top_k: int, temperature: float
-) -> None:
+def test_filtered_distribution_properties(logits: list[float], top_p: float, top_k: int, temperature: float) -> None:
     x = torch.tensor(logits)
     s = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=0)
     probs = s.probs(x)

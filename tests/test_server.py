@@ -198,9 +198,7 @@ def _stream_chat(client: openai.OpenAI, **kw: Any) -> tuple[str, str | None, Any
 
 
 def _stream_completion(client: openai.OpenAI, **kw: Any) -> str:
-    return "".join(
-        c.choices[0].text for c in client.completions.create(model=MODEL, stream=True, **kw) if c.choices
-    )
+    return "".join(c.choices[0].text for c in client.completions.create(model=MODEL, stream=True, **kw) if c.choices)
 
 
 # ------------------------------------------------------------------------------- the real server
@@ -291,9 +289,7 @@ def test_tool_round_trip(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
         },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
     ]
-    r = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, max_tokens=4, temperature=0
-    )
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
     # the server rendered exactly what the template makes of tools, the call and its result
     text = render_chat(
@@ -330,14 +326,10 @@ def test_metrics(server: str, client: openai.OpenAI) -> None:
 
 def test_malformed_requests(server: str) -> None:
     ok = {"model": MODEL, "messages": _chat("hi"), "max_tokens": 1}
-    _assert_error(
-        *_post(server, "/v1/chat/completions", b'{"model": "tiny", "messages": ['), 400, code="invalid_json"
-    )
+    _assert_error(*_post(server, "/v1/chat/completions", b'{"model": "tiny", "messages": ['), 400, code="invalid_json")
     _assert_error(*_post(server, "/v1/chat/completions", b"\xff\xfe"), 400, code="invalid_json")
     _assert_error(*_post(server, "/v1/chat/completions", [1, 2]), 400)
-    _assert_error(
-        *_post(server, "/v1/chat/completions", {**ok, "temperature": "hot"}), 400, param="temperature"
-    )
+    _assert_error(*_post(server, "/v1/chat/completions", {**ok, "temperature": "hot"}), 400, param="temperature")
     _assert_error(*_post(server, "/v1/chat/completions", {**ok, "max_tokens": "10"}), 400, param="max_tokens")
     _assert_error(*_post(server, "/v1/chat/completions", {**ok, "messages": "hi"}), 400, param="messages")
     _assert_error(
@@ -362,9 +354,7 @@ def test_unknown_model(server: str, client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=_chat("hi"), max_tokens=1)
     assert e.value.code == "model_not_found" and e.value.param == "model"
-    _assert_error(
-        *_post(server, "/v1/completions", {"model": "nope", "prompt": "a"}), 404, code="model_not_found"
-    )
+    _assert_error(*_post(server, "/v1/completions", {"model": "nope", "prompt": "a"}), 404, code="model_not_found")
     status, _, body = _get(server, "/v1/models/nope")
     _assert_error(status, json.loads(body), 404)
 
@@ -427,9 +417,7 @@ def test_concurrent_streams_match_alone(client: openai.OpenAI) -> None:
 def _open_stream(server: str, path: str, body: dict[str, Any]) -> tuple[http.client.HTTPConnection, Any]:
     u = urlsplit(server)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    conn.request(
-        "POST", path, body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"}
-    )
+    conn.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"})
     r = conn.getresponse()
     assert r.status == 200
     return conn, r
@@ -539,9 +527,7 @@ def test_parse_tool_calls() -> None:
     ]
     assert len({c.id for c in calls}) == 2
     assert (
-        parse_tool_calls("<tool_call>\n" + '{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>')[1][
-            0
-        ].arguments
+        parse_tool_calls("<tool_call>\n" + '{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>')[1][0].arguments
         == '{"a": 1}'
     )
     # no calls: the text comes back exactly, whitespace and all
@@ -706,9 +692,7 @@ def test_many_queued_requests(client: openai.OpenAI) -> None:
     threads = [
         threading.Thread(
             target=lambda: out.append(
-                client.completions.create(
-                    model=MODEL, prompt="Hi", max_tokens=4, temperature=0
-                ).usage.completion_tokens
+                client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0).usage.completion_tokens
             )
         )
         for _ in range(10)

@@ -132,9 +132,7 @@ def test_shared_expert_tensors(tmp_path, monkeypatch):
     monkeypatch.setitem(SHAPES, "tiny-shared", replace(SHAPES["tiny"], shared_ffn=512, n_layers=2))
     f = GGUFFile(write_synth("tiny-shared", "Q8_0", tmp_path / "sh.gguf", progress=False))
     s = SHAPES["tiny-shared"]
-    assert {n: t.shape for n, t in f.tensors.items()} == _expected_shapes(
-        s, len(f.metadata["tokenizer.ggml.tokens"])
-    )
+    assert {n: t.shape for n, t in f.tensors.items()} == _expected_shapes(s, len(f.metadata["tokenizer.ggml.tokens"]))
     assert f.metadata["qwen3moe.expert_shared_feed_forward_length"] == 512
     assert f.tensors["blk.1.ffn_down_shexp.weight"].ggml_type == T.Q8_0
 
@@ -194,9 +192,7 @@ def test_writer_layout_with_odd_sizes(tmp_path, where):
         pytest.skip("no tmpfs")
     d = tmp_path if where == "tmp" else tempfile.mkdtemp(dir="/dev/shm")
     rng = np.random.default_rng(0)
-    arrays = {
-        f"t{i}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate([1, 7, 3000, 1 << 20, 5])
-    }
+    arrays = {f"t{i}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate([1, 7, 3000, 1 << 20, 5])}
     path = os.path.join(d, "odd.gguf")
     size = write_gguf(
         path,

@@ -70,11 +70,7 @@ def hf_reference(md: dict[str, Any], cls: type = Qwen2Tokenizer):
     merges = [tuple(m.split(" ")) for m in md["tokenizer.ggml.merges"]]
     ref = cls(vocab=vocab, merges=merges)
     ref.add_tokens(
-        [
-            AddedToken(t, special=True, normalized=False)
-            for t, k in zip(tokens, types, strict=True)
-            if k == CONTROL
-        ]
+        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True) if k == CONTROL]
     )
     ref.add_tokens(
         [
@@ -86,9 +82,7 @@ def hf_reference(md: dict[str, Any], cls: type = Qwen2Tokenizer):
     return ref
 
 
-def python_bpe(
-    text: str, md: dict[str, Any], split: str, nfc: bool, ignore_merges: bool = False
-) -> list[int]:
+def python_bpe(text: str, md: dict[str, Any], split: str, nfc: bool, ignore_merges: bool = False) -> list[int]:
     """From-scratch byte-level BPE (the `regex` module + rank-ordered merges), independent of `tokenizers`."""
     tokens, types = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"]
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -165,9 +159,7 @@ def test_from_gguf_file_matches_transformers(tmp_path: Path, md: dict[str, Any],
 
 
 @pytest.mark.parametrize("text", SAMPLES)
-def test_encode_matches_transformers_and_python_bpe(
-    tok: Tokenizer, ref, md: dict[str, Any], text: str
-) -> None:
+def test_encode_matches_transformers_and_python_bpe(tok: Tokenizer, ref, md: dict[str, Any], text: str) -> None:
     ids = tok.encode(text)
     assert ids == ref.encode(text, add_special_tokens=False)
     assert ids == python_bpe(text, md, QWEN2_SPLIT, nfc=True)

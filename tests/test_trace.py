@@ -20,8 +20,7 @@ from moestream.trace import (
 
 def test_roundtrip_rows_and_meta(tmp_path):
     path = tmp_path / "t.csv"
-    meta = {"model": "m.gguf", "n_slots": 1936, "policy": "lru", "admit_prompt": False,
-            "expert_bytes": 2654208}
+    meta = {"model": "m.gguf", "n_slots": 1936, "policy": "lru", "admit_prompt": False, "expert_bytes": 2654208}
     with TraceWriter(path, meta, flush_rows=3) as w:  # several flushes
         w.record(0, "prompt", 1, 0, 5, 0, "disk", 2654208, 0.0018344)
         w.record(0, "prompt", 1, 0, 9, 1, "ram", 0, 0.0)

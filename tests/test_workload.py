@@ -12,8 +12,14 @@ from moestream.workload import format_report, workload_stats
 
 def _write(path, decode_tokens, prompt=(), meta=None, hits=frozenset()):
     """decode_tokens: per token, per layer, the expert ids; hits: (token, layer, expert) served from RAM."""
-    meta = {"layers": len(decode_tokens[0]), "experts": 8, "top_k": len(decode_tokens[0][0]),
-            "expert_bytes": 1000, "n_slots": 4, "model": "toy"} | (meta or {})
+    meta = {
+        "layers": len(decode_tokens[0]),
+        "experts": 8,
+        "top_k": len(decode_tokens[0][0]),
+        "expert_bytes": 1000,
+        "n_slots": 4,
+        "model": "toy",
+    } | (meta or {})
     step = 0
     with TraceWriter(path, meta) as w:
         for layers in prompt:
@@ -26,8 +32,17 @@ def _write(path, decode_tokens, prompt=(), meta=None, hits=frozenset()):
             for layer, ids in enumerate(layers):
                 for rank, e in enumerate(ids):
                     hit = (t, layer, e) in hits
-                    w.record(100 + t, "decode", step, layer, e, rank, "ram" if hit else "disk",
-                             0 if hit else 1000, 0.0 if hit else 0.001)
+                    w.record(
+                        100 + t,
+                        "decode",
+                        step,
+                        layer,
+                        e,
+                        rank,
+                        "ram" if hit else "disk",
+                        0 if hit else 1000,
+                        0.0 if hit else 0.001,
+                    )
     return read_trace(path)
 
 

@@ -16,7 +16,9 @@ Expert = tuple[QLinear, QLinear, QLinear]  # gate, up, down
 class ExpertProvider(Protocol):
     """What a model sees of the streaming machinery: ask for experts of a layer, receive weights."""
 
-    def fetch(self, layer: int, ids: list[int], admit: bool = True) -> Iterator[tuple[int, Expert]]: ...
+    def fetch_groups(self, layer: int, ids: list[int], admit: bool = True) -> Iterator[list[tuple[int, Expert]]]:
+        """Every id's (expert id, weights), in groups as they become available (see ExpertCache)."""
+        ...
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

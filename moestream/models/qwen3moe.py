@@ -142,27 +142,38 @@ def run_experts(
     """sum_k w_k * expert_k(x) for each token, experts taken in whatever order the provider delivers them.
 
     Results are summed in a fixed order (by expert id) once all are in, so the output does not depend on
-    which experts were cached: streaming must never change the result. Activations stay in the experts'
-    compute dtype (bf16 for quantized experts) between the three matmuls: no conversions in the hot loop.
+    which experts were cached: streaming must never change the result. Each group the provider hands over
+    (the cached experts, then misses as their reads complete) runs as one native call when the experts are in
+    the lane form; otherwise expert by expert, activations kept in the experts' compute dtype.
     """
     T = x.shape[0]
     if T == 1:
         id_list = ids[0].tolist()
         order = {e: i for i, e in enumerate(sorted(id_list))}
         w_sorted = weights[0][torch.argsort(ids[0])]
-        outs: list[torch.Tensor | None] = [None] * len(id_list)
-        xc: torch.Tensor | None = None
-        for e, expert in experts.fetch(layer, id_list):
-            if xc is None or xc.dtype != expert[0].dtype:
-                xc = x.to(expert[0].dtype)
-            outs[order[e]] = swiglu(expert, xc).float()
-        return (torch.cat(outs) * w_sorted[:, None]).sum(0, keepdim=True)  # type: ignore[arg-type]
+        outs = torch.empty(len(id_list), x.shape[1])
+        for group in experts.fetch_groups(layer, id_list):
+            if all(linear.lane_swiglu_ok(w) for _, w in group):
+                y = linear.lane_swiglu([w for _, w in group], x.expand(len(group), -1), [1] * len(group))
+                for i, (e, _) in enumerate(group):
+                    outs[order[e]] = y[i]
+                continue
+            for e, expert in group:
+                outs[order[e]] = swiglu(expert, x.to(expert[0].dtype))[0].float()
+        return (outs * w_sorted[:, None]).sum(0, keepdim=True)
     needed = torch.unique(ids).tolist()
     partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for e, expert in experts.fetch(layer, needed):
-        rows, slot = (ids == e).nonzero(as_tuple=True)
-        xe = x[rows].to(expert[0].dtype)
-        partial[e] = (rows, swiglu(expert, xe).float() * weights[rows, slot, None])
+    for group in experts.fetch_groups(layer, needed):
+        sel = [(e, w, *(ids == e).nonzero(as_tuple=True)) for e, w in group]
+        if all(linear.lane_swiglu_ok(w) for _, w in group):
+            y = linear.lane_swiglu([w for _, w, _, _ in sel], x[torch.cat([r for _, _, r, _ in sel])],
+                                   [len(r) for _, _, r, _ in sel])  # fmt: skip
+            for (e, _, rows, slot), ye in zip(sel, y.split([len(r) for _, _, r, _ in sel])):
+                partial[e] = (rows, ye * weights[rows, slot, None])
+            continue
+        for e, expert, rows, slot in sel:
+            xe = x[rows].to(expert[0].dtype)
+            partial[e] = (rows, swiglu(expert, xe).float() * weights[rows, slot, None])
     out = torch.zeros_like(x)
     for e in sorted(partial):
         rows, y = partial[e]

@@ -28,9 +28,9 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("pack.c")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("pack.c", "qmm.c"))
 ABI_VERSION = 1
-BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing")
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing")
 # tried in order: a CPU-tuned build, then a generic one (some compilers reject -march=native)
 FLAG_SETS = (("-march=native",), ())
 
@@ -38,6 +38,7 @@ _lock = threading.RLock()  # int4_layout_ok() holds it while calling lib()
 _libs: dict[tuple[str, ...], ctypes.CDLL | None] = {}
 _warned = False
 _int4_ok: bool | None = None
+_lane_ok: bool | None = None
 
 
 def cache_dir() -> Path:
@@ -63,11 +64,9 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> Path:
-    src = SOURCE.read_bytes()
+    src = b"\0".join(p.read_bytes() for p in SOURCES)
     key = hashlib.sha256(
-        b"\0".join(
-            [src, " ".join(flags).encode(), cc.encode(), _cpu_fingerprint().encode(), sys.platform.encode()]
-        )
+        b"\0".join([src, " ".join(flags).encode(), cc.encode(), _cpu_fingerprint().encode(), sys.platform.encode()])
     ).hexdigest()[:20]
     target = out_dir / f"moestream_pack_{key}.so"
     if target.exists():
@@ -77,7 +76,7 @@ def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=out_dir)
     os.close(fd)
     try:
-        cmd = [cc, *flags, "-o", tmp, str(SOURCE)]
+        cmd = [cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
@@ -100,6 +99,24 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_abi_version.restype = c_int
     lib.ms_has_simd.argtypes = []
     lib.ms_has_simd.restype = c_int
+    lib.ms_lane_supported.argtypes = []
+    lib.ms_lane_supported.restype = c_int
+    lib.ms_lane_row_bytes.argtypes = [c_int, i64]
+    lib.ms_lane_row_bytes.restype = i64
+    lib.ms_lane_pack.argtypes = [c_int, vp, i64, i64, vp]
+    lib.ms_lane_pack.restype = c_int
+    lib.ms_lane_unpack.argtypes = [c_int, vp, i64, i64, vp]
+    lib.ms_lane_unpack.restype = c_int
+    lib.ms_set_threads.argtypes = [c_int]
+    lib.ms_set_threads.restype = c_int
+    lib.ms_qmm.argtypes = [c_int, vp, i64, i64, vp, i64, i64, vp, i64]
+    lib.ms_qmm.restype = c_int
+    lib.ms_qmm_scratch_bytes.argtypes = [i64, i64]
+    lib.ms_qmm_scratch_bytes.restype = i64
+    lib.ms_moe_scratch_bytes.argtypes = [i64, i64, i64]
+    lib.ms_moe_scratch_bytes.restype = i64
+    lib.ms_moe_ffn.argtypes = [c_int, vp, vp, vp, vp, i64, i64, vp, vp, vp]
+    lib.ms_moe_ffn.restype = c_int
 
 
 def _load(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
@@ -153,6 +170,24 @@ def lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
             )
         _libs[key] = result
         return result
+
+
+def lane_ok() -> bool:
+    """True when the lane-layout VNNI kernels (qmm.c) run here; MOESTREAM_NO_LANE=1 turns them off (A/B)."""
+    global _lane_ok
+    library = lib()
+    if library is None:
+        return False
+    if _lane_ok is None:
+        off = os.environ.get("MOESTREAM_NO_LANE", "") not in ("", "0")
+        _lane_ok = not off and bool(library.ms_lane_supported())
+    return _lane_ok
+
+
+def set_threads(n: int) -> int:
+    """Threads the native kernels use (the caller plus n - 1 pool workers); returns the count in effect."""
+    library = lib()
+    return library.ms_set_threads(max(1, n)) if library is not None else 1
 
 
 def _ptr(a: np.ndarray) -> int:

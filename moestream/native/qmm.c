@@ -1,0 +1,782 @@
+/* moestream quantized matmul: y = x @ W.T with W kept at 4 or 8 bits, x quantized to int8 per 32 values.
+ *
+ * Weights are held in a "lane" layout made from GGUF Q4_0 / Q4_K / Q8_0 blocks by a cheap reshuffle
+ * (ms_lane_pack, about a memcpy's cost, so it can sit on the cache-miss path):
+ *
+ *   A row is cut into groups of 16 sub-blocks of 32 weights (the last group of a row may hold 8).
+ *   In a group, int32 lane j of every 64-byte vector belongs to sub-block j, so one VNNI dot product
+ *   (vpdpbusd, 4 u8 x s8 products per lane) advances all 16 sub-blocks by 4 weights, and after 8 of them
+ *   each lane holds the whole integer dot product of its sub-block: one convert and one fused multiply-add
+ *   with the lane's scale per 512 weights, instead of a scale step per block.
+ *
+ *   4-bit chunk c (0..3), lane j, byte t: low nibble = weight 4c+t of sub-block j, high = weight 16+4c+t
+ *   (exactly the byte qs[4c+t] of a Q4_0 block, so Q4_0 packs by moving dwords).
+ *   8-bit step s = 2h+... see x_step(): step s holds weights 16*(s&1) + 4*(s>>1) + t, stored as u8 (w ^ 0x80).
+ *
+ *   per group of L lanes:
+ *     Q4_0: nibbles [4][L][4] | d f16 [L]                                   18 L bytes (as GGUF)
+ *     Q4_K: nibbles [4][L][4] | sc u8 [L] | m u8 [L] | d f16 [L/8] | dmin f16 [L/8]   18.5 L bytes
+ *     Q8_0: bytes   [8][L][4] | d f16 [L]                                   34 L bytes (as GGUF)
+ *
+ *   Q4_0 weight = d (q - 8); Q4_K weight = d sc q - dmin m; Q8_0 weight = d q.
+ *
+ * Activations: each row of x is quantized to int8 with one scale per 32 values (like llama.cpp's q8_0)
+ * and laid out in the same step order, with the per-sub-block sums the offsets need.
+ *
+ * Work is spread over a small pool of pthreads (ms_set_threads); the calling thread works too. Workers spin
+ * briefly between calls (a decode step issues several back to back), then sleep on a futex.
+ */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && !defined(MS_SCALAR)
+#include <immintrin.h>
+#define MS_VNNI 1
+#endif
+
+/* Software prefetch into L2, 16 KiB ahead: with only the hardware prefetcher a core streamed weights from RAM
+ * at about half the rate it computes them (16 vs 32 G weights/s measured on the 2-core EPYC). */
+#define PF_DIST 16384
+#define PF_HINT _MM_HINT_T1
+
+enum { QT_Q4_0 = 2, QT_Q8_0 = 8, QT_Q4_K = 12 };
+enum { QM_OK = 0, QM_BAD_TYPE = -1, QM_BAD_SHAPE = -2, QM_NO_SIMD = -3, QM_NO_MEM = -4 };
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* layout sizes */
+
+static int64_t lane_bytes(int type) { /* bytes per lane (sub-block of 32) x2 for Q4_K's halves */
+    switch (type) {
+    case QT_Q4_0: return 36;  /* 18 per lane, counted x2 */
+    case QT_Q4_K: return 37;  /* 18.5 per lane */
+    case QT_Q8_0: return 68;
+    default: return -1;
+    }
+}
+
+int64_t ms_lane_row_bytes(int type, int64_t k) {
+    if (lane_bytes(type) < 0) return QM_BAD_TYPE;
+    if (k % 256) return QM_BAD_SHAPE;
+    return lane_bytes(type) * (k / 32) / 2;
+}
+
+int ms_lane_supported(void) {
+#ifdef MS_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else {
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+static inline void k_scale_min(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = q[j] & 63;
+        mn[j] = q[j + 4] & 63;
+    }
+    for (int j = 4; j < 8; j++) {
+        sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* packing GGUF rows into the lane layout (plain C: the compiler vectorizes the byte loops) */
+
+/* 16 Q4_0-style bytes of one sub-block (byte i: weight i low, weight i+16 high) -> its lane in 4 chunks */
+static inline void put_nibble_lane(const uint8_t qs[16], uint8_t *nib, int L, int j) {
+    for (int c = 0; c < 4; c++) memcpy(nib + (c * L + j) * 4, qs + 4 * c, 4);
+}
+
+static void pack_row_q4_0(const uint8_t *src, int64_t k, uint8_t *dst) {
+    int64_t nsub = k / 32;
+    for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
+        int L = nsub - s0 >= 16 ? 16 : 8;
+        uint8_t *nib = dst, *d = dst + 16 * L;
+        for (int j = 0; j < L; j++) {
+            const uint8_t *b = src + (s0 + j) * 18;
+            put_nibble_lane(b + 2, nib, L, j);
+            memcpy(d + 2 * j, b, 2);
+        }
+        dst += 18 * L;
+    }
+}
+
+static void pack_row_q8_0(const uint8_t *src, int64_t k, uint8_t *dst) {
+    int64_t nsub = k / 32;
+    for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
+        int L = nsub - s0 >= 16 ? 16 : 8;
+        uint8_t *w = dst, *d = dst + 32 * L;
+        for (int j = 0; j < L; j++) {
+            const uint8_t *b = src + (s0 + j) * 34;
+            for (int s = 0; s < 8; s++) {
+                const uint8_t *q = b + 2 + 16 * (s & 1) + 4 * (s >> 1);
+                uint8_t *o = w + (s * L + j) * 4;
+                for (int t = 0; t < 4; t++) o[t] = q[t] ^ 0x80;
+            }
+            memcpy(d + 2 * j, b, 2);
+        }
+        dst += 34 * L;
+    }
+}
+
+static void pack_row_q4_k(const uint8_t *src, int64_t k, uint8_t *dst) {
+    int64_t nsup = k / 256;
+    for (int64_t b0 = 0; b0 < nsup; b0 += 2) {
+        int nb = nsup - b0 >= 2 ? 2 : 1, L = 8 * nb;
+        uint8_t *nib = dst, *sc = dst + 16 * L, *mn = sc + L, *dd = mn + L, *dm = dd + 2 * nb;
+        for (int bi = 0; bi < nb; bi++) {
+            const uint8_t *b = src + (b0 + bi) * 144;
+            k_scale_min(b + 4, sc + 8 * bi, mn + 8 * bi);
+            memcpy(dd + 2 * bi, b, 2);
+            memcpy(dm + 2 * bi, b + 2, 2);
+            const uint8_t *q = b + 16;
+            for (int p = 0; p < 4; p++) { /* q[32p..32p+32): sub 2p in low nibbles, 2p+1 in high */
+                uint8_t lo[16], hi[16];
+                const uint8_t *a = q + 32 * p;
+                for (int i = 0; i < 16; i++) {
+                    lo[i] = (a[i] & 0xF) | (uint8_t)((a[i + 16] & 0xF) << 4);
+                    hi[i] = (a[i] >> 4) | (uint8_t)(a[i + 16] & 0xF0);
+                }
+                put_nibble_lane(lo, nib, L, 8 * bi + 2 * p);
+                put_nibble_lane(hi, nib, L, 8 * bi + 2 * p + 1);
+            }
+        }
+        dst += 16 * L + 2 * L + 4 * nb;
+    }
+}
+
+static const int64_t gguf_block_bytes[] = {[QT_Q4_0] = 18, [QT_Q8_0] = 34, [QT_Q4_K] = 144};
+static const int64_t gguf_block_elems[] = {[QT_Q4_0] = 32, [QT_Q8_0] = 32, [QT_Q4_K] = 256};
+
+/* rows [0, n) of a GGUF [n, k] tensor -> the lane layout at dst (ms_lane_row_bytes(type, k) per row) */
+int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
+    int64_t rb = ms_lane_row_bytes(type, k);
+    if (rb < 0) return (int)rb;
+    int64_t sb = k / gguf_block_elems[type] * gguf_block_bytes[type];
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *s = src + r * sb;
+        uint8_t *d = dst + r * rb;
+        if (type == QT_Q4_0) pack_row_q4_0(s, k, d);
+        else if (type == QT_Q8_0) pack_row_q8_0(s, k, d);
+        else pack_row_q4_k(s, k, d);
+    }
+    return QM_OK;
+}
+
+/* The float weights of the lane layout, row by row (tests and the bf16 expansion for long prompts). */
+int ms_lane_unpack(int type, const uint8_t *w, int64_t n, int64_t k, float *out) {
+    int64_t rb = ms_lane_row_bytes(type, k);
+    if (rb < 0) return (int)rb;
+    int64_t nsub = k / 32;
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *g = w + r * rb;
+        float *y = out + r * k;
+        for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
+            int L = nsub - s0 >= 16 ? 16 : 8;
+            for (int j = 0; j < L; j++) {
+                float *o = y + (s0 + j) * 32;
+                for (int s = 0; s < 8; s++)
+                    for (int t = 0; t < 4; t++) {
+                        int i = 16 * (s & 1) + 4 * (s >> 1) + t;
+                        float v;
+                        if (type == QT_Q8_0) {
+                            v = (float)(int8_t)(g[(s * L + j) * 4 + t] ^ 0x80) * h2f(rd16(g + 32 * L + 2 * j));
+                        } else {
+                            uint8_t byte = g[((s >> 1) * L + j) * 4 + t];
+                            int q = (s & 1) ? byte >> 4 : byte & 0xF;
+                            if (type == QT_Q4_0) v = (float)(q - 8) * h2f(rd16(g + 16 * L + 2 * j));
+                            else {
+                                const uint8_t *sc = g + 16 * L, *mn = sc + L, *dd = mn + L, *dm = dd + 2 * (L / 8);
+                                float d = h2f(rd16(dd + 2 * (j / 8))), dmin = h2f(rd16(dm + 2 * (j / 8)));
+                                v = d * (float)sc[j] * (float)q - dmin * (float)mn[j];
+                            }
+                        }
+                        o[i] = v;
+                    }
+            }
+            g += type == QT_Q8_0 ? 34 * L : type == QT_Q4_0 ? 18 * L : 18 * L + L / 2;
+        }
+    }
+    return QM_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* thread pool */
+
+#define MAX_THREADS 64
+typedef void (*task_fn)(void *ctx, int64_t task);
+
+static struct {
+    int n;                      /* workers (not counting the caller) */
+    pthread_t th[MAX_THREADS];
+    _Atomic uint32_t gen;       /* bumped per dispatch; workers futex-wait on it */
+    _Atomic int64_t next;       /* next task index to claim */
+    _Atomic int active;         /* workers still inside the current dispatch */
+    _Atomic int sleepers;
+    task_fn fn;
+    void *ctx;
+    int64_t ntasks;
+    pthread_mutex_t mu;         /* one dispatch at a time (callers from several Python threads) */
+} P = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static inline double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+}
+
+#define SPIN_S 200e-6 /* how long an idle worker spins before sleeping */
+
+static void run_tasks(void) {
+    int64_t t;
+    while ((t = atomic_fetch_add_explicit(&P.next, 1, memory_order_relaxed)) < P.ntasks) P.fn(P.ctx, t);
+}
+
+static void *worker(void *arg) {
+    uint32_t seen = (uint32_t)(uintptr_t)arg; /* the generation when it was created: never miss a dispatch */
+    for (;;) {
+        uint32_t g;
+        double t0 = 0;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&P.gen, memory_order_acquire)) == seen) {
+            if (++spins < 64) { cpu_relax(); continue; }
+            spins = 0;
+            if (t0 == 0) t0 = now_s();
+            else if (now_s() - t0 > SPIN_S) {
+                atomic_fetch_add(&P.sleepers, 1);
+                syscall(SYS_futex, &P.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+                atomic_fetch_sub(&P.sleepers, 1);
+                t0 = 0;
+            }
+        }
+        seen = g;
+        run_tasks();
+        atomic_fetch_sub_explicit(&P.active, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+/* Use `n` threads in all (the caller plus n - 1 workers). Threads are only ever added. */
+int ms_set_threads(int n) {
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    pthread_mutex_lock(&P.mu);
+    while (P.n < n - 1) {
+        void *gen = (void *)(uintptr_t)atomic_load(&P.gen);
+        if (pthread_create(&P.th[P.n], NULL, worker, gen) != 0) break;
+        pthread_detach(P.th[P.n]);
+        P.n++;
+    }
+    pthread_mutex_unlock(&P.mu);
+    return P.n + 1;
+}
+
+static void dispatch(task_fn fn, void *ctx, int64_t ntasks) {
+    if (P.n == 0 || ntasks == 1) {
+        for (int64_t t = 0; t < ntasks; t++) fn(ctx, t);
+        return;
+    }
+    pthread_mutex_lock(&P.mu);
+    P.fn = fn;
+    P.ctx = ctx;
+    P.ntasks = ntasks;
+    atomic_store_explicit(&P.next, 0, memory_order_relaxed);
+    atomic_store_explicit(&P.active, P.n, memory_order_relaxed);
+    atomic_fetch_add_explicit(&P.gen, 1, memory_order_release);
+    if (atomic_load(&P.sleepers)) syscall(SYS_futex, &P.gen, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+    run_tasks();
+    int spins = 0;
+    while (atomic_load_explicit(&P.active, memory_order_acquire) > 0) {
+        if (++spins < 4096) cpu_relax();
+        else sched_yield(); /* a worker was descheduled: let it run */
+    }
+    pthread_mutex_unlock(&P.mu);
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* activations */
+
+typedef struct {
+    int8_t *q;    /* [M][K] in step order per group */
+    float *dx;    /* [M][K/32] lane scales */
+    float *dxsx;  /* [M][K/32] dx * sum(q) (Q4_K mins) */
+    int32_t *n8sx;/* [M][K/32] -8 * sum(q) (Q4_0 offset; x16 for Q8_0) */
+} xprep;
+
+static size_t xprep_bytes(int64_t m, int64_t k) { return (size_t)(m * k + 3 * 4 * m * (k / 32) + 64); }
+
+static void xprep_bind(xprep *x, void *mem, int64_t m, int64_t k) {
+    uint8_t *p = mem;
+    int64_t ns = m * (k / 32);
+    x->dx = (float *)p;
+    x->dxsx = x->dx + ns;
+    x->n8sx = (int32_t *)(x->dxsx + ns);
+    x->q = (int8_t *)(x->n8sx + ns);
+}
+
+/* one row of x (K floats) -> int8 in lane step order */
+#ifdef MS_VNNI
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float *dxsx, int32_t *n8sx) {
+    int64_t nsub = k / 32;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
+        int L = nsub - s0 >= 16 ? 16 : 8;
+        for (int j = 0; j < L; j++) {
+            const float *v = x + (s0 + j) * 32;
+            __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+            float d = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
+            __m512 idv = _mm512_set1_ps(id);
+            __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+            int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+            __m128i lo = _mm512_cvtepi32_epi8(i0), hi = _mm512_cvtepi32_epi8(i1);
+            int32_t *o = (int32_t *)q;
+            o[0 * L + j] = _mm_extract_epi32(lo, 0);
+            o[1 * L + j] = _mm_extract_epi32(hi, 0);
+            o[2 * L + j] = _mm_extract_epi32(lo, 1);
+            o[3 * L + j] = _mm_extract_epi32(hi, 1);
+            o[4 * L + j] = _mm_extract_epi32(lo, 2);
+            o[5 * L + j] = _mm_extract_epi32(hi, 2);
+            o[6 * L + j] = _mm_extract_epi32(lo, 3);
+            o[7 * L + j] = _mm_extract_epi32(hi, 3);
+            dx[s0 + j] = d;
+            dxsx[s0 + j] = d * (float)sum;
+            n8sx[s0 + j] = -8 * sum;
+        }
+        q += 32 * L;
+    }
+}
+#else
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float *dxsx, int32_t *n8sx) {
+    int64_t nsub = k / 32;
+    for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
+        int L = nsub - s0 >= 16 ? 16 : 8;
+        for (int j = 0; j < L; j++) {
+            const float *v = x + (s0 + j) * 32;
+            float amax = 0;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+            float d = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
+            int sum = 0;
+            int8_t qq[32];
+            for (int i = 0; i < 32; i++) {
+                int r = (int)lrintf(v[i] * id);
+                qq[i] = (int8_t)r;
+                sum += r;
+            }
+            for (int s = 0; s < 8; s++) memcpy(q + (s * L + j) * 4, qq + 16 * (s & 1) + 4 * (s >> 1), 4);
+            dx[s0 + j] = d;
+            dxsx[s0 + j] = d * (float)sum;
+            n8sx[s0 + j] = -8 * sum;
+        }
+        q += 32 * L;
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* the dot products */
+
+typedef struct {
+    int type;
+    const uint8_t *w;   /* lane layout, [N] rows of ms_lane_row_bytes */
+    int64_t n, k;
+    const xprep *x;     /* M rows prepared */
+    int64_t m;
+    float *y;           /* y[i * ldy + r] */
+    int64_t ldy;
+} qmm_job;
+
+#define MT 4 /* tokens per register tile */
+
+#ifdef MS_VNNI
+static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+static void qmm_rows(const qmm_job *J, int64_t r0, int64_t r1);
+
+/* One token, two rows at a time: the activation loads are shared and the two rows' dot products are
+ * independent chains (decode is this case: its speed is the speed of the engine). `T` is a constant at
+ * every call site, so each type gets its own copy of the loop. */
+static inline __attribute__((always_inline)) void group_scales(int T, const uint8_t *g, int L, __mmask16 mf,
+                                                               __m512 *scale, __m512 *mins) {
+    if (T == QT_Q8_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 32 * L));
+    else if (T == QT_Q4_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 16 * L));
+    else {
+        const uint8_t *sc = g + 16 * L, *mn = sc + L, *dd = mn + L, *dm = dd + L / 4;
+        __m512 dv, mv;
+        if (L == 16) {
+            __m512 d2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(*(const int32_t *)dd)));
+            __m512 m2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(*(const int32_t *)dm)));
+            const __m512i sel = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+            dv = _mm512_permutexvar_ps(sel, d2);
+            mv = _mm512_permutexvar_ps(sel, m2);
+        } else {
+            dv = _mm512_set1_ps(h2f(rd16(dd)));
+            mv = _mm512_set1_ps(h2f(rd16(dm)));
+        }
+        *scale = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, sc))));
+        *mins = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, mn))));
+    }
+}
+
+static inline int64_t group_bytes(int T, int L) { return T == QT_Q8_0 ? 34 * L : T == QT_Q4_0 ? 18 * L : 18 * L + L / 2; }
+
+#define LDB(L, p) ((L) == 16 ? _mm512_loadu_si512((const void *)(p)) : _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(p))))
+#define LDF(L, p) ((L) == 16 ? _mm512_loadu_ps(p) : _mm512_zextps256_ps512(_mm256_loadu_ps(p)))
+#define LDI(L, p) ((L) == 16 ? _mm512_loadu_si512((const void *)(p)) : _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(p))))
+
+/* One group (L = 16 or 8 lanes, a constant) of two rows against one token. */
+static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const uint8_t *ga, const uint8_t *gb,
+                                                             const int8_t *xq, const xprep *x, int64_t s0,
+                                                             __m512 *acca, __m512 *accb) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __mmask16 mf = L == 16 ? 0xFFFF : 0x00FF;
+    const int cb = 4 * L;
+    for (int64_t o = 0; o < group_bytes(T, L); o += 64) {
+        _mm_prefetch((const char *)ga + PF_DIST + o, PF_HINT);
+        _mm_prefetch((const char *)gb + PF_DIST + o, PF_HINT);
+    }
+    __m512i a0, a1, b0, b1;
+    if (T == QT_Q4_K) {
+        a0 = b0 = _mm512_setzero_si512();
+    } else {
+        a0 = LDI(L, x->n8sx + s0);
+        if (T == QT_Q8_0) a0 = _mm512_slli_epi32(a0, 4);
+        b0 = a0;
+    }
+    a1 = b1 = _mm512_setzero_si512();
+    if (T == QT_Q8_0) {
+        for (int s = 0; s < 8; s += 2) {
+            __m512i xl = LDB(L, xq + s * cb), xh = LDB(L, xq + (s + 1) * cb);
+            a0 = _mm512_dpbusd_epi32(a0, LDB(L, ga + s * cb), xl);
+            a1 = _mm512_dpbusd_epi32(a1, LDB(L, ga + (s + 1) * cb), xh);
+            b0 = _mm512_dpbusd_epi32(b0, LDB(L, gb + s * cb), xl);
+            b1 = _mm512_dpbusd_epi32(b1, LDB(L, gb + (s + 1) * cb), xh);
+        }
+    } else {
+        for (int c = 0; c < 4; c++) {
+            __m512i xl = LDB(L, xq + 2 * c * cb), xh = LDB(L, xq + (2 * c + 1) * cb);
+            __m512i va = LDB(L, ga + c * cb), vb = LDB(L, gb + c * cb);
+            a0 = _mm512_dpbusd_epi32(a0, _mm512_and_si512(va, m4), xl);
+            a1 = _mm512_dpbusd_epi32(a1, _mm512_and_si512(_mm512_srli_epi16(va, 4), m4), xh);
+            b0 = _mm512_dpbusd_epi32(b0, _mm512_and_si512(vb, m4), xl);
+            b1 = _mm512_dpbusd_epi32(b1, _mm512_and_si512(_mm512_srli_epi16(vb, 4), m4), xh);
+        }
+    }
+    __m512 sa, sb, ma = _mm512_setzero_ps(), mbv = _mm512_setzero_ps();
+    group_scales(T, ga, L, mf, &sa, &ma);
+    group_scales(T, gb, L, mf, &sb, &mbv);
+    __m512 dxv = LDF(L, x->dx + s0);
+    *acca = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), _mm512_mul_ps(sa, dxv), *acca);
+    *accb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)), _mm512_mul_ps(sb, dxv), *accb);
+    if (T == QT_Q4_K) {
+        __m512 dxsx = LDF(L, x->dxsx + s0);
+        *acca = _mm512_fnmadd_ps(ma, dxsx, *acca);
+        *accb = _mm512_fnmadd_ps(mbv, dxsx, *accb);
+    }
+}
+
+static inline __attribute__((always_inline)) void qmv2(int T, const qmm_job *J, int64_t r0, int64_t r1) {
+    const int64_t k = J->k, nsub = k / 32, rb = ms_lane_row_bytes(T, k);
+    int64_t r = r0;
+    for (; r + 1 < r1; r += 2) {
+        const uint8_t *ga = J->w + r * rb, *gb = ga + rb;
+        const int8_t *xq = J->x->q;
+        __m512 acca = _mm512_setzero_ps(), accb = _mm512_setzero_ps();
+        int64_t s0 = 0;
+        for (; s0 + 16 <= nsub; s0 += 16) {
+            qmv2_group(T, 16, ga, gb, xq, J->x, s0, &acca, &accb);
+            ga += group_bytes(T, 16);
+            gb += group_bytes(T, 16);
+            xq += 32 * 16;
+        }
+        if (s0 < nsub) qmv2_group(T, 8, ga, gb, xq, J->x, s0, &acca, &accb);
+        J->y[r] = hsum(acca);
+        J->y[r + 1] = hsum(accb);
+    }
+    if (r < r1) qmm_rows(J, r, r1);
+}
+
+static void qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) {
+    if (J->type == QT_Q4_0) qmv2(QT_Q4_0, J, r0, r1);
+    else if (J->type == QT_Q4_K) qmv2(QT_Q4_K, J, r0, r1);
+    else qmv2(QT_Q8_0, J, r0, r1);
+}
+
+/* rows [r0, r1) of one job, all its tokens */
+static void qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
+    const int type = J->type;
+    const int64_t k = J->k, nsub = k / 32, rb = ms_lane_row_bytes(type, k);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = J->w + r * rb;
+        for (int64_t m0 = 0; m0 < J->m; m0 += MT) {
+            const int mt = J->m - m0 < MT ? (int)(J->m - m0) : MT;
+            __m512 acc[MT];
+            for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+            const uint8_t *g = row;
+            int8_t *xq[MT];
+            for (int i = 0; i < mt; i++) xq[i] = J->x->q + (m0 + i) * k;
+            for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
+                const int L = nsub - s0 >= 16 ? 16 : 8;
+                const __mmask64 mb = L == 16 ? ~(__mmask64)0 : 0xFFFFFFFFull;
+                const __mmask16 mf = L == 16 ? 0xFFFF : 0x00FF;
+                const int cb = 4 * L; /* bytes per chunk / step */
+                if (m0 == 0)
+                    for (int64_t o = 0; o < 34 * L; o += 64) _mm_prefetch((const char *)g + PF_DIST + o, PF_HINT);
+                __m512i w[8];
+                __m512 scale, mins = _mm512_setzero_ps();
+                if (type == QT_Q8_0) {
+                    for (int s = 0; s < 8; s++) w[s] = _mm512_maskz_loadu_epi8(mb, g + s * cb);
+                    scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 32 * L));
+                    g += 34 * L;
+                } else {
+                    for (int c = 0; c < 4; c++) {
+                        __m512i v = _mm512_maskz_loadu_epi8(mb, g + c * cb);
+                        w[2 * c] = _mm512_and_si512(v, m4);
+                        w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                    }
+                    if (type == QT_Q4_0) {
+                        scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 16 * L));
+                        g += 18 * L;
+                    } else {
+                        const uint8_t *sc = g + 16 * L, *mn = sc + L, *dd = mn + L, *dm = dd + L / 4;
+                        float d0 = h2f(rd16(dd)), m0f = h2f(rd16(dm));
+                        float d1 = L == 16 ? h2f(rd16(dd + 2)) : 0.0f, m1f = L == 16 ? h2f(rd16(dm + 2)) : 0.0f;
+                        __m512 dv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+                        __m512 mv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(m0f), _mm512_set1_ps(m1f));
+                        __m512 scf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, sc)));
+                        __m512 mnf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, mn)));
+                        scale = _mm512_mul_ps(dv, scf);
+                        mins = _mm512_mul_ps(mv, mnf);
+                        g += 18 * L + L / 2;
+                    }
+                }
+                for (int i = 0; i < mt; i++) {
+                    const int64_t xi = (m0 + i) * nsub + s0;
+                    const int8_t *xp = xq[i];
+                    __m512i a0, a1;
+                    if (type == QT_Q4_K) {
+                        a0 = _mm512_setzero_si512();
+                    } else {
+                        a0 = _mm512_maskz_loadu_epi32(mf, J->x->n8sx + xi);
+                        if (type == QT_Q8_0) a0 = _mm512_slli_epi32(a0, 4);
+                    }
+                    a1 = _mm512_setzero_si512();
+                    for (int s = 0; s < 8; s += 2) {
+                        a0 = _mm512_dpbusd_epi32(a0, w[s], _mm512_maskz_loadu_epi8(mb, xp + s * cb));
+                        a1 = _mm512_dpbusd_epi32(a1, w[s + 1], _mm512_maskz_loadu_epi8(mb, xp + (s + 1) * cb));
+                    }
+                    __m512 dxv = _mm512_maskz_loadu_ps(mf, J->x->dx + xi);
+                    __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1));
+                    acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, dxv), acc[i]);
+                    if (type == QT_Q4_K)
+                        acc[i] = _mm512_fnmadd_ps(mins, _mm512_maskz_loadu_ps(mf, J->x->dxsx + xi), acc[i]);
+                    xq[i] += 32 * L;
+                }
+            }
+            for (int i = 0; i < mt; i++) J->y[(m0 + i) * J->ldy + r] = hsum(acc[i]);
+        }
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* entry points */
+
+#define ROWS_PER_TASK 256
+
+typedef struct {
+    const qmm_job *jobs;
+    int njobs;
+    int64_t *first_task; /* [njobs + 1] prefix sums of tasks per job */
+} multi_ctx;
+
+static void multi_task(void *vctx, int64_t t) {
+#ifdef MS_VNNI
+    multi_ctx *c = vctx;
+    int j = 0;
+    while (c->first_task[j + 1] <= t) j++;
+    const qmm_job *J = &c->jobs[j];
+    int64_t r0 = (t - c->first_task[j]) * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK;
+    if (r1 > J->n) r1 = J->n;
+    if (J->m == 1) qmv_rows(J, r0, r1);
+    else qmm_rows(J, r0, r1);
+#else
+    (void)vctx;
+    (void)t;
+#endif
+}
+
+static void run_jobs(const qmm_job *jobs, int njobs) {
+    int64_t first[njobs + 1];
+    first[0] = 0;
+    for (int j = 0; j < njobs; j++) first[j + 1] = first[j] + (jobs[j].n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    multi_ctx c = {jobs, njobs, first};
+    dispatch(multi_task, &c, first[njobs]);
+}
+
+typedef struct {
+    const float *x;
+    int64_t k, ldx;
+    xprep *xp;
+} quant_ctx;
+
+static void quant_task(void *vctx, int64_t t) {
+    quant_ctx *c = vctx;
+    const xprep *p = c->xp;
+    int64_t ns = c->k / 32;
+    quantize_row(c->x + t * c->ldx, c->k, p->q + t * c->k, p->dx + t * ns, p->dxsx + t * ns, p->n8sx + t * ns);
+}
+
+static _Thread_local void *scratch;
+static _Thread_local size_t scratch_cap;
+
+static void *scratch_get(size_t n) {
+    if (n > scratch_cap) {
+        free(scratch);
+        scratch = NULL;
+        scratch_cap = 0;
+        if (posix_memalign(&scratch, 64, n) != 0) return NULL;
+        scratch_cap = n;
+    }
+    return scratch;
+}
+
+/* Bytes of scratch a call with m rows of k (and for ms_moe_ffn, ffn f) holds while it runs. */
+int64_t ms_qmm_scratch_bytes(int64_t m, int64_t k) { return (int64_t)xprep_bytes(m, k); }
+
+/* y[m, n] = x[m, k] @ W.T for W in the lane layout. x rows are ldx floats apart, y rows ldy. */
+int ms_qmm(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, int64_t ldx, float *y,
+           int64_t ldy) {
+#ifndef MS_VNNI
+    (void)type; (void)w; (void)n; (void)k; (void)x; (void)m; (void)ldx; (void)y; (void)ldy;
+    return QM_NO_SIMD;
+#else
+    if (lane_bytes(type) < 0) return QM_BAD_TYPE;
+    if (k % 256 || m < 0) return QM_BAD_SHAPE;
+    if (m == 0) return QM_OK;
+    void *mem = scratch_get(xprep_bytes(m, k));
+    if (!mem) return QM_NO_MEM;
+    xprep xp;
+    xprep_bind(&xp, mem, m, k);
+    quant_ctx qc = {x, k, ldx, &xp};
+    dispatch(quant_task, &qc, m);
+    qmm_job job = {type, w, n, k, &xp, m, y, ldy};
+    run_jobs(&job, 1);
+    return QM_OK;
+#endif
+}
+
+/* SwiGLU experts: for each expert e, out_e[m_e, h] = down_e(silu(gate_e(x_e)) * up_e(x_e)), where gate_up_e
+ * holds the gate rows then the up rows ([2f, h], one type) and down_e is [h, f]. All experts' gate/up rows
+ * run in one parallel pass, then all down rows in another (a decode step: one call per layer). */
+typedef struct {
+    float *act;      /* [sum m][2f] */
+    int64_t f;
+    const int64_t *row0; /* first row of expert e in act */
+    xprep *xp;
+} swiglu_ctx;
+
+static void swiglu_task(void *vctx, int64_t t) {
+    swiglu_ctx *c = vctx;
+    float *a = c->act + t * 2 * c->f;
+    for (int64_t i = 0; i < c->f; i++) {
+        float g = a[i];
+        a[i] = g / (1.0f + expf(-g)) * a[c->f + i];
+    }
+    const xprep *p = c->xp;
+    int64_t ns = c->f / 32;
+    quantize_row(a, c->f, p->q + t * c->f, p->dx + t * ns, p->dxsx + t * ns, p->n8sx + t * ns);
+}
+
+int64_t ms_moe_scratch_bytes(int64_t rows, int64_t h, int64_t f) {
+    return (int64_t)(xprep_bytes(rows, h) + xprep_bytes(rows, f) + (size_t)rows * 2 * f * 4 + 256);
+}
+
+int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const int *type_d, const uint8_t *const *w_d,
+               int64_t h, int64_t f, const float *x, const int64_t *m, float *out) {
+#ifndef MS_VNNI
+    (void)n_exp; (void)type_gu; (void)w_gu; (void)type_d; (void)w_d; (void)h; (void)f; (void)x; (void)m; (void)out;
+    return QM_NO_SIMD;
+#else
+    /* x: the experts' input rows stacked ([sum m, h]); out: same layout, [sum m, h] */
+    if (h % 256 || f % 256) return QM_BAD_SHAPE;
+    if (n_exp < 1 || n_exp > 1024) return QM_BAD_SHAPE;
+    int64_t rows = 0, row0[n_exp + 1];
+    for (int e = 0; e < n_exp; e++) {
+        if (lane_bytes(type_gu[e]) < 0 || lane_bytes(type_d[e]) < 0) return QM_BAD_TYPE;
+        row0[e] = rows;
+        rows += m[e];
+    }
+    row0[n_exp] = rows;
+    if (rows < 1) return QM_OK;
+    uint8_t *mem = scratch_get(ms_moe_scratch_bytes(rows, h, f));
+    if (!mem) return QM_NO_MEM;
+    xprep xin, xact;
+    xprep_bind(&xin, mem, rows, h);
+    mem += (xprep_bytes(rows, h) + 63) / 64 * 64;
+    xprep_bind(&xact, mem, rows, f);
+    mem += (xprep_bytes(rows, f) + 63) / 64 * 64;
+    float *act = (float *)mem;
+
+    quant_ctx qc = {x, h, h, &xin};
+    dispatch(quant_task, &qc, rows);
+
+    qmm_job jobs[n_exp];
+    xprep xins[n_exp], xacts[n_exp];
+    int nj = 0;
+    for (int e = 0; e < n_exp; e++) {
+        if (!m[e]) continue;
+        int64_t ns = h / 32, r = row0[e];
+        xins[e] = (xprep){xin.q + r * h, xin.dx + r * ns, xin.dxsx + r * ns, xin.n8sx + r * ns};
+        jobs[nj++] = (qmm_job){type_gu[e], w_gu[e], 2 * f, h, &xins[e], m[e], act + r * 2 * f, 2 * f};
+    }
+    run_jobs(jobs, nj);
+
+    swiglu_ctx sc = {act, f, row0, &xact};
+    dispatch(swiglu_task, &sc, rows);
+
+    nj = 0;
+    for (int e = 0; e < n_exp; e++) {
+        if (!m[e]) continue;
+        int64_t ns = f / 32, r = row0[e];
+        xacts[e] = (xprep){xact.q + r * f, xact.dx + r * ns, xact.dxsx + r * ns, xact.n8sx + r * ns};
+        jobs[nj++] = (qmm_job){type_d[e], w_d[e], h, f, &xacts[e], m[e], out + r * h, h};
+    }
+    run_jobs(jobs, nj);
+    return QM_OK;
+#endif
+}

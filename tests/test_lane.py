@@ -1,0 +1,126 @@
+"""The lane-layout VNNI kernels (native/qmm.c) against the gguf reference decoder and a numpy model of the
+int8 activation quantization they apply."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gq
+
+from moestream import linear, native, quants
+
+pytestmark = pytest.mark.skipif(not native.lane_ok(), reason="needs AVX-512 VNNI and the native library")
+LANE_TYPES = [T.Q4_0, T.Q4_K, T.Q8_0]
+
+
+def reference(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> np.ndarray:
+    return np.asarray(gq.dequantize(raw.reshape(shape[0], -1), T(ggml_type)), dtype=np.float32).reshape(shape)
+
+
+def q8_activations(x: np.ndarray) -> np.ndarray:
+    """What the kernel multiplies: x rounded to int8 with one scale (max |x| / 127) per 32 values."""
+    b = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    d = amax / np.float32(127)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(b * inv) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("ggml_type", LANE_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("n", "k", "m"), [(64, 256, 1), (96, 768, 1), (33, 2048, 3), (128, 512, 9)])
+def test_matmul_is_the_quantized_product(ggml_type, n, k, m):
+    rng = np.random.default_rng(n * k + m)
+    raw = quants.random_gguf(ggml_type, n * k, rng)
+    w = reference(raw, ggml_type, (n, k))
+    lin = linear.from_gguf(raw, ggml_type, n, k, False)
+    assert lin.kind == "lane"
+    # the layout is a reshuffle: dense() gives the reference weights back
+    np.testing.assert_allclose(lin.dense().numpy(), w, rtol=1e-6, atol=1e-7 * np.abs(w).max())
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = lin(torch.from_numpy(x)).numpy()
+    want = q8_activations(x).astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # and against the unquantized product, the error is activation rounding only (~0.5%)
+    exact = x @ w.T
+    assert np.linalg.norm(y - exact) / np.linalg.norm(exact) < 1e-2
+
+
+def test_sizes_match_the_gguf_blocks():
+    for t, per_row in ((T.Q4_0, 2048 // 32 * 18), (T.Q8_0, 2048 // 32 * 34), (T.Q4_K, 2048 // 256 * 148)):
+        assert linear.compute_kind(t, 768, 2048, False) == "lane"
+        assert linear.packed_nbytes(t, 768, 2048, False) == 768 * per_row
+        assert native.lib().ms_lane_row_bytes(int(t), 2048) == per_row
+    assert linear.compute_kind(T.Q4_0, 64, 96, False) != "lane"  # rows must be whole 256-groups
+    assert linear.compute_kind(T.Q6_K, 768, 2048, False) == "bf16"
+
+
+def test_results_do_not_depend_on_thread_count():
+    n, k = 512, 2048
+    raw = quants.random_gguf(T.Q4_K, n * k, np.random.default_rng(5))
+    lin = linear.from_gguf(raw, T.Q4_K, n, k, False)
+    x = torch.randn(5, k)
+    before = native.set_threads(1)
+    try:
+        one = lin(x)
+        native.set_threads(2)
+        assert torch.equal(one, lin(x))  # each output row is computed whole by one thread
+    finally:
+        native.set_threads(before)
+
+
+def test_concat_stacks_rows():
+    k = 512
+    parts = [linear.from_gguf(quants.random_gguf(T.Q8_0, n * k, np.random.default_rng(n)), T.Q8_0, n, k, False)
+             for n in (64, 8, 24)]  # fmt: skip
+    both = linear.concat(parts)
+    assert both is not None and both.kind == "lane" and both.out_features == 96
+    x = torch.randn(2, k)
+    assert torch.equal(both(x), torch.cat([p(x) for p in parts], dim=1))
+    mixed = linear.from_gguf(quants.random_gguf(T.Q4_0, 64 * k, np.random.default_rng(0)), T.Q4_0, 64, k, False)
+    assert linear.concat([parts[0], mixed]) is None  # one kernel per type
+
+
+@pytest.mark.parametrize("down_type", [T.Q4_0, T.Q8_0])
+def test_swiglu_group_equals_expert_by_expert(down_type):
+    h, f = 512, 256
+    rng = np.random.default_rng(7)
+    experts, refs = [], []
+    for _ in range(3):
+        gu = quants.random_gguf(T.Q4_K, 2 * f * h, rng)
+        dn = quants.random_gguf(down_type, h * f, rng)
+        gate_up = linear.from_gguf(gu, T.Q4_K, 2 * f, h, False)
+        down = linear.from_gguf(dn, down_type, h, f, False)
+        experts.append((gate_up, None, down))
+        refs.append((gate_up, down))
+    counts = [2, 0, 3]
+    x = torch.randn(sum(counts), h)
+    y = linear.lane_swiglu(experts, x, counts)
+    r0 = 0
+    for (gate_up, down), c in zip(refs, counts, strict=True):
+        xe = x[r0 : r0 + c]
+        a, b = gate_up(xe).chunk(2, dim=-1)
+        want = down(torch.nn.functional.silu(a) * b)
+        scale = float(want.abs().max()) if c else 1.0
+        torch.testing.assert_close(y[r0 : r0 + c], want, rtol=1e-5, atol=1e-5 * scale)
+        r0 += c
+
+
+def test_scalar_build_reports_no_lane_kernels():
+    lib = native.lib(("-DMS_SCALAR",))
+    assert lib is not None and lib.ms_lane_supported() == 0
+    y = np.zeros(4, np.float32)
+    x = np.zeros(256, np.float32)
+    w = np.zeros(4 * 144, np.uint8)
+    rc = lib.ms_qmm(2, w.ctypes.data, 4, 256, x.ctypes.data, 1, 256, y.ctypes.data, 4)
+    assert rc < 0  # the caller falls back to the torch forms
+
+
+def test_bad_shapes_are_refused():
+    lib = native.lib()
+    assert lib.ms_lane_row_bytes(int(T.Q4_0), 96) < 0
+    assert lib.ms_lane_row_bytes(int(T.Q6_K), 256) < 0
+    assert lib.ms_lane_pack(int(T.Q6_K), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0)) < 0
