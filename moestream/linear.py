@@ -402,3 +402,9 @@ def lane_swiglu(experts: list[tuple], x: torch.Tensor, counts: list[int]) -> tor
             raise RuntimeError(f"ms_moe_ffn failed ({rc}) for {j - i} experts [{ffn}, {hidden}]")
         i = j
     return out
+
+
+def all_lane(linears: list[QLinear], min_bytes: int = 1 << 20) -> bool:
+    """True when every weight of at least min_bytes is in the lane form: a decode step of such a model does
+    all its heavy matmuls in the lane pool and leaves torch only small ops."""
+    return all(lin.kind == "lane" for lin in linears if lin.nbytes >= min_bytes)

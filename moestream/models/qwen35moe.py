@@ -22,7 +22,7 @@ ordinary rotary embedding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from moestream import linear, quants
 from moestream.errors import ModelFileError
 from moestream.gguf_file import GGUFFile
 from moestream.linear import QLinear
-from moestream.models.common import ExpertProvider, KVCache, RoPE, rms_norm
+from moestream.models.common import ExpertProvider, KVCache, RoPE, f32_matmul, rms_norm
 from moestream.models.qwen3moe import run_experts
 from moestream.routes import RouteTrace
 
@@ -259,6 +259,7 @@ class Weights:
     f: GGUFFile
     exact: bool
     nbytes: int = 0
+    linears: list[QLinear] = field(default_factory=list)
 
     def vector(self, name: str) -> torch.Tensor:
         """Norms, routers, conv kernels, per-head constants: small, kept in float32."""
@@ -272,6 +273,7 @@ class Weights:
         n, k = info.shape
         lin = linear.from_gguf(self.f.read(name), info.ggml_type, n, k, self.exact)
         self.nbytes += lin.nbytes
+        self.linears.append(lin)
         return lin
 
     def fused(self, names: list[str]) -> Fused:
@@ -423,7 +425,7 @@ class SharedMoE:
     def __call__(self, x: torch.Tensor, experts: ExpertProvider, forced: torch.Tensor | None = None) -> torch.Tensor:
         """forced [T, k]: expert ids that replace the router's choice (route traces); weights stay its own."""
         E = self.cfg.n_experts
-        logits = x @ self.gates.T
+        logits = f32_matmul(x, self.gates)
         probs = torch.softmax(logits[:, :E], dim=-1)
         if forced is None:
             weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
@@ -470,6 +472,7 @@ class Qwen35Moe:
             self.output = linear.from_gguf(self._embd_raw, emb.ggml_type, emb.shape[0], emb.shape[1], exact)
             w.nbytes += self.output.nbytes
         self.dense_nbytes = w.nbytes
+        self.lane_decode = linear.all_lane([*w.linears, self.output])
         self.routes: RouteTrace | None = None  # router choices replayed from a trace (--route-trace)
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rot_dim, max_pos=min(cfg.context_length, 4096))
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from moestream import linear, quants
 from moestream.errors import ModelFileError
 from moestream.gguf_file import GGUFFile
-from moestream.models.common import ExpertProvider, KVCache, RoPE, rms_norm
+from moestream.models.common import ExpertProvider, KVCache, RoPE, f32_matmul, rms_norm
 from moestream.routes import RouteTrace
 
 
@@ -107,7 +107,7 @@ class MoE:
 
     def route(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts and their weights per token; `forced` [T, k] replaces the choice (route traces)."""
-        probs = torch.softmax(x @ self.router.T, dim=-1)
+        probs = torch.softmax(f32_matmul(x, self.router), dim=-1)
         if forced is None:
             weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
         else:
@@ -168,7 +168,7 @@ def run_experts(
         if all(linear.lane_swiglu_ok(w) for _, w in group):
             y = linear.lane_swiglu([w for _, w, _, _ in sel], x[torch.cat([r for _, _, r, _ in sel])],
                                    [len(r) for _, _, r, _ in sel])  # fmt: skip
-            for (e, _, rows, slot), ye in zip(sel, y.split([len(r) for _, _, r, _ in sel])):
+            for (e, _, rows, slot), ye in zip(sel, y.split([len(r) for _, _, r, _ in sel]), strict=True):
                 partial[e] = (rows, ye * weights[rows, slot, None])
             continue
         for e, expert, rows, slot in sel:
@@ -191,6 +191,7 @@ class Qwen3Moe:
         self.exact = exact
         self.experts = experts
         self.dense_nbytes = 0
+        linears: list[linear.QLinear] = []
 
         def load(name: str, vector: bool = False):
             info = f.tensor(name)
@@ -202,6 +203,7 @@ class Qwen3Moe:
             n, k = info.shape
             lin = linear.from_gguf(raw, info.ggml_type, n, k, exact)
             self.dense_nbytes += lin.nbytes
+            linears.append(lin)
             return lin
 
         emb = f.tensor("token_embd.weight")
@@ -224,6 +226,7 @@ class Qwen3Moe:
         else:  # tied embeddings: the head reads the same bytes as the embedding table
             self.output = linear.from_gguf(self._embd_raw, emb.ggml_type, emb.shape[0], emb.shape[1], exact)
             self.dense_nbytes += self.output.nbytes
+        self.lane_decode = linear.all_lane([*linears, self.output])
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 4096))
         self.routes: RouteTrace | None = None  # router choices replayed from a trace (--route-trace)
 

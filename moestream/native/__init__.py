@@ -117,6 +117,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_moe_scratch_bytes.restype = i64
     lib.ms_moe_ffn.argtypes = [c_int, vp, vp, vp, vp, i64, i64, vp, vp, vp]
     lib.ms_moe_ffn.restype = c_int
+    lib.ms_rms_norm.argtypes = [vp, vp, i64, i64, ctypes.c_float, vp]
+    lib.ms_rms_norm.restype = c_int
+    lib.ms_gemv_f32.argtypes = [vp, i64, i64, vp, i64, vp]
+    lib.ms_gemv_f32.restype = c_int
 
 
 def _load(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
