@@ -366,42 +366,40 @@ def lane_swiglu_scratch_bytes(rows: int, hidden: int, ffn: int) -> int:
     return int(lib.ms_moe_scratch_bytes(min(rows, SWIGLU_MAX_ROWS), hidden, ffn)) if lib is not None else 0
 
 
-def lane_swiglu(experts: list[tuple], x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) for several lane-form experts in one native call.
+def lane_swiglu(experts: list[tuple], xs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+    """outs[i] = down(silu(gate(xs[i])) * up(xs[i])) for several lane-form experts in one native call.
 
-    x float32 [sum(counts), H]: expert i's rows are the counts[i] rows after the previous experts' rows;
-    returns float32 [sum(counts), H] in the same order. All experts' gate/up rows run as one parallel pass,
-    then all down rows: one call per group of experts instead of three kernel calls per expert.
+    xs[i]: float32 [m_i, H] contiguous (the same tensor may be given for several experts); outs[i]: float32
+    [m_i, H] contiguous, written. All experts' gate/up rows run as one parallel pass, then all down rows: one
+    call per group of experts instead of three kernel calls per expert. Groups with more than
+    SWIGLU_MAX_ROWS rows in all are split (bounded scratch).
     """
     n = len(experts)
-    hidden, ffn = x.shape[1], experts[0][2].in_features
-    x = x.contiguous()
-    out = torch.empty_like(x)
+    hidden, ffn = xs[0].shape[1], experts[0][2].in_features
     lib = native.lib()
     i = 0
-    while i < n:  # chunks of at most SWIGLU_MAX_ROWS rows (one expert may exceed it alone)
+    while i < n:
         j, rows = i, 0
-        while j < n and (j == i or rows + counts[j] <= SWIGLU_MAX_ROWS):
-            rows += counts[j]
+        while j < n and (j == i or rows + xs[j].shape[0] <= SWIGLU_MAX_ROWS):
+            rows += xs[j].shape[0]
             j += 1
+        c = j - i
         group = experts[i:j]
-        r0 = sum(counts[:i])
         rc = lib.ms_moe_ffn(
-            j - i,
-            (ctypes.c_int * (j - i))(*(e[0].ggml_type for e in group)),
-            (ctypes.c_void_p * (j - i))(*(e[0].weight.data_ptr() for e in group)),
-            (ctypes.c_int * (j - i))(*(e[2].ggml_type for e in group)),
-            (ctypes.c_void_p * (j - i))(*(e[2].weight.data_ptr() for e in group)),
+            c,
+            (ctypes.c_int * c)(*(e[0].ggml_type for e in group)),
+            (ctypes.c_void_p * c)(*(e[0].weight.data_ptr() for e in group)),
+            (ctypes.c_int * c)(*(e[2].ggml_type for e in group)),
+            (ctypes.c_void_p * c)(*(e[2].weight.data_ptr() for e in group)),
             hidden,
             ffn,
-            x[r0:].data_ptr(),
-            (ctypes.c_int64 * (j - i))(*counts[i:j]),
-            out[r0:].data_ptr(),
+            (ctypes.c_void_p * c)(*(x.data_ptr() for x in xs[i:j])),
+            (ctypes.c_int64 * c)(*(x.shape[0] for x in xs[i:j])),
+            (ctypes.c_void_p * c)(*(o.data_ptr() for o in outs[i:j])),
         )
         if rc != 0:
-            raise RuntimeError(f"ms_moe_ffn failed ({rc}) for {j - i} experts [{ffn}, {hidden}]")
+            raise RuntimeError(f"ms_moe_ffn failed ({rc}) for {c} experts [{ffn}, {hidden}]")
         i = j
-    return out
 
 
 def all_lane(linears: list[QLinear], min_bytes: int = 1 << 20) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -9,10 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from moestream import native
+from moestream.linear import QLinear
 
 SMALL_OP = 1 << 16  # elements up to which a float32 op goes to the native helpers
-
-from moestream.linear import QLinear
 
 Expert = tuple[QLinear, QLinear, QLinear]  # gate, up, down
 
@@ -36,6 +36,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         lib.ms_rms_norm(x.data_ptr(), weight.contiguous().data_ptr(), x.numel() // dim, dim, eps, out.data_ptr())
         return out
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def route_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax router over logits [T, E]: the k most probable experts per token and their weights (renormalised
+    over the k when norm), largest first. One native call for a decode step instead of four torch ops."""
+    lib = native.lib()
+    if lib is not None and logits.dtype == torch.float32 and logits.numel() <= SMALL_OP:
+        logits = logits.contiguous()
+        ids = torch.empty(logits.shape[0], k, dtype=torch.int64)
+        weights = torch.empty(logits.shape[0], k)
+        lib.ms_route_topk(logits.data_ptr(), logits.shape[0], logits.shape[1], k, int(norm), ids.data_ptr(),
+                          weights.data_ptr())  # fmt: skip
+        return weights, ids
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+    if norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
 
 
 def f32_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -71,6 +88,15 @@ class RoPE:
         T = x.shape[0]
         if pos + T > self._cos.shape[0]:
             self._table(max(pos + T, 2 * self._cos.shape[0]))
+        lib = native.lib()
+        if lib is not None and x.dtype == torch.float32 and x.numel() <= SMALL_OP:
+            y = x.contiguous().clone()
+            half = self.rot_dim // 2
+            lib.ms_rope_neox(
+                y.data_ptr(), T, y.shape[1], y.shape[2], self.rot_dim,
+                self._cos.data_ptr() + pos * half * 4, self._sin.data_ptr() + pos * half * 4,
+            )  # fmt: skip
+            return y
         cos = self._cos[pos : pos + T]
         sin = self._sin[pos : pos + T]
         r = self.rot_dim
@@ -118,6 +144,26 @@ class KVCache:
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int) -> torch.Tensor:
         """Causal attention of q [T, H, D] (positions pos..) over keys/values [S, Hkv, D]; returns [T, H, D]."""
         T, S = q.shape[0], keys.shape[0]
+        lib = native.lib()
+        if (
+            T == 1
+            and lib is not None
+            and q.dtype == torch.float32
+            and keys.dtype in (torch.bfloat16, torch.float32)
+            and keys.dtype == values.dtype
+            and keys.is_contiguous()
+            and values.is_contiguous()
+        ):
+            # one decode token: the native loop (pool over kv heads) instead of ~10 torch ops of dispatch
+            q1 = q.contiguous()
+            out = torch.empty_like(q1)
+            H, D = q.shape[1], q.shape[2]
+            rc = lib.ms_attn_decode(
+                q1.data_ptr(), keys.data_ptr(), values.data_ptr(), S, H, keys.shape[1], D,
+                int(keys.dtype == torch.bfloat16), 1.0 / math.sqrt(D), out.data_ptr(),
+            )  # fmt: skip
+            if rc == 0:
+                return out
         qh = q.transpose(0, 1).unsqueeze(0)
         kh = keys.float().transpose(0, 1).unsqueeze(0)
         vh = values.float().transpose(0, 1).unsqueeze(0)

@@ -32,7 +32,7 @@ from moestream import linear, quants
 from moestream.errors import ModelFileError
 from moestream.gguf_file import GGUFFile
 from moestream.linear import QLinear
-from moestream.models.common import ExpertProvider, KVCache, RoPE, f32_matmul, rms_norm
+from moestream.models.common import ExpertProvider, KVCache, RoPE, f32_matmul, rms_norm, route_topk
 from moestream.models.qwen3moe import run_experts
 from moestream.routes import RouteTrace
 
@@ -426,12 +426,11 @@ class SharedMoE:
         """forced [T, k]: expert ids that replace the router's choice (route traces); weights stay its own."""
         E = self.cfg.n_experts
         logits = f32_matmul(x, self.gates)
-        probs = torch.softmax(logits[:, :E], dim=-1)
         if forced is None:
-            weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
+            weights, ids = route_topk(logits[:, :E], self.cfg.top_k, norm=True)
         else:
-            ids, weights = forced, probs.gather(-1, forced)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+            ids, weights = forced, torch.softmax(logits[:, :E], dim=-1).gather(-1, forced)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         gate, up = self.shared(x)
         shared = self.shared_down(F.silu(gate) * up) * torch.sigmoid(logits[:, E:])
         return run_experts(x, weights, ids, self.layer, experts) + shared

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from moestream import linear, quants
 from moestream.errors import ModelFileError
 from moestream.gguf_file import GGUFFile
-from moestream.models.common import ExpertProvider, KVCache, RoPE, f32_matmul, rms_norm
+from moestream.models.common import ExpertProvider, KVCache, RoPE, f32_matmul, rms_norm, route_topk
 from moestream.routes import RouteTrace
 
 
@@ -107,11 +107,10 @@ class MoE:
 
     def route(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts and their weights per token; `forced` [T, k] replaces the choice (route traces)."""
-        probs = torch.softmax(f32_matmul(x, self.router), dim=-1)
+        logits = f32_matmul(x, self.router)
         if forced is None:
-            weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
-        else:
-            ids, weights = forced, probs.gather(-1, forced)
+            return route_topk(logits, self.cfg.top_k, self.cfg.norm_topk_prob)
+        ids, weights = forced, torch.softmax(logits, dim=-1).gather(-1, forced)
         if self.cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
@@ -152,11 +151,12 @@ def run_experts(
         order = {e: i for i, e in enumerate(sorted(id_list))}
         w_sorted = weights[0][torch.argsort(ids[0])]
         outs = torch.empty(len(id_list), x.shape[1])
+        xc = x.contiguous()
         for group in experts.fetch_groups(layer, id_list):
-            if all(linear.lane_swiglu_ok(w) for _, w in group):
-                y = linear.lane_swiglu([w for _, w in group], x.expand(len(group), -1), [1] * len(group))
-                for i, (e, _) in enumerate(group):
-                    outs[order[e]] = y[i]
+            if all(linear.lane_swiglu_ok(w) for _, w in group):  # written straight into their rows of outs
+                linear.lane_swiglu(
+                    [w for _, w in group], [xc] * len(group), [outs[order[e] : order[e] + 1] for e, _ in group]
+                )
                 continue
             for e, expert in group:
                 outs[order[e]] = swiglu(expert, x.to(expert[0].dtype))[0].float()
@@ -166,9 +166,10 @@ def run_experts(
     for group in experts.fetch_groups(layer, needed):
         sel = [(e, w, *(ids == e).nonzero(as_tuple=True)) for e, w in group]
         if all(linear.lane_swiglu_ok(w) for _, w in group):
-            y = linear.lane_swiglu([w for _, w, _, _ in sel], x[torch.cat([r for _, _, r, _ in sel])],
-                                   [len(r) for _, _, r, _ in sel])  # fmt: skip
-            for (e, _, rows, slot), ye in zip(sel, y.split([len(r) for _, _, r, _ in sel]), strict=True):
+            xs = [x[rows] for _, _, rows, _ in sel]
+            ys = [torch.empty_like(xe) for xe in xs]
+            linear.lane_swiglu([w for _, w, _, _ in sel], xs, ys)
+            for (e, _, rows, slot), ye in zip(sel, ys, strict=True):
                 partial[e] = (rows, ye * weights[rows, slot, None])
             continue
         for e, expert, rows, slot in sel:

@@ -121,6 +121,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_rms_norm.restype = c_int
     lib.ms_gemv_f32.argtypes = [vp, i64, i64, vp, i64, vp]
     lib.ms_gemv_f32.restype = c_int
+    lib.ms_rope_neox.argtypes = [vp, i64, i64, i64, i64, vp, vp]
+    lib.ms_rope_neox.restype = c_int
+    lib.ms_attn_decode.argtypes = [vp, vp, vp, i64, i64, i64, i64, c_int, ctypes.c_float, vp]
+    lib.ms_attn_decode.restype = c_int
+    lib.ms_route_topk.argtypes = [vp, i64, i64, i64, c_int, vp, vp]
+    lib.ms_route_topk.restype = c_int
 
 
 def _load(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:

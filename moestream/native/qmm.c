@@ -726,13 +726,32 @@ int64_t ms_moe_scratch_bytes(int64_t rows, int64_t h, int64_t f) {
     return (int64_t)(xprep_bytes(rows, h) + xprep_bytes(rows, f) + (size_t)rows * 2 * f * 4 + 256);
 }
 
+typedef struct {
+    const float *const *x;
+    const int64_t *row0;
+    int n_exp;
+    int64_t h;
+    xprep *xp;
+} moe_quant_ctx;
+
+static void moe_quant_task(void *vctx, int64_t t) {
+    moe_quant_ctx *c = vctx;
+    int e = 0;
+    while (c->row0[e + 1] <= t) e++;
+    const xprep *p = c->xp;
+    int64_t ns = c->h / 32;
+    quantize_row(c->x[e] + (t - c->row0[e]) * c->h, c->h, p->q + t * c->h, p->dx + t * ns, p->dxsx + t * ns,
+                 p->n8sx + t * ns);
+}
+
+/* x[e]: expert e's m[e] input rows [m[e], h]; out[e]: its output rows [m[e], h] (pointers may repeat for x:
+ * a decode step passes the same token to every expert). */
 int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const int *type_d, const uint8_t *const *w_d,
-               int64_t h, int64_t f, const float *x, const int64_t *m, float *out) {
+               int64_t h, int64_t f, const float *const *x, const int64_t *m, float *const *out) {
 #ifndef MS_VNNI
     (void)n_exp; (void)type_gu; (void)w_gu; (void)type_d; (void)w_d; (void)h; (void)f; (void)x; (void)m; (void)out;
     return QM_NO_SIMD;
 #else
-    /* x: the experts' input rows stacked ([sum m, h]); out: same layout, [sum m, h] */
     if (h % 256 || f % 256) return QM_BAD_SHAPE;
     if (n_exp < 1 || n_exp > 1024) return QM_BAD_SHAPE;
     int64_t rows = 0, row0[n_exp + 1];
@@ -752,8 +771,8 @@ int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const 
     mem += (xprep_bytes(rows, f) + 63) / 64 * 64;
     float *act = (float *)mem;
 
-    quant_ctx qc = {x, h, h, &xin};
-    dispatch(quant_task, &qc, rows);
+    moe_quant_ctx qc = {x, row0, n_exp, h, &xin};
+    dispatch(moe_quant_task, &qc, rows);
 
     qmm_job jobs[n_exp];
     xprep xins[n_exp], xacts[n_exp];
@@ -774,7 +793,7 @@ int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const 
         if (!m[e]) continue;
         int64_t ns = f / 32, r = row0[e];
         xacts[e] = (xprep){xact.q + r * f, xact.dx + r * ns, xact.dxsx + r * ns, xact.n8sx + r * ns};
-        jobs[nj++] = (qmm_job){type_d[e], w_d[e], h, f, &xacts[e], m[e], out + r * h, h};
+        jobs[nj++] = (qmm_job){type_d[e], w_d[e], h, f, &xacts[e], m[e], out[e], h};
     }
     run_jobs(jobs, nj);
     return QM_OK;
@@ -841,5 +860,164 @@ static void gemv_task(void *vctx, int64_t t) {
 int ms_gemv_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t m, float *y) {
     gemv_ctx c = {w, x, n, k, m, y};
     dispatch(gemv_task, &c, (n + GEMV_ROWS - 1) / GEMV_ROWS);
+    return QM_OK;
+}
+
+/* NeoX rotary embedding in place: x [T][H][D] float32, the first rot dims rotated as two halves, with
+ * cos/sin tables [T][rot/2] for the T positions. */
+int ms_rope_neox(float *x, int64_t t, int64_t h, int64_t d, int64_t rot, const float *cosv, const float *sinv) {
+    const int64_t half = rot / 2;
+    for (int64_t i = 0; i < t; i++) {
+        const float *c = cosv + i * half, *s = sinv + i * half;
+        for (int64_t j = 0; j < h; j++) {
+            float *v = x + (i * h + j) * d;
+            for (int64_t e = 0; e < half; e++) {
+                float x1 = v[e], x2 = v[e + half];
+                v[e] = x1 * c[e] - x2 * s[e];
+                v[e + half] = x2 * c[e] + x1 * s[e];
+            }
+        }
+    }
+    return QM_OK;
+}
+
+/* Attention of one new token: q [H][D] float32 over keys/values [S][Hkv][D] (bf16 when kv_bf16, else
+ * float32), query head i reading kv head i / (H / Hkv); out [H][D]. One task per kv head on the pool. */
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    int64_t s, h, hkv, d;
+    int bf16;
+    float scale;
+    float *out;
+} attn_ctx;
+
+static inline float kv_at(const void *p, int bf16, int64_t i) {
+    if (bf16) {
+        uint32_t b = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &b, 4);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+#ifdef MS_VNNI
+static inline __m512 kv16(const void *p, int bf16, int64_t i) {
+    if (bf16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* the same loops, 16 lanes at a time (d a multiple of 16, at most 256) */
+static void attn_task_simd(attn_ctx *c, int64_t g) {
+    const int64_t rep = c->h / c->hkv, d = c->d, s = c->s, stride = c->hkv * d, nv = d / 16;
+    float *sc = malloc(sizeof(float) * (size_t)(rep * s));
+    if (!sc) return;
+    __m512 row[16];
+    for (int64_t t = 0; t < s; t++) {
+        for (int64_t e = 0; e < nv; e++) row[e] = kv16(c->k, c->bf16, t * stride + g * d + 16 * e);
+        for (int64_t r = 0; r < rep; r++) {
+            const float *q = c->q + (g * rep + r) * d;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), row[0]);
+            for (int64_t e = 1; e < nv; e++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * e), row[e], acc);
+            sc[r * s + t] = _mm512_reduce_add_ps(acc) * c->scale;
+        }
+    }
+    for (int64_t r = 0; r < rep; r++) {
+        float *p = sc + r * s, mx = -INFINITY, sum = 0;
+        for (int64_t t = 0; t < s; t++) mx = fmaxf(mx, p[t]);
+        for (int64_t t = 0; t < s; t++) sum += (p[t] = expf(p[t] - mx));
+        for (int64_t t = 0; t < s; t++) p[t] /= sum;
+    }
+    for (int64_t r = 0; r < rep; r++) {
+        __m512 o[16];
+        for (int64_t e = 0; e < nv; e++) o[e] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < s; t++) {
+            __m512 p = _mm512_set1_ps(sc[r * s + t]);
+            for (int64_t e = 0; e < nv; e++) o[e] = _mm512_fmadd_ps(p, kv16(c->v, c->bf16, t * stride + g * d + 16 * e), o[e]);
+        }
+        float *out = c->out + (g * rep + r) * d;
+        for (int64_t e = 0; e < nv; e++) _mm512_storeu_ps(out + 16 * e, o[e]);
+    }
+    free(sc);
+}
+#endif
+
+static void attn_task(void *vctx, int64_t g) {
+    attn_ctx *c = vctx;
+#ifdef MS_VNNI
+    if (c->d % 16 == 0 && c->d <= 256) {
+        attn_task_simd(c, g);
+        return;
+    }
+#endif
+    const int64_t rep = c->h / c->hkv, d = c->d, s = c->s, stride = c->hkv * d;
+    float *sc = malloc(sizeof(float) * (size_t)(rep * s + d));
+    if (!sc) return;
+    float *row = sc + rep * s;
+    for (int64_t t = 0; t < s; t++) { /* scores */
+        for (int64_t e = 0; e < d; e++) row[e] = kv_at(c->k, c->bf16, t * stride + g * d + e);
+        for (int64_t r = 0; r < rep; r++) {
+            const float *q = c->q + (g * rep + r) * d;
+            float acc = 0;
+            for (int64_t e = 0; e < d; e++) acc += q[e] * row[e];
+            sc[r * s + t] = acc * c->scale;
+        }
+    }
+    for (int64_t r = 0; r < rep; r++) { /* softmax */
+        float *p = sc + r * s, mx = -INFINITY, sum = 0;
+        for (int64_t t = 0; t < s; t++) mx = fmaxf(mx, p[t]);
+        for (int64_t t = 0; t < s; t++) sum += (p[t] = expf(p[t] - mx));
+        for (int64_t t = 0; t < s; t++) p[t] /= sum;
+        float *o = c->out + (g * rep + r) * d;
+        for (int64_t e = 0; e < d; e++) o[e] = 0;
+    }
+    for (int64_t t = 0; t < s; t++) { /* weighted values */
+        for (int64_t e = 0; e < d; e++) row[e] = kv_at(c->v, c->bf16, t * stride + g * d + e);
+        for (int64_t r = 0; r < rep; r++) {
+            float p = sc[r * s + t], *o = c->out + (g * rep + r) * d;
+            for (int64_t e = 0; e < d; e++) o[e] += p * row[e];
+        }
+    }
+    free(sc);
+}
+
+int ms_attn_decode(const float *q, const void *k, const void *v, int64_t s, int64_t h, int64_t hkv, int64_t d,
+                   int kv_bf16, float scale, float *out) {
+    if (hkv < 1 || h % hkv || s < 1) return QM_BAD_SHAPE;
+    attn_ctx c = {q, k, v, s, h, hkv, d, kv_bf16, scale, out};
+    dispatch(attn_task, &c, hkv);
+    return QM_OK;
+}
+
+/* Router: per row of logits [T][E], softmax, the k largest (ties: lower id first), weights renormalised to
+ * sum to 1 when norm. ids [T][k] int64 and weights [T][k] float32, largest first. */
+int ms_route_topk(const float *logits, int64_t t, int64_t e, int64_t k, int norm, int64_t *ids, float *w) {
+    if (k < 1 || k > e) return QM_BAD_SHAPE;
+    float *p = malloc(sizeof(float) * (size_t)e);
+    if (!p) return QM_NO_MEM;
+    for (int64_t i = 0; i < t; i++) {
+        const float *l = logits + i * e;
+        float mx = -INFINITY, sum = 0;
+        for (int64_t j = 0; j < e; j++) mx = fmaxf(mx, l[j]);
+        for (int64_t j = 0; j < e; j++) sum += (p[j] = expf(l[j] - mx));
+        for (int64_t j = 0; j < e; j++) p[j] /= sum;
+        int64_t *id = ids + i * k;
+        float *wi = w + i * k, tot = 0;
+        for (int64_t r = 0; r < k; r++) { /* k passes: k is small (8) */
+            int64_t best = -1;
+            for (int64_t j = 0; j < e; j++)
+                if (p[j] >= 0 && (best < 0 || p[j] > p[best])) best = j;
+            id[r] = best;
+            wi[r] = p[best];
+            tot += p[best];
+            p[best] = -1.0f;
+        }
+        if (norm)
+            for (int64_t r = 0; r < k; r++) wi[r] /= tot;
+    }
+    free(p);
     return QM_OK;
 }
