@@ -147,9 +147,10 @@ def run_experts(
     """
     T = x.shape[0]
     if T == 1:
-        id_list = ids[0].tolist()
-        order = {e: i for i, e in enumerate(sorted(id_list))}
-        w_sorted = weights[0][torch.argsort(ids[0])]
+        id_list, w_list = ids[0].tolist(), weights[0].tolist()
+        by_id = sorted(range(len(id_list)), key=id_list.__getitem__)
+        order = {id_list[p]: r for r, p in enumerate(by_id)}
+        w_sorted = torch.tensor([w_list[p] for p in by_id], dtype=x.dtype)
         outs = torch.empty(len(id_list), x.shape[1])
         xc = x.contiguous()
         for group in experts.fetch_groups(layer, id_list):
@@ -160,7 +161,7 @@ def run_experts(
                 continue
             for e, expert in group:
                 outs[order[e]] = swiglu(expert, x.to(expert[0].dtype))[0].float()
-        return (outs * w_sorted[:, None]).sum(0, keepdim=True)
+        return (w_sorted @ outs)[None]  # one fixed-order reduction over the experts, whatever came first
     needed = torch.unique(ids).tolist()
     partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for group in experts.fetch_groups(layer, needed):
