@@ -83,18 +83,28 @@ class RoPE:
         self._cos = ang.cos().float()[:, None, :]
         self._sin = ang.sin().float()[:, None, :]
 
+    def ensure(self, n: int) -> None:
+        """Tables cover positions 0..n-1."""
+        if n > self._cos.shape[0]:
+            self._table(max(n, 2 * self._cos.shape[0]))
+
+    def cos_ptr(self, pos: int) -> int:
+        """Address of position pos's cos row (float32 [rot/2]) for the native kernels."""
+        return self._cos.data_ptr() + pos * (self.rot_dim // 2) * 4
+
+    def sin_ptr(self, pos: int) -> int:
+        return self._sin.data_ptr() + pos * (self.rot_dim // 2) * 4
+
     def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         """x [T, heads, head_dim] at positions pos..pos+T-1."""
         T = x.shape[0]
-        if pos + T > self._cos.shape[0]:
-            self._table(max(pos + T, 2 * self._cos.shape[0]))
+        self.ensure(pos + T)
         lib = native.lib()
         if lib is not None and x.dtype == torch.float32 and x.numel() <= SMALL_OP:
             y = x.contiguous().clone()
-            half = self.rot_dim // 2
             lib.ms_rope_neox(
                 y.data_ptr(), T, y.shape[1], y.shape[2], self.rot_dim,
-                self._cos.data_ptr() + pos * half * 4, self._sin.data_ptr() + pos * half * 4,
+                self.cos_ptr(pos), self.sin_ptr(pos),
             )  # fmt: skip
             return y
         cos = self._cos[pos : pos + T]

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moestream import linear, quants
+from moestream import linear, native, quants
 from moestream.errors import ModelFileError
 from moestream.gguf_file import GGUFFile
 from moestream.models.common import ExpertProvider, KVCache, RoPE, f32_matmul, rms_norm, route_topk
@@ -76,6 +76,35 @@ class Attention:
         self.q_norm = load(p + "attn_q_norm.weight", vector=True)
         self.k_norm = load(p + "attn_k_norm.weight", vector=True)
         self.cfg = cfg
+
+    def fused_decode(self, x: torch.Tensor, norm: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE):
+        """The whole block for one token in one native call (norm included), or None when the forms don't allow."""
+        lib = native.lib()
+        qkv, o, cfg = self.qkv, self.o, self.cfg
+        kc, vc = kv.k[layer], kv.v[layer]
+        if (
+            lib is None
+            or qkv is None
+            or qkv.kind != "lane"
+            or o.kind != "lane"
+            or kc is None
+            or kc.dtype not in (torch.bfloat16, torch.float32)
+            or pos >= kc.shape[0]
+        ):
+            return None
+        rope.ensure(pos + 1)
+        half = rope.rot_dim // 2
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        rc = lib.ms_attn_block_decode(
+            x.data_ptr(), norm.data_ptr(), cfg.hidden, cfg.rms_eps, qkv.ggml_type, qkv.weight.data_ptr(),
+            self.q_norm.data_ptr(), self.k_norm.data_ptr(), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+            rope.cos_ptr(pos), rope.sin_ptr(pos), 2 * half, kc.data_ptr(), vc.data_ptr(),
+            int(kc.dtype == torch.bfloat16), pos, o.ggml_type, o.weight.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"ms_attn_block_decode failed ({rc}) at layer {layer}")
+        return out
 
     def __call__(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
         cfg = self.cfg
@@ -275,7 +304,10 @@ class Qwen3Moe:
         assert self.experts is not None, "no expert provider attached"
         x = self.embed(tokens)
         for i, (attn_norm, attn, ffn_norm, moe) in enumerate(self.layers):
-            x = x + attn(rms_norm(x, attn_norm, self.cfg.rms_eps), i, kv, pos, self.rope)
+            a = attn.fused_decode(x, attn_norm, i, kv, pos, self.rope) if len(tokens) == 1 else None
+            if a is None:
+                a = attn(rms_norm(x, attn_norm, self.cfg.rms_eps), i, kv, pos, self.rope)
+            x = x + a
             forced = self.routes.ids(i, pos, len(tokens)) if self.routes is not None else None
             x = x + moe(rms_norm(x, ffn_norm, self.cfg.rms_eps), self.experts, forced)
         kv.advance(pos + len(tokens))

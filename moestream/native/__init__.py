@@ -127,6 +127,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_attn_decode.restype = c_int
     lib.ms_route_topk.argtypes = [vp, i64, i64, i64, c_int, vp, vp]
     lib.ms_route_topk.restype = c_int
+    f32 = ctypes.c_float
+    lib.ms_attn_block_decode.argtypes = [vp, vp, i64, f32, c_int, vp, vp, vp, i64, i64, i64, vp, vp, i64,
+                                         vp, vp, c_int, i64, c_int, vp, vp]  # fmt: skip
+    lib.ms_attn_block_decode.restype = c_int
 
 
 def _load(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:

@@ -1021,3 +1021,46 @@ int ms_route_topk(const float *logits, int64_t t, int64_t e, int64_t k, int norm
     free(p);
     return QM_OK;
 }
+
+/* A whole grouped-query attention block for one decode token (qwen3moe): RMSNorm of x, the fused q|k|v
+ * projection, RMSNorm of each q and k head, NeoX RoPE at `pos`, k and v appended to the layer's cache at
+ * `pos`, attention over positions 0..pos, the output projection. out [hidden] is the block's output (the
+ * caller adds the residual). Projections are in the lane layout; the cache is bf16 when kv_bf16 else f32.
+ * One C call instead of ~15 torch ops, each of which costs more in dispatch here than its arithmetic. */
+int ms_attn_block_decode(const float *x, const float *norm_w, int64_t hidden, float eps, int qkv_type,
+                         const uint8_t *qkv_w, const float *q_norm, const float *k_norm, int64_t n_heads,
+                         int64_t n_kv, int64_t head_dim, const float *cosv, const float *sinv, int64_t rot,
+                         void *k_cache, void *v_cache, int kv_bf16, int64_t pos, int o_type, const uint8_t *o_w,
+                         float *out) {
+    const int64_t nq = n_heads * head_dim, nkv = n_kv * head_dim, nqkv = nq + 2 * nkv;
+    float *buf = malloc(sizeof(float) * (size_t)(hidden + nqkv + nq));
+    if (!buf) return QM_NO_MEM;
+    float *xn = buf, *qkv = xn + hidden, *att = qkv + nqkv;
+    int rc = ms_rms_norm(x, norm_w, 1, hidden, eps, xn);
+    if (rc == QM_OK) rc = ms_qmm(qkv_type, qkv_w, nqkv, hidden, xn, 1, hidden, qkv, nqkv);
+    if (rc != QM_OK) {
+        free(buf);
+        return rc;
+    }
+    float *q = qkv, *k = qkv + nq, *v = k + nkv;
+    ms_rms_norm(q, q_norm, n_heads, head_dim, eps, q);
+    ms_rms_norm(k, k_norm, n_kv, head_dim, eps, k);
+    ms_rope_neox(q, 1, n_heads, head_dim, rot, cosv, sinv);
+    ms_rope_neox(k, 1, n_kv, head_dim, rot, cosv, sinv);
+    for (int64_t i = 0; i < nkv; i++) {
+        if (kv_bf16) { /* round to nearest even, as torch's .to(bfloat16) */
+            uint32_t bk, bv;
+            memcpy(&bk, &k[i], 4);
+            memcpy(&bv, &v[i], 4);
+            ((uint16_t *)k_cache)[pos * nkv + i] = (uint16_t)((bk + 0x7FFF + ((bk >> 16) & 1)) >> 16);
+            ((uint16_t *)v_cache)[pos * nkv + i] = (uint16_t)((bv + 0x7FFF + ((bv >> 16) & 1)) >> 16);
+        } else {
+            ((float *)k_cache)[pos * nkv + i] = k[i];
+            ((float *)v_cache)[pos * nkv + i] = v[i];
+        }
+    }
+    rc = ms_attn_decode(q, k_cache, v_cache, pos + 1, n_heads, n_kv, head_dim, kv_bf16, 1.0f / sqrtf((float)head_dim), att);
+    if (rc == QM_OK) rc = ms_qmm(o_type, o_w, hidden, nq, att, 1, nq, out, hidden);
+    free(buf);
+    return rc;
+}
