@@ -201,7 +201,7 @@ class Engine:
             self.elastic = ElasticWatcher(self.cache, keep_free_mb).start()
 
         self._step = 0  # forward calls so far: one per prompt micro-batch or decoded token
-        self._torch_threads = self.threads
+        self._torch_threads = 0  # set by the first forward call
         self._token = 0  # session index of the first token of the current forward call
         self._trace = None
         if trace_path is not None:
@@ -262,6 +262,9 @@ class Engine:
         if want != self._torch_threads:
             torch.set_num_threads(want)
             self._torch_threads = want
+            # the lane pool's idle workers: spin between a decode step's back-to-back calls, but not through a
+            # prompt micro-batch, whose reader threads need the cores to pack what they read
+            native.set_spin_us(2000 if want == 1 else 100)
         self._step += 1
         self._token = pos
         return self.model.forward(tokens, self.kv, pos)

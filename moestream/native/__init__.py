@@ -109,6 +109,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_lane_unpack.restype = c_int
     lib.ms_set_threads.argtypes = [c_int]
     lib.ms_set_threads.restype = c_int
+    lib.ms_set_spin_us.argtypes = [ctypes.c_double]
+    lib.ms_set_spin_us.restype = None
     lib.ms_qmm.argtypes = [c_int, vp, i64, i64, vp, i64, i64, vp, i64]
     lib.ms_qmm.restype = c_int
     lib.ms_qmm_scratch_bytes.argtypes = [i64, i64]
@@ -202,6 +204,13 @@ def set_threads(n: int) -> int:
     """Threads the native kernels use (the caller plus n - 1 pool workers); returns the count in effect."""
     library = lib()
     return library.ms_set_threads(max(1, n)) if library is not None else 1
+
+
+def set_spin_us(us: float) -> None:
+    """How long idle pool workers spin before sleeping (see qmm.c)."""
+    library = lib()
+    if library is not None:
+        library.ms_set_spin_us(us)
 
 
 def _ptr(a: np.ndarray) -> int:

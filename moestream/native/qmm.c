@@ -32,6 +32,7 @@
 #include <string.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <time.h>
 #include <unistd.h>
@@ -114,12 +115,39 @@ static inline void put_nibble_lane(const uint8_t qs[16], uint8_t *nib, int L, in
     for (int c = 0; c < 4; c++) memcpy(nib + (c * L + j) * 4, qs + 4 * c, 4);
 }
 
+#ifdef MS_VNNI
+/* Four lanes j..j+3 at once: their 16-byte rows transposed as 4x4 dwords, so each chunk gets one 16-byte
+ * store (the miss path packs every expert read from disk: this runs at memory speed, the scalar loop did
+ * ~5 GB/s). */
+static inline void put_nibble_lanes4(__m128i r0, __m128i r1, __m128i r2, __m128i r3, uint8_t *nib, int L, int j) {
+    __m128 a = _mm_castsi128_ps(r0), b = _mm_castsi128_ps(r1), c = _mm_castsi128_ps(r2), d = _mm_castsi128_ps(r3);
+    _MM_TRANSPOSE4_PS(a, b, c, d);
+    _mm_storeu_ps((float *)(nib + (0 * L + j) * 4), a);
+    _mm_storeu_ps((float *)(nib + (1 * L + j) * 4), b);
+    _mm_storeu_ps((float *)(nib + (2 * L + j) * 4), c);
+    _mm_storeu_ps((float *)(nib + (3 * L + j) * 4), d);
+}
+#endif
+
 static void pack_row_q4_0(const uint8_t *src, int64_t k, uint8_t *dst) {
     int64_t nsub = k / 32;
     for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
         int L = nsub - s0 >= 16 ? 16 : 8;
         uint8_t *nib = dst, *d = dst + 16 * L;
-        for (int j = 0; j < L; j++) {
+        int j = 0;
+#ifdef MS_VNNI
+        for (; j < L; j += 4) {
+            const uint8_t *b = src + (s0 + j) * 18;
+            put_nibble_lanes4(_mm_loadu_si128((const __m128i *)(b + 2)), _mm_loadu_si128((const __m128i *)(b + 20)),
+                              _mm_loadu_si128((const __m128i *)(b + 38)), _mm_loadu_si128((const __m128i *)(b + 56)),
+                              nib, L, j);
+            memcpy(d + 2 * j, b, 2);
+            memcpy(d + 2 * j + 2, b + 18, 2);
+            memcpy(d + 2 * j + 4, b + 36, 2);
+            memcpy(d + 2 * j + 6, b + 54, 2);
+        }
+#endif
+        for (; j < L; j++) {
             const uint8_t *b = src + (s0 + j) * 18;
             put_nibble_lane(b + 2, nib, L, j);
             memcpy(d + 2 * j, b, 2);
@@ -157,6 +185,21 @@ static void pack_row_q4_k(const uint8_t *src, int64_t k, uint8_t *dst) {
             memcpy(dd + 2 * bi, b, 2);
             memcpy(dm + 2 * bi, b + 2, 2);
             const uint8_t *q = b + 16;
+#ifdef MS_VNNI
+            {
+                const __m128i m4 = _mm_set1_epi8(0x0F), m4h = _mm_set1_epi8((char)0xF0);
+                __m128i lo[4], hi[4];
+                for (int p = 0; p < 4; p++) {
+                    __m128i a0 = _mm_loadu_si128((const __m128i *)(q + 32 * p)), a1 = _mm_loadu_si128((const __m128i *)(q + 32 * p + 16));
+                    lo[p] = _mm_or_si128(_mm_and_si128(a0, m4), _mm_and_si128(_mm_slli_epi16(a1, 4), m4h));
+                    hi[p] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a0, 4), m4), _mm_and_si128(a1, m4h));
+                }
+                /* lanes 8bi + 2p (lo) and 8bi + 2p + 1 (hi) */
+                put_nibble_lanes4(lo[0], hi[0], lo[1], hi[1], nib, L, 8 * bi);
+                put_nibble_lanes4(lo[2], hi[2], lo[3], hi[3], nib, L, 8 * bi + 4);
+                continue;
+            }
+#endif
             for (int p = 0; p < 4; p++) { /* q[32p..32p+32): sub 2p in low nibbles, 2p+1 in high */
                 uint8_t lo[16], hi[16];
                 const uint8_t *a = q + 32 * p;
@@ -258,7 +301,12 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-#define SPIN_S 2e-3 /* how long an idle worker spins before sleeping */
+/* How long an idle worker spins before sleeping on the futex. Long in decode (the next call comes within
+ * a few hundred us, and waking from the futex costs more than that here); short when other threads need
+ * the cores between calls (reader threads packing a prompt's misses). */
+static _Atomic double spin_s = 2e-3;
+
+void ms_set_spin_us(double us) { atomic_store(&spin_s, us * 1e-6); }
 
 static void run_tasks(void) {
     int64_t t;
@@ -274,8 +322,13 @@ static void *worker(void *arg) {
         while ((g = atomic_load_explicit(&P.gen, memory_order_acquire)) == seen) {
             if (++spins < 64) { cpu_relax(); continue; }
             spins = 0;
+            double el = 0;
             if (t0 == 0) t0 = now_s();
-            else if (now_s() - t0 > SPIN_S) {
+            else el = now_s() - t0;
+            /* past the first 50 us, offer the core to any runnable thread (reader threads submitting reads
+             * or packing) while still answering the next call within a few us */
+            if (el > 50e-6) sched_yield();
+            if (el > atomic_load_explicit(&spin_s, memory_order_relaxed)) {
                 atomic_fetch_add(&P.sleepers, 1);
                 syscall(SYS_futex, &P.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
                 atomic_fetch_sub(&P.sleepers, 1);
