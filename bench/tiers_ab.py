@@ -177,7 +177,8 @@ def live_part(args, parts, profile, n_layers: int, n_experts: int) -> dict:
         stats = str(tmp / f"live-{name.replace(' ', '')}.json")
         cmd = [sys.executable, "-m", "moestream", "run", "-m", args.live, "-p", "x " * (args.prompt - 1),
                "-n", str(n_decode), "--ignore-eos", "--threads", str(args.threads), "--ram-budget-mb",
-               str(budget_mb), "--route-trace", routes_path, "--trace", trace, "--stats-json", stats, *extra]  # fmt: skip
+               str(budget_mb), "--route-trace", routes_path, "--trace", trace,
+               "--stats-json", stats, *extra]  # fmt: skip
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -206,7 +207,8 @@ def live_part(args, parts, profile, n_layers: int, n_experts: int) -> dict:
             "args": extra,
         }
         print(
-            f"  {name:16s} decode {st.get('decode_tps', 0):6.2f} tok/s, {st.get('decode_mb_per_token', 0):6.1f} MB/tok, "
+            f"  {name:16s} decode {st.get('decode_tps', 0):6.2f} tok/s, "
+            f"{st.get('decode_mb_per_token', 0):6.1f} MB/tok, "
             + "  ".join(f"{t}: {v['hit_rate']:6.1%}" for t, v in per_topic.items()),
             flush=True,
         )
