@@ -250,9 +250,12 @@ def cmd_forecast(args: argparse.Namespace) -> int:
     if args.io_threads < 1:
         raise MoestreamError("--io-threads must be at least 1")
     direct = False if args.buffered else (True if args.direct else None)
-    if args.pack_ms < 0:
+    pack_ms = args.pack_ms
+    if pack_ms is None:
+        pack_ms = fc.measure_pack_ms(args.model) if args.model else fc.DEFAULT_PACK_MS
+    if pack_ms < 0:
         raise MoestreamError("--pack-ms must not be negative")
-    kw = dict(io_threads=args.io_threads, direct=direct, pack_ms=args.pack_ms)
+    kw = dict(io_threads=args.io_threads, direct=direct, pack_ms=pack_ms)
     cases: list[tuple[str, fc.Forecast]] = [
         ("no cache hits", fc.forecast(probe, geom, compute_ms, hit_rate=0.0, **kw)),
     ]
@@ -376,8 +379,8 @@ def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--pack-ms",
         type=float,
-        default=1.0,
-        help="ms to pack one expert read from disk (default 1.0: short runs are mostly first fills)",
+        default=None,
+        help="ms to pack one expert read from disk (default: measured on --model, else 0.5)",
     )
     m = p.add_mutually_exclusive_group()
     m.add_argument("--buffered", action="store_true", help="forecast buffered reads")

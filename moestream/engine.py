@@ -25,7 +25,7 @@ from moestream.expert_cache import ExpertCache
 from moestream.expert_store import ExpertStore
 from moestream.gguf_file import GGUFFile
 from moestream.mlock import LockReport, lock_dense, routed_nbytes
-from moestream.models import ARCHITECTURES
+from moestream.models import ARCHITECTURES, common
 from moestream.reader import ExpertReader
 from moestream.sampling import Sampler
 
@@ -128,6 +128,7 @@ class Engine:
             torch.set_num_threads(threads)
         self.threads = threads or torch.get_num_threads()
         native.set_threads(self.threads)  # the lane kernels' own pool
+        common.WIDE_THREADS = self.threads
         # Small activations times small weights produce denormals, which cost the CPU kernels ~10x.
         torch.set_flush_denormal(True)
         self.gguf = f = GGUFFile(model_path)
@@ -202,6 +203,7 @@ class Engine:
 
         self._step = 0  # forward calls so far: one per prompt micro-batch or decoded token
         self._torch_threads = 0  # set by the first forward call
+        self._spin_us = 0
         self._token = 0  # session index of the first token of the current forward call
         self._trace = None
         if trace_path is not None:
@@ -249,11 +251,11 @@ class Engine:
         self._trace.record(self._token, self.cache.phase, self._step, layer, expert, rank, source, nbytes, latency)
 
     def _torch_threads_for(self, n_tokens: int) -> int:
-        """torch's thread count for a step. A decode step whose matmuls all run in the lane kernels gives torch
-        one thread: torch's idle OpenMP threads spin for a while after each op and take the cores the lane
-        pool needs (measured: decode 30 tok/s with both pools at 2 threads, 65-71 with torch at 1). Prompt
-        steps keep torch's threads for attention over the whole prompt."""
-        if n_tokens == 1 and native.lane_ok() and getattr(self.model, "lane_decode", False):
+        """torch's thread count for a step. When every heavy matmul runs in the lane kernels torch gets one
+        thread: its idle OpenMP threads spin for a while after each op and take the cores the lane pool and
+        the reader threads need (measured: decode 30 tok/s with both pools at 2 threads, 65-71 with torch at
+        1). A prompt's attention still gets every thread (common.wide_torch)."""
+        if native.lane_ok() and getattr(self.model, "lane_decode", False):
             return 1
         return self.threads
 
@@ -262,9 +264,12 @@ class Engine:
         if want != self._torch_threads:
             torch.set_num_threads(want)
             self._torch_threads = want
-            # the lane pool's idle workers: spin between a decode step's back-to-back calls, but not through a
-            # prompt micro-batch, whose reader threads need the cores to pack what they read
-            native.set_spin_us(2000 if want == 1 else 100)
+        # the lane pool's idle workers spin between a decode step's back-to-back calls, but not through a
+        # prompt micro-batch, whose reader threads need the cores to pack what they read
+        spin = 2000 if len(tokens) == 1 else 100
+        if spin != self._spin_us:
+            native.set_spin_us(spin)
+            self._spin_us = spin
         self._step += 1
         self._token = pos
         return self.model.forward(tokens, self.kv, pos)

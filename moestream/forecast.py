@@ -141,10 +141,9 @@ class Forecast:
 # Of the compute of a layer with every expert cached, the share spent in the routed experts (profiled on
 # the Qwen3-30B-A3B shape: 24 of the 26 int4 matmuls of a layer; the rest is attention and the router).
 EXPERT_SHARE = 0.7
-# Packing one expert that was read (3 segments into the int4 form) on the model's thread: ~0.5 ms warm,
-# ~2.4 ms on a slot filled for the first time (page faults), measured on this machine; short runs are mostly
-# first fills.
-DEFAULT_PACK_MS = 1.0
+# Packing one expert that was read on the model's thread, when the forecast cannot measure it
+# (measure_pack_ms): the torch int4 form took ~0.5 ms warm here, the lane form ~0.15 ms.
+DEFAULT_PACK_MS = 0.5
 
 
 def _layer_ms(geom: Geometry, compute_ms: float, misses: int, read_ms: float, pack_ms: float) -> float:
@@ -239,6 +238,42 @@ def read_stats(path_or_value: str) -> dict[str, float]:
     else:
         raise MoestreamError(f"{path_or_value}: no decode_tokens/decode_s or decode_tps in it")
     return out
+
+
+def measure_pack_ms(model_path: str, repeats: int = 9) -> float:
+    """ms to pack one expert read from disk into its compute form, on this machine: the median of packing
+    the first layer's expert 0 (its three segments, as the cache does) into slot memory that has been
+    touched once (the engine prefaults its arena when given a budget)."""
+    import time
+
+    import torch
+
+    from moestream import linear
+    from moestream.expert_store import ExpertStore
+    from moestream.gguf_file import GGUFFile
+    from moestream.models import ARCHITECTURES
+
+    f = GGUFFile(model_path)
+    try:
+        cfg = ARCHITECTURES[f.arch].config_from_gguf(f)
+        store = ExpertStore(f, cfg.n_layers, cfg.n_experts, exact=False)
+        segs = store.segments(0, 0)
+        raws = [f.read_range(s.offset, s.nbytes) for s in segs]
+    finally:
+        f.close()
+    slot = linear.aligned_empty(store.slot_nbytes)
+    slot.fill_(0)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            off = 0
+            for s, raw in zip(segs, raws, strict=True):
+                size = linear.packed_nbytes(s.ggml_type, s.n, s.k, False)
+                linear.pack_into(raw, s.ggml_type, s.n, s.k, slot[off : off + size], False)
+                off += (size + 63) // 64 * 64
+            times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times)[len(times) // 2]
 
 
 def measure_compute_ms(model_path: str, tokens: int = 16, threads: int | None = None) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -13,6 +14,23 @@ from moestream import native
 from moestream.linear import QLinear
 
 SMALL_OP = 1 << 16  # elements up to which a float32 op goes to the native helpers
+# torch's threads for the few big torch ops (a prompt's attention) when the engine otherwise keeps torch at
+# one thread so that the lane pool has the cores (engine._torch_threads_for); 0: leave torch alone
+WIDE_THREADS = 0
+
+
+@contextmanager
+def wide_torch() -> Iterator[None]:
+    cur = torch.get_num_threads()
+    if WIDE_THREADS <= cur:
+        yield
+        return
+    torch.set_num_threads(WIDE_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(cur)
+
 
 Expert = tuple[QLinear, QLinear, QLinear]  # gate, up, down
 
@@ -182,7 +200,8 @@ class KVCache:
             qpos = torch.arange(pos, pos + T)[:, None]
             mask = torch.arange(S)[None, :] <= qpos
         gqa = q.shape[1] != keys.shape[1]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
+        with wide_torch():
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
         return out.squeeze(0).transpose(0, 1)
 
     def advance(self, length: int) -> None:

@@ -9,6 +9,7 @@ everything else is resident.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -191,24 +192,26 @@ def run_experts(
             for e, expert in group:
                 outs[order[e]] = swiglu(expert, x.to(expert[0].dtype))[0].float()
         return (w_sorted @ outs)[None]  # one fixed-order reduction over the experts, whatever came first
-    needed = torch.unique(ids).tolist()
-    partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    # Every (token, slot) pair grouped by expert: expert e's rows are one contiguous range of the sorted
+    # order, its inputs and outputs one slice of X and Y, and the final sum one index_add in that fixed order.
+    k = ids.shape[1]
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    needed_t, counts_t = torch.unique_consecutive(ids.reshape(-1)[order], return_counts=True)
+    needed, counts = needed_t.tolist(), counts_t.tolist()
+    starts = dict(zip(needed, itertools.accumulate([0, *counts[:-1]]), strict=True))
+    count = dict(zip(needed, counts, strict=True))
+    rows = order // k
+    X = x[rows]
+    Y = torch.empty_like(X)
     for group in experts.fetch_groups(layer, needed):
-        sel = [(e, w, *(ids == e).nonzero(as_tuple=True)) for e, w in group]
+        spans = [(starts[e], starts[e] + count[e]) for e, _ in group]
         if all(linear.lane_swiglu_ok(w) for _, w in group):
-            xs = [x[rows] for _, _, rows, _ in sel]
-            ys = [torch.empty_like(xe) for xe in xs]
-            linear.lane_swiglu([w for _, w, _, _ in sel], xs, ys)
-            for (e, _, rows, slot), ye in zip(sel, ys, strict=True):
-                partial[e] = (rows, ye * weights[rows, slot, None])
+            linear.lane_swiglu([w for _, w in group], [X[a:b] for a, b in spans], [Y[a:b] for a, b in spans])
             continue
-        for e, expert, rows, slot in sel:
-            xe = x[rows].to(expert[0].dtype)
-            partial[e] = (rows, swiglu(expert, xe).float() * weights[rows, slot, None])
+        for (_e, expert), (a, b) in zip(group, spans, strict=True):
+            Y[a:b] = swiglu(expert, X[a:b].to(expert[0].dtype)).float()
     out = torch.zeros_like(x)
-    for e in sorted(partial):
-        rows, y = partial[e]
-        out.index_add_(0, rows, y)
+    out.index_add_(0, rows, Y * weights.reshape(-1)[order, None])
     return out
 
 
@@ -285,7 +288,7 @@ class Qwen3Moe:
         scratch = linear.EXPAND_SCRATCH_BYTES if ubatch >= linear.INT4_GEMM_MIN_ROWS else 0  # int4 -> bf16 slices
         residual = 6 * cfg.hidden
         attn = 3 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-        moe = cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2
+        moe = 2 * cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2  # X and Y
         per_token = 4 * (residual + max(attn, moe)) * 3 // 2
         runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
         return keys + scratch + ubatch * per_token + cfg.vocab_size * 4 * 2 + runtime
