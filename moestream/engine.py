@@ -251,11 +251,12 @@ class Engine:
         self._trace.record(self._token, self.cache.phase, self._step, layer, expert, rank, source, nbytes, latency)
 
     def _torch_threads_for(self, n_tokens: int) -> int:
-        """torch's thread count for a step. When every heavy matmul runs in the lane kernels torch gets one
-        thread: its idle OpenMP threads spin for a while after each op and take the cores the lane pool and
-        the reader threads need (measured: decode 30 tok/s with both pools at 2 threads, 65-71 with torch at
-        1). A prompt's attention still gets every thread (common.wide_torch)."""
-        if native.lane_ok() and getattr(self.model, "lane_decode", False):
+        """torch's thread count for a step. A decode step whose heavy matmuls all run in the lane kernels gives
+        torch one thread: its idle OpenMP threads spin for a while after each op and take the cores the lane
+        pool needs (measured: decode 30 tok/s with both pools at 2 threads, 65-71 with torch at 1). Prompt
+        steps keep every thread: qwen35moe's chunked DeltaNet runs in torch (its prefill: 4.95 tok/s at one
+        thread, 6.95 at two; qwen3moe's was the same either way)."""
+        if n_tokens == 1 and native.lane_ok() and getattr(self.model, "lane_decode", False):
             return 1
         return self.threads
 
