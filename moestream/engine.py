@@ -384,8 +384,8 @@ def _plan_args(
     return dict(
         budget_mb=budget_mb,
         compute=model_cls.compute_nbytes(cfg, ubatch, ctx),
-        # per-thread buffers + the pool (3 x top-k, at least 2 x threads); see ExpertReader
-        reader=(io_threads + max(3 * cfg.top_k, 2 * io_threads)) * (store.max_segment_nbytes + 3 * 4096),
+        # the read buffers (3 x top-k, at least 2 x threads); see ExpertReader
+        reader=max(3 * cfg.top_k, 2 * io_threads) * (store.max_segment_nbytes + 3 * 4096),
         slot_nbytes=store.slot_nbytes,
         min_slots=cfg.top_k,
         max_slots=cfg.n_layers * cfg.n_experts,

@@ -6,8 +6,8 @@ one layer's misses put several reads in flight at once, which is what the disk n
 
 Reads go through O_DIRECT into page-aligned buffers when the filesystem allows it, so the page cache never
 holds a second, unbudgeted copy of the experts; otherwise buffered reads are followed by FADV_DONTNEED.
-os.preadv releases the GIL, and so does the packing that follows it (ctypes), so the pool really runs in
-parallel with the model's compute.
+os.preadv releases the GIL, so the pool really runs in parallel with the model's compute; the model's
+thread packs what it reads.
 """
 
 from __future__ import annotations
@@ -81,10 +81,8 @@ class ExpertReader:
         self.direct = self._fd_direct is not None
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd_buffered, 0, 0, os.POSIX_FADV_RANDOM)
-        # One buffer per pool thread, big enough for the largest segment plus alignment slack at both ends.
+        # Buffers big enough for the largest segment plus alignment slack at both ends.
         self.buffer_nbytes = (max_segment_nbytes + 2 * ALIGN + ALIGN - 1) // ALIGN * ALIGN
-        self._local = threading.local()
-        self._buffers: list[AlignedBuffer] = []
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moestream-read")
         self._inflight = 0
@@ -102,20 +100,7 @@ class ExpertReader:
     @property
     def buffers_nbytes(self) -> int:
         """Memory the reader holds at most (counted in the budget)."""
-        return (self.threads + self.n_buffers) * self.buffer_nbytes
-
-    def _buffer(self) -> AlignedBuffer:
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = AlignedBuffer(self.buffer_nbytes)
-            self._local.buf = buf
-            with self._lock:
-                self._buffers.append(buf)
-        return buf
-
-    def read_into(self, offset: int, nbytes: int) -> memoryview:
-        """Read [offset, offset+nbytes) into this thread's buffer; valid until its next read."""
-        return self._read_to(self._buffer(), offset, nbytes)
+        return self.n_buffers * self.buffer_nbytes
 
     def _read_to(self, buf: AlignedBuffer, offset: int, nbytes: int) -> memoryview:
         if self._fd_direct is not None:
@@ -179,19 +164,6 @@ class ExpertReader:
     def busy_bandwidth(self) -> float:
         """Bytes per second over the time reads were in flight (0 before any read)."""
         return self.bytes_read / self.busy_s if self.busy_s > 0 else 0.0
-
-    def submit(self, offset: int, nbytes: int, consume: Callable[[memoryview], object]) -> Future:
-        """Read a range on the pool and run consume(bytes) in the same thread (e.g. pack into a cache slot)."""
-
-        def task() -> object:
-            try:
-                view = self.read_into(offset, nbytes)
-            finally:
-                self._busy_end(nbytes)
-            return consume(view)
-
-        self._busy_begin()
-        return self._pool.submit(task)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
