@@ -20,7 +20,7 @@ admission on (the prompt's misses enter the LRU) vs off (served from scratch slo
 untouched by the prompt).
 
 Live (--live MODEL): `moestream run --route-trace` replays the same session's routing on a real GGUF
-(prompt of topic A, then decoding through A, B and C, no further prompts), in the three tier settings
+(a one-word prompt, then every token of the session decoded one by one), in the three tier settings
 at one --ram-budget-mb, each with --trace so per-topic hit rates come from the engine's own records.
 Results: bench/results/<date>-tiers-ab.json.
 """
@@ -163,9 +163,10 @@ def live_part(args, parts, profile, n_layers: int, n_experts: int) -> dict:
     prof_path = str(tmp / "profile.txt")
     write_profile(Profile([(layer, e, len(profile) - i) for i, (layer, e) in enumerate(profile)],
                           {"source": "synthetic topic A"}), prof_path)  # fmt: skip
-    budget_mb = args.live_budget_mb or budget_for_slots(args.live, args.slots) // (1 << 20) + 1
-    # the session after the first prompt: decode through A's decode, then B's and C's prompt and decode tokens
-    n_decode = sum(len(r) for _t, _k, r in parts) - args.prompt
+    budget_mb = args.live_budget_mb or budget_for_slots(args.live, args.slots)
+    # a one-word prompt, then the whole session decoded token by token (its prompts included: the replay
+    # covers prompt micro-batches; live, every token's routing comes from the trace by position)
+    n_decode = sum(len(r) for _t, _k, r in parts) - 4
     settings = {
         "lru": [],
         "profile only": ["--pin-profile", prof_path, "--pin-mb", str(args.pin_only_mb)],
@@ -175,7 +176,7 @@ def live_part(args, parts, profile, n_layers: int, n_experts: int) -> dict:
     for name, extra in settings.items():
         trace = str(tmp / f"live-{name.replace(' ', '')}.trace.csv")
         stats = str(tmp / f"live-{name.replace(' ', '')}.json")
-        cmd = [sys.executable, "-m", "moestream", "run", "-m", args.live, "-p", "x " * (args.prompt - 1),
+        cmd = [sys.executable, "-m", "moestream", "run", "-m", args.live, "-p", "x",
                "-n", str(n_decode), "--ignore-eos", "--threads", str(args.threads), "--ram-budget-mb",
                str(budget_mb), "--route-trace", routes_path, "--trace", trace,
                "--stats-json", stats, *extra]  # fmt: skip
@@ -192,7 +193,8 @@ def live_part(args, parts, profile, n_layers: int, n_experts: int) -> dict:
         sizes = np.diff(acc.starts)
         # decode token d is session token prompt + d; parts alternate prompt/decode per topic
         ends = np.cumsum([len(r) for _t, _k, r in parts])
-        session_tok = args.prompt + (acc.group_step - acc.group_step.min())
+        # the prompt text may not tokenize to exactly args.prompt tokens: the engine says how many it was
+        session_tok = int(st["prompt_tokens"]) + (acc.group_step - acc.group_step.min())
         topic_of_group = np.searchsorted(ends, session_tok, side="right") // 2
         per_topic = {}
         for ti, topic in enumerate(TOPICS):
