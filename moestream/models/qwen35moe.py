@@ -32,7 +32,15 @@ from moestream import linear, quants
 from moestream.errors import ModelFileError
 from moestream.gguf_file import GGUFFile
 from moestream.linear import QLinear
-from moestream.models.common import ExpertProvider, KVCache, RoPE, f32_matmul, rms_norm, route_topk
+from moestream.models.common import (
+    ExpertProvider,
+    KVCache,
+    RoPE,
+    f32_matmul,
+    rms_norm,
+    route_topk,
+    wide_torch,
+)
 from moestream.models.qwen3moe import run_experts
 from moestream.routes import RouteTrace
 
@@ -471,7 +479,9 @@ class Qwen35Moe:
             self.output = linear.from_gguf(self._embd_raw, emb.ggml_type, emb.shape[0], emb.shape[1], exact)
             w.nbytes += self.output.nbytes
         self.dense_nbytes = w.nbytes
-        self.lane_decode = linear.all_lane([*w.linears, self.output])
+        # the output head runs once a token, widened to every thread when it is not in the lane form (a
+        # Q4_K_M's Q6_K head); the per-layer weights must all be lane for torch to stay at one thread
+        self.lane_decode = linear.all_lane([lin for lin in w.linears if lin is not self.output])
         self.routes: RouteTrace | None = None  # router choices replayed from a trace (--route-trace)
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rot_dim, max_pos=min(cfg.context_length, 4096))
 
@@ -541,5 +551,6 @@ class Qwen35Moe:
         kv.commit(pos, cuts)
         if not all_logits:
             x = x[-1:]
-        logits = self.output(rms_norm(x, self.norm, eps))
+        with wide_torch():
+            logits = self.output(rms_norm(x, self.norm, eps))
         return logits if all_logits else logits[0]

@@ -19,7 +19,15 @@ import torch.nn.functional as F
 from moestream import linear, native, quants
 from moestream.errors import ModelFileError
 from moestream.gguf_file import GGUFFile
-from moestream.models.common import ExpertProvider, KVCache, RoPE, f32_matmul, rms_norm, route_topk
+from moestream.models.common import (
+    ExpertProvider,
+    KVCache,
+    RoPE,
+    f32_matmul,
+    rms_norm,
+    route_topk,
+    wide_torch,
+)
 from moestream.routes import RouteTrace
 
 
@@ -260,7 +268,9 @@ class Qwen3Moe:
         else:  # tied embeddings: the head reads the same bytes as the embedding table
             self.output = linear.from_gguf(self._embd_raw, emb.ggml_type, emb.shape[0], emb.shape[1], exact)
             self.dense_nbytes += self.output.nbytes
-        self.lane_decode = linear.all_lane([*linears, self.output])
+        # the output head runs once a token, widened to every thread when it is not in the lane form (a
+        # Q4_K_M's Q6_K head); the per-layer weights must all be lane for torch to stay at one thread
+        self.lane_decode = linear.all_lane([lin for lin in linears if lin is not self.output])
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 4096))
         self.routes: RouteTrace | None = None  # router choices replayed from a trace (--route-trace)
 
@@ -316,5 +326,6 @@ class Qwen3Moe:
         kv.advance(pos + len(tokens))
         if not all_logits:
             x = x[-1:]
-        logits = self.output(rms_norm(x, self.norm, self.cfg.rms_eps))
+        with wide_torch():
+            logits = self.output(rms_norm(x, self.norm, self.cfg.rms_eps))
         return logits if all_logits else logits[0]
