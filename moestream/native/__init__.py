@@ -29,6 +29,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("pack.c", "qmm.c"))
+HEADERS = (Path(__file__).with_name("blocks.h"),)
 ABI_VERSION = 1
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing")
 # tried in order: a CPU-tuned build, then a generic one (some compilers reject -march=native)
@@ -64,7 +65,7 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> Path:
-    src = b"\0".join(p.read_bytes() for p in SOURCES)
+    src = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     key = hashlib.sha256(
         b"\0".join([src, " ".join(flags).encode(), cc.encode(), _cpu_fingerprint().encode(), sys.platform.encode()])
     ).hexdigest()[:20]

@@ -15,6 +15,8 @@
 #define MS_AVX2 1
 #endif
 
+#include "blocks.h"
+
 #define MS_ABI_VERSION 1
 
 enum {
@@ -28,46 +30,12 @@ enum { MS_OK = 0, MS_BAD_TYPE = -1, MS_BAD_SHAPE = -2 };
 /* ---------------------------------------------------------------------------------------------------- */
 /* scalar conversions */
 
-static inline float fp16_to_fp32(uint16_t h) {
-#if defined(__F16C__) && !defined(MS_SCALAR)
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        float f = (float)man * 5.9604644775390625e-8f; /* zero or subnormal: man * 2^-24, exact */
-        return sign ? -f : f;
-    }
-    if (exp == 31)
-        bits = sign | 0x7f800000u | (man << 13);
-    else
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-
-static inline float rd_fp16(const uint8_t *p) { return fp16_to_fp32(rd16(p)); }
-
 /* round to nearest even, NaN stays a (quiet) NaN: what torch's float -> bfloat16 does */
 static inline uint16_t fp32_to_bf16(float f) {
     uint32_t x;
     memcpy(&x, &f, 4);
     if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40);
     return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1)) >> 16);
-}
-
-/* Q4_K / Q5_K: 8 six-bit scales and mins packed in 12 bytes */
-static inline void k_scale_min(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0x0f) | ((s[j] >> 6) << 4);
-        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-    }
 }
 
 /* ---------------------------------------------------------------------------------------------------- */

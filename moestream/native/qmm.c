@@ -39,6 +39,8 @@
 #include <linux/futex.h>
 #include <sys/syscall.h>
 
+#include "blocks.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && !defined(MS_SCALAR)
 #include <immintrin.h>
 #define MS_VNNI 1
@@ -54,6 +56,11 @@ enum { QM_OK = 0, QM_BAD_TYPE = -1, QM_BAD_SHAPE = -2, QM_NO_SIMD = -3, QM_NO_ME
 
 /* ---------------------------------------------------------------------------------------------------- */
 /* layout sizes */
+
+/* bytes of one group of L lanes (see the layout above) */
+static inline int64_t group_bytes(int type, int L) {
+    return type == QT_Q8_0 ? 34 * L : type == QT_Q4_0 ? 18 * L : 18 * L + L / 2;
+}
 
 static int64_t lane_bytes(int type) { /* bytes per lane (sub-block of 32) x2 for Q4_K's halves */
     switch (type) {
@@ -76,35 +83,6 @@ int ms_lane_supported(void) {
 #else
     return 0;
 #endif
-}
-
-static inline float h2f(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) bits = sign;
-        else {
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
-    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-
-static inline void k_scale_min(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = q[j] & 63;
-        mn[j] = q[j + 4] & 63;
-    }
-    for (int j = 4; j < 8; j++) {
-        sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
 }
 
 /* ---------------------------------------------------------------------------------------------------- */
@@ -250,21 +228,21 @@ int ms_lane_unpack(int type, const uint8_t *w, int64_t n, int64_t k, float *out)
                         int i = 16 * (s & 1) + 4 * (s >> 1) + t;
                         float v;
                         if (type == QT_Q8_0) {
-                            v = (float)(int8_t)(g[(s * L + j) * 4 + t] ^ 0x80) * h2f(rd16(g + 32 * L + 2 * j));
+                            v = (float)(int8_t)(g[(s * L + j) * 4 + t] ^ 0x80) * rd_fp16((g + 32 * L + 2 * j));
                         } else {
                             uint8_t byte = g[((s >> 1) * L + j) * 4 + t];
                             int q = (s & 1) ? byte >> 4 : byte & 0xF;
-                            if (type == QT_Q4_0) v = (float)(q - 8) * h2f(rd16(g + 16 * L + 2 * j));
+                            if (type == QT_Q4_0) v = (float)(q - 8) * rd_fp16((g + 16 * L + 2 * j));
                             else {
                                 const uint8_t *sc = g + 16 * L, *mn = sc + L, *dd = mn + L, *dm = dd + 2 * (L / 8);
-                                float d = h2f(rd16(dd + 2 * (j / 8))), dmin = h2f(rd16(dm + 2 * (j / 8)));
+                                float d = rd_fp16((dd + 2 * (j / 8))), dmin = rd_fp16((dm + 2 * (j / 8)));
                                 v = d * (float)sc[j] * (float)q - dmin * (float)mn[j];
                             }
                         }
                         o[i] = v;
                     }
             }
-            g += type == QT_Q8_0 ? 34 * L : type == QT_Q4_0 ? 18 * L : 18 * L + L / 2;
+            g += group_bytes(type, L);
         }
     }
     return QM_OK;
@@ -496,15 +474,14 @@ static inline __attribute__((always_inline)) void group_scales(int T, const uint
             dv = _mm512_permutexvar_ps(sel, d2);
             mv = _mm512_permutexvar_ps(sel, m2);
         } else {
-            dv = _mm512_set1_ps(h2f(rd16(dd)));
-            mv = _mm512_set1_ps(h2f(rd16(dm)));
+            dv = _mm512_set1_ps(rd_fp16((dd)));
+            mv = _mm512_set1_ps(rd_fp16((dm)));
         }
         *scale = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, sc))));
         *mins = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, mn))));
     }
 }
 
-static inline int64_t group_bytes(int T, int L) { return T == QT_Q8_0 ? 34 * L : T == QT_Q4_0 ? 18 * L : 18 * L + L / 2; }
 
 #define LDB(L, p) ((L) == 16 ? _mm512_loadu_si512((const void *)(p)) : _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(p))))
 #define LDF(L, p) ((L) == 16 ? _mm512_loadu_ps(p) : _mm512_zextps256_ps512(_mm256_loadu_ps(p)))
@@ -613,30 +590,15 @@ static void qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                 __m512 scale, mins = _mm512_setzero_ps();
                 if (type == QT_Q8_0) {
                     for (int s = 0; s < 8; s++) w[s] = _mm512_maskz_loadu_epi8(mb, g + s * cb);
-                    scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 32 * L));
-                    g += 34 * L;
                 } else {
                     for (int c = 0; c < 4; c++) {
                         __m512i v = _mm512_maskz_loadu_epi8(mb, g + c * cb);
                         w[2 * c] = _mm512_and_si512(v, m4);
                         w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                     }
-                    if (type == QT_Q4_0) {
-                        scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 16 * L));
-                        g += 18 * L;
-                    } else {
-                        const uint8_t *sc = g + 16 * L, *mn = sc + L, *dd = mn + L, *dm = dd + L / 4;
-                        float d0 = h2f(rd16(dd)), m0f = h2f(rd16(dm));
-                        float d1 = L == 16 ? h2f(rd16(dd + 2)) : 0.0f, m1f = L == 16 ? h2f(rd16(dm + 2)) : 0.0f;
-                        __m512 dv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
-                        __m512 mv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(m0f), _mm512_set1_ps(m1f));
-                        __m512 scf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, sc)));
-                        __m512 mnf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, mn)));
-                        scale = _mm512_mul_ps(dv, scf);
-                        mins = _mm512_mul_ps(mv, mnf);
-                        g += 18 * L + L / 2;
-                    }
                 }
+                group_scales(type, g, L, mf, &scale, &mins);
+                g += group_bytes(type, L);
                 for (int i = 0; i < mt; i++) {
                     const int64_t xi = (m0 + i) * nsub + s0;
                     const int8_t *xp = xq[i];

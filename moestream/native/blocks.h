@@ -1,0 +1,46 @@
+/* GGUF block helpers shared by pack.c and qmm.c (static inline: each translation unit gets its own copy). */
+#ifndef MS_BLOCKS_H
+#define MS_BLOCKS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__F16C__) && !defined(MS_SCALAR)
+#include <immintrin.h>
+#endif
+
+static inline float fp16_to_fp32(uint16_t h) {
+#if defined(__F16C__) && !defined(MS_SCALAR)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        float f = (float)man * 5.9604644775390625e-8f; /* zero or subnormal: man * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    if (exp == 31)
+        bits = sign | 0x7f800000u | (man << 13);
+    else
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+static inline float rd_fp16(const uint8_t *p) { return fp16_to_fp32(rd16(p)); }
+
+/* Q4_K / Q5_K: 8 six-bit scales and mins packed in 12 bytes */
+static inline void k_scale_min(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0x0f) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+#endif
