@@ -199,7 +199,7 @@ class ExpertCache:
             off += (size + 63) // 64 * 64
         segs = self.store.segments(layer, expert)
         fused = None
-        if layout.fused_gate_up and segs[0].n * linear.lane_row_bytes_or_0(segs[0]) == layout.packed[0]:
+        if layout.fused_gate_up and layout.gate_kind == "lane":
             # lane form: gate rows then up rows are adjacent in the slot, one [2F, row bytes] matrix
             base = slot * self.slot_nbytes
             fused = self._arena_t[base : base + 2 * layout.packed[0]].view(2 * segs[0].n, -1)

@@ -35,6 +35,7 @@ class ExpertLayout:
     packed: tuple[int, int, int]  # bytes of each matrix in compute form, in gate/up/down order
     # gate and up packed as one matrix [2F, H] (int4 or lane form): one kernel call instead of two per expert
     fused_gate_up: bool = False
+    gate_kind: str = ""  # compute form of gate (and up, when fused): linear.compute_kind
 
     @property
     def packed_nbytes(self) -> int:
@@ -78,6 +79,7 @@ class ExpertStore:
                     *((s.ggml_type, s.n, s.k) for s in segs),
                     packed=tuple(linear.packed_nbytes(s.ggml_type, s.n, s.k, exact) for s in segs),
                     fused_gate_up=fused,
+                    gate_kind=kind,
                 )
             )
         # A slot holds any layer's expert, so it is sized for the largest (Q4_K_M mixes Q4_K and Q6_K downs).

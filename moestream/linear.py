@@ -180,13 +180,9 @@ def compute_kind(ggml_type: int, n: int, k: int, exact: bool) -> str:
 
 
 def lane_row_bytes(ggml_type: int, k: int) -> int:
-    """Bytes of one row of a [*, k] weight in the lane layout (the same as its GGUF row for Q4_0 and Q8_0)."""
-    return {int(T.Q4_0): 36, int(T.Q4_K): 37, int(T.Q8_0): 68}[ggml_type] * (k // 32) // 2
-
-
-def lane_row_bytes_or_0(seg) -> int:
-    """Row bytes of a segment (anything with ggml_type, n, k) if it is computed in the lane form, else 0."""
-    return lane_row_bytes(seg.ggml_type, seg.k) if compute_kind(seg.ggml_type, seg.n, seg.k, False) == "lane" else 0
+    """Bytes of one row of a [*, k] weight in the lane layout (the same as its GGUF row for Q4_0 and Q8_0);
+    the C library's own table, so the two cannot disagree."""
+    return int(native.lib().ms_lane_row_bytes(ggml_type, k))
 
 
 def _int4_sizes(n: int, k: int) -> tuple[int, int]:
@@ -361,9 +357,20 @@ def lane_swiglu_ok(expert: tuple) -> bool:
 SWIGLU_MAX_ROWS = 1024
 
 
-def lane_swiglu_scratch_bytes(rows: int, hidden: int, ffn: int) -> int:
+def kernel_scratch_bytes(ubatch: int, top_k: int, hidden: int, ffn: int, max_in: int) -> int:
+    """Scratch the matmul kernels hold for a micro-batch of `ubatch` tokens: the bf16 slices of the int4
+    expansion, plus the lane kernels' quantized activations and SwiGLU intermediates (one grow-only buffer
+    per calling thread in qmm.c, sized by its largest use: a lane_swiglu call of up to SWIGLU_MAX_ROWS rows
+    or a dense matmul of `ubatch` rows of up to `max_in` inputs)."""
+    expand = EXPAND_SCRATCH_BYTES if ubatch >= INT4_GEMM_MIN_ROWS else 0
+    if not native.lane_ok():
+        return expand
     lib = native.lib()
-    return int(lib.ms_moe_scratch_bytes(min(rows, SWIGLU_MAX_ROWS), hidden, ffn)) if lib is not None else 0
+    lane = max(
+        int(lib.ms_moe_scratch_bytes(min(ubatch * top_k, SWIGLU_MAX_ROWS), hidden, ffn)),
+        int(lib.ms_qmm_scratch_bytes(ubatch, max_in)),
+    )
+    return expand + lane
 
 
 def lane_swiglu(experts: list[tuple], xs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:

@@ -505,12 +505,15 @@ class Qwen35Moe:
         the qwen3.6-35b-a3b synth shape (ubatch 128 and 512, ctx 4096) were ~0.6x of this.
         """
         keys = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4
-        scratch = linear.EXPAND_SCRATCH_BYTES if ubatch >= linear.INT4_GEMM_MIN_ROWS else 0  # int4 -> bf16 slices
+        max_in = max(cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.n_v_heads * cfg.v_head_dim, cfg.shared_ffn)
+        scratch = linear.kernel_scratch_bytes(ubatch, cfg.top_k, cfg.hidden, cfg.expert_ffn, max_in)
         residual = 6 * cfg.hidden
         attn = 3 * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim  # the query comes with its gate
         head = max(cfg.k_head_dim, cfg.v_head_dim)
         deltanet = (cfg.conv_kernel + 3) * cfg.conv_dim + cfg.n_v_heads * (12 * head + 3 * min(CHUNK, ubatch))
-        moe = cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2 + 3 * cfg.shared_ffn
+        # X and Y of the routed experts (qwen3moe.run_experts), the router, one expert's and the shared
+        # expert's intermediates
+        moe = 2 * cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2 + 3 * cfg.shared_ffn
         per_token = 4 * (residual + max(attn, deltanet, moe)) * 3 // 2
         runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
         return keys + scratch + ubatch * per_token + cfg.vocab_size * 4 * 2 + runtime

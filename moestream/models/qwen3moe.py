@@ -295,7 +295,9 @@ class Qwen3Moe:
         of this; the 1.5 on the per-token part keeps that margin.
         """
         keys = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4
-        scratch = linear.EXPAND_SCRATCH_BYTES if ubatch >= linear.INT4_GEMM_MIN_ROWS else 0  # int4 -> bf16 slices
+        scratch = linear.kernel_scratch_bytes(
+            ubatch, cfg.top_k, cfg.hidden, cfg.expert_ffn, max(cfg.hidden, cfg.n_heads * cfg.head_dim)
+        )
         residual = 6 * cfg.hidden
         attn = 3 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
         moe = 2 * cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2  # X and Y
