@@ -192,21 +192,17 @@ class ExpertCache:
     def _fill(self, layer: int, expert: int, slot: int) -> _Pending:
         """Start the three segment reads of an expert into pooled buffers; the caller packs them (finish)."""
         layout = self.store.layouts[layer]
-        outs = []
-        off = slot * self.slot_nbytes
-        for size in layout.packed:
-            outs.append(self._arena_t[off : off + size])
-            off += (size + 63) // 64 * 64
+        base = slot * self.slot_nbytes
+        arena = self._arena_t
+        outs = [arena[base + off : base + off + size] for off, size in zip(layout.offsets, layout.packed, strict=True)]
         segs = self.store.segments(layer, expert)
         fused = None
         if layout.fused_gate_up and layout.gate_kind == "lane":
             # lane form: gate rows then up rows are adjacent in the slot, one [2F, row bytes] matrix
-            base = slot * self.slot_nbytes
             fused = self._arena_t[base : base + 2 * layout.packed[0]].view(2 * segs[0].n, -1)
         elif layout.fused_gate_up:
             # Same bytes as two separate int4 forms: [gate rows | up rows] then their scales side by side.
             n, k = segs[0].n, segs[0].k
-            base = slot * self.slot_nbytes
             w = self._arena_t[base : base + n * k].view(2 * n, k // 2)
             sz_bytes = (k // linear.GROUP) * 2 * n * 2 * 2
             sz = (

@@ -41,6 +41,15 @@ class ExpertLayout:
     def packed_nbytes(self) -> int:
         return sum(self.packed)
 
+    @property
+    def offsets(self) -> tuple[int, int, int]:
+        """Where gate, up and down start in a slot: one after another, each on a 64-byte boundary."""
+        out, off = [], 0
+        for size in self.packed:
+            out.append(off)
+            off += (size + 63) // 64 * 64
+        return tuple(out)  # type: ignore[return-value]
+
 
 PROJECTIONS = ("gate", "up", "down")
 

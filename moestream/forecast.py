@@ -265,17 +265,15 @@ def measure_pack_ms(model_path: str, repeats: int = 9) -> float:
         raws = [f.read_range(s.offset, s.nbytes) for s in segs]
     finally:
         f.close()
+    layout = store.layouts[0]
     slot = linear.aligned_empty(store.slot_nbytes)
     slot.fill_(0)
     times = []
     with torch.inference_mode():
         for _ in range(repeats):
             t0 = time.perf_counter()
-            off = 0
-            for s, raw in zip(segs, raws, strict=True):
-                size = linear.packed_nbytes(s.ggml_type, s.n, s.k, False)
+            for s, raw, off, size in zip(segs, raws, layout.offsets, layout.packed, strict=True):
                 linear.pack_into(raw, s.ggml_type, s.n, s.k, slot[off : off + size], False)
-                off += (size + 63) // 64 * 64
             times.append(time.perf_counter() - t0)
     return 1e3 * sorted(times)[len(times) // 2]
 
