@@ -57,6 +57,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="let prompt processing admit and refresh experts in the decode LRU (default on)",
     )
     p.add_argument(
+        "--read-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prompt micro-batches that need nearly every expert read the next layer's experts ahead (default on)",
+    )
+    p.add_argument(
         "--admit-min-hits",
         type=int,
         default=0,
@@ -112,6 +118,7 @@ def open_engine(args: argparse.Namespace):
         trace_path=args.trace,
         route_trace=args.route_trace,
         admit_prompt=args.prompt_admit,
+        read_ahead=args.read_ahead,
         min_hits=args.admit_min_hits,
         pin_profile=args.pin_profile,
         pin_mb=args.pin_mb,

@@ -117,6 +117,7 @@ class Engine:
         trace_path: str | None = None,
         route_trace: str | None = None,
         admit_prompt: bool = True,
+        read_ahead: bool = True,
         min_hits: int = 0,
         pin_profile: str | None = None,
         pin_mb: int | None = None,
@@ -192,6 +193,7 @@ class Engine:
             self.cache.prefault()
         self.cache.min_slots = self.cfg.top_k
         self.cache.admit_prompt = admit_prompt
+        self.cache.read_ahead = read_ahead
         self.cache.min_hits = min_hits
         if pin_profile is not None:
             self._pin_from_profile(pin_profile, pin_mb, progress)
@@ -217,6 +219,7 @@ class Engine:
                     "scratch_slots": scratch,
                     "policy": "lru",
                     "admit_prompt": admit_prompt,
+                    "read_ahead": read_ahead,
                     "min_hits": min_hits,
                     "layers": self.cfg.n_layers,
                     "experts": self.cfg.n_experts,

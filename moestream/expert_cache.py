@@ -9,6 +9,7 @@ needs is ever evicted.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import queue
 import threading
@@ -24,6 +25,7 @@ import torch
 from moestream import linear
 from moestream.errors import BudgetError
 from moestream.expert_store import ExpertStore
+from moestream.read_ahead import reads_ahead
 from moestream.reader import ExpertReader, Lease
 
 Expert = tuple[linear.QLinear, linear.QLinear, linear.QLinear]  # gate, up, down
@@ -41,6 +43,8 @@ class CacheStats:
     shrinks: int = 0  # elastic: times the cache gave slots back to the OS
     grows: int = 0
     slots_released: int = 0
+    ahead_reads: int = 0  # experts the prompt read-ahead started reading
+    ahead_unused: int = 0  # of those, experts the next layer did not ask for after all
     by_phase: dict[str, list[int]] = field(default_factory=lambda: {"prompt": [0, 0], "decode": [0, 0]})
 
     @property
@@ -165,6 +169,12 @@ class ExpertCache:
         self.min_hits = 0
         self._access_counts: dict[tuple[int, int], int] = {}
         self.min_slots = 1  # elastic shrinking never goes below this many LRU slots
+        self.read_ahead = True
+        # The next layer's experts being read ahead (expert -> pending; slot pinned and already admitted),
+        # and the slots of its cached experts, pinned so that the read-ahead cannot evict them.
+        self._ahead: dict[int, _Pending] = {}
+        self._ahead_layer = -1
+        self._reserved: list[int] = []
 
     # -- slot bookkeeping ------------------------------------------------------------------------------
 
@@ -189,8 +199,9 @@ class ExpertCache:
         # accesses before this group (counted when a fetch ends), as the replay counts them
         return self._access_counts.get(key, 0) >= self.min_hits
 
-    def _fill(self, layer: int, expert: int, slot: int) -> _Pending:
-        """Start the three segment reads of an expert into pooled buffers; the caller packs them (finish)."""
+    def _fill(self, layer: int, expert: int, slot: int, pack_in_reader: bool = False) -> _Pending:
+        """Start the three segment reads of an expert into pooled buffers; the caller packs them (finish),
+        or with pack_in_reader the reading threads do."""
         layout = self.store.layouts[layer]
         base = slot * self.slot_nbytes
         arena = self._arena_t
@@ -215,7 +226,13 @@ class ExpertCache:
         # The reader threads only read; the model's thread packs each segment as it lands, in the prompt too:
         # with the lane form's packing at memory speed that beat packing in the reader threads (prefill
         # 8.0-8.3 vs 7.0-7.6 tok/s, Qwen3-30B shape, 7168 MB), which then competed with the lane pool.
-        p.futures = [self.reader.read(seg.offset, seg.nbytes) for seg in segs]
+        if pack_in_reader:
+            p.futures = [
+                self.reader.read_into(seg.offset, seg.nbytes, functools.partial(p.pack, i))
+                for i, seg in enumerate(segs)
+            ]
+        else:
+            p.futures = [self.reader.read(seg.offset, seg.nbytes) for seg in segs]
         p.left = len(p.futures)
         return p
 
@@ -234,16 +251,24 @@ class ExpertCache:
         With admit=False, experts read from disk are used once and their slots go straight back to the free
         list, so the access does not push anything out of the cache (the prompt path, when configured so).
         """
+        if self._ahead_layer >= 0 and self._ahead_layer != layer:
+            self._settle_ahead()  # read ahead for a layer this call is not: an abandoned forward pass
         phase = self.stats.by_phase[self.phase]
         refresh = admit and (self.phase != "prompt" or self.admit_prompt)
         hits: list[tuple[int, int]] = []
         pending: deque[int] = deque()
+        taken: list[_Pending] = []  # misses whose reads the previous layer's fetch started (read-ahead)
         with self._lock:
             for e in ids:
                 key = (layer, e)
                 slot = self._pinned.get(key)
                 if slot is not None:
                     self.stats.pinned_hits += 1
+                elif e in self._ahead:  # admitted and pinned when its read started; a miss all the same
+                    if refresh:
+                        self._lru.move_to_end(key)
+                    taken.append(self._ahead.pop(e))
+                    continue
                 else:
                     slot = self._lru.get(key)
                     if slot is not None and refresh:
@@ -254,11 +279,22 @@ class ExpertCache:
                 else:
                     pending.append(e)
             self.stats.hits += len(hits)
-            self.stats.misses += len(pending)
+            self.stats.misses += len(pending) + len(taken)
             phase[0] += len(hits)
-            phase[1] += len(pending)
+            phase[1] += len(pending) + len(taken)
+            unused = list(self._ahead.values())  # read ahead but not asked for: finished here, not yielded
+            self.stats.ahead_unused += len(unused)
+            reserved = self._reserved
+            self._ahead, self._ahead_layer, self._reserved = {}, -1, []
+        for slot in reserved:  # this call's own pins are in place
+            self._unpin(slot)
         inflight: dict[Future, _Pending] = {}  # segment read -> the expert it belongs to
         completed: queue.SimpleQueue[Future] = queue.SimpleQueue()  # reads as they finish
+        for p in (*taken, *unused):
+            for fut in p.futures:
+                inflight[fut] = p
+                fut.add_done_callback(completed.put)
+        unused_ids = {id(p) for p in unused}
         hitq = deque(hits)
 
         def launch() -> None:
@@ -295,6 +331,16 @@ class ExpertCache:
 
         try:
             launch()
+            if (
+                self.read_ahead
+                and refresh
+                and self.phase == "prompt"
+                and self.min_hits == 0
+                and not pending
+                and layer + 1 < self.store.n_layers
+                and reads_ahead(len(ids), self.store.n_experts, self.n_slots - len(self._scratch_set))
+            ):
+                self._start_ahead(layer + 1)
             if hitq:
                 if self.trace is not None:
                     for e, _slot in hitq:
@@ -326,13 +372,16 @@ class ExpertCache:
                             raise
                         if experts is None:
                             continue  # other segments of this expert are still being read
-                        ready.append(p)
                         nbytes = self.store.expert_file_nbytes[layer]
                         self.stats.bytes_read += nbytes
-                        if self.trace is not None:
-                            self.trace(layer, p.expert, ids.index(p.expert), "disk", nbytes, p.latency())
                         with self._lock:
                             self._experts[p.slot] = experts
+                        if id(p) in unused_ids:
+                            self._unpin(p.slot)
+                            continue
+                        ready.append(p)
+                        if self.trace is not None:
+                            self.trace(layer, p.expert, ids.index(p.expert), "disk", nbytes, p.latency())
                     if ready:
                         yield [(p.expert, self._experts[p.slot]) for p in ready]  # type: ignore[misc]
                 finally:
@@ -348,6 +397,54 @@ class ExpertCache:
             if self.min_hits > 0:
                 for e in ids:
                     self._access_counts[(layer, e)] = self._access_counts.get((layer, e), 0) + 1
+
+    def _start_ahead(self, layer: int) -> None:
+        """Start reading every expert of `layer` that is not cached, in expert order, each admitted at once;
+        the layer's cached experts are pinned first so that the read-ahead evicts none of them."""
+        with self._lock:
+            fresh = []
+            for e in range(self.store.n_experts):
+                key = (layer, e)
+                if key in self._pinned:
+                    continue
+                slot = self._lru.get(key)
+                if slot is None:
+                    fresh.append(e)
+                else:
+                    self._pins[slot] += 1
+                    self._reserved.append(slot)
+            self._ahead_layer = layer
+            for e in fresh:
+                slot = self._take_slot()
+                if slot is None:
+                    break
+                self._pins[slot] += 1
+                self._key_of[slot] = (layer, e)
+                self._lru[(layer, e)] = slot
+                self._ahead[e] = self._fill(layer, e, slot, pack_in_reader=True)
+                self.stats.ahead_reads += 1
+
+    def _settle_ahead(self, keep: bool = True) -> None:
+        """Finish (or with keep=False drop) what was read ahead and release the read-ahead's pins."""
+        with self._lock:
+            ahead, reserved = list(self._ahead.values()), self._reserved
+            self._ahead, self._ahead_layer, self._reserved = {}, -1, []
+        for slot in reserved:
+            self._unpin(slot)
+        for i, p in enumerate(ahead):
+            if not keep:
+                self._abandon(p, {})
+                continue
+            try:
+                experts = p.finish()
+            except BaseException:
+                for q in ahead[i:]:
+                    self._abandon(q, {})
+                raise
+            self.stats.bytes_read += self.store.expert_file_nbytes[p.layer]
+            with self._lock:
+                self._experts[p.slot] = experts
+            self._unpin(p.slot)
 
     def _abandon(self, p: _Pending, inflight: dict[Future, _Pending]) -> None:
         """Drop an expert whose reads failed or are no longer wanted: release its buffers and its slot."""
@@ -493,6 +590,7 @@ class ExpertCache:
 
     def close(self) -> None:
         self._closed = True
+        self._settle_ahead(keep=False)
         if self._prefault_thread is not None:
             self._prefault_thread.join()  # it stops at the next chunk
         self._experts = [None] * self.n_slots

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from moestream.errors import MoestreamError
+from moestream.read_ahead import reads_ahead
 from moestream.trace import DECODE, DISK, VRAM
 
 POLICIES = ("lru", "fifo", "lfu-decay", "s3fifo", "pin", "pin+lru", "belady")
@@ -658,7 +659,10 @@ def replay(
         )
     pols = _make_policies(acc, policy, caps, per_layer, half_life=half_life, pin_fraction=pin_fraction, profile=profile)
     belady = policy == "belady"
-    misses = _simulate(acc, pols, per_layer, admission if not belady else Admission())
+    # The engine's prompt read-ahead changes what the cache holds, so a trace recorded with it on replays it
+    # (Belady, an oracle that admits everything, does not).
+    ahead = bool(acc.meta.get("read_ahead")) and not belady and admission.prompt and not admission.min_hits
+    misses = _simulate(acc, pols, per_layer, admission if not belady else Admission(), ahead)
     sizes = np.diff(acc.starts)
     dec = acc.group_decode
     d_miss = misses[dec]
@@ -678,8 +682,10 @@ def replay(
     )
 
 
-def _simulate(acc: Accesses, pols: list[Policy], per_layer: bool, adm: Admission) -> np.ndarray:
-    """Misses per group."""
+def _simulate(acc: Accesses, pols: list[Policy], per_layer: bool, adm: Admission, ahead: bool = False) -> np.ndarray:
+    """Misses per group. ahead: model the engine's prompt read-ahead (expert_cache.reads_ahead): a prompt group
+    asking for nearly all of a layer's experts also admits every uncached expert of the next layer, the
+    next layer's resident keys pinned meanwhile; the next group's first access to such a key is a miss."""
     keys = acc.keys.tolist()
     starts = acc.starts.tolist()
     decode = acc.group_decode.tolist()
@@ -688,22 +694,31 @@ def _simulate(acc: Accesses, pols: list[Policy], per_layer: bool, adm: Admission
     seen: dict[int, int] = {}
     min_hits = adm.min_hits
     out = np.zeros(acc.n_groups, np.int64)
+    read_ahead: set[int] = set()  # keys admitted by the read-ahead, not accessed yet
+    ahead_layer = -1
     for g in range(acc.n_groups):
         pol = pols[layer[g]] if per_layer else pols[0]
         pol.begin(g, step[g])
         s, e = starts[g], starts[g + 1]
-        pinned: set[int] = set()
+        prev = read_ahead if ahead_layer == layer[g] else set()
+        read_ahead, ahead_layer = set(), -1
+        # the read-ahead's keys stay pinned through this group (the engine finishes their reads in it)
+        pinned: set[int] = set(prev)
         miss: list[tuple[int, int]] = []
         refresh = decode[g] or adm.prompt  # a non-admitting prompt path does not refresh recency either
         for i in range(s, e):
             k = keys[i]
-            if k in pol:
+            if k in prev:
+                out[g] += 1  # read ahead: resident, but read from disk for this access
+                if refresh:
+                    pol.on_hit(k, i)
+            elif k in pol:
                 if refresh:
                     pol.on_hit(k, i)
                 pinned.add(k)
             else:
                 miss.append((k, i))
-        out[g] = len(miss)
+        out[g] += len(miss)
         if miss:
             admit_phase = decode[g] or adm.prompt
             hits_pinned = set(pinned)
@@ -740,6 +755,22 @@ def _simulate(acc: Accesses, pols: list[Policy], per_layer: bool, adm: Admission
                 else:
                     borrowed += 1
                     placed.append(None)
+        nxt = layer[g] + 1
+        if ahead and not decode[g] and nxt < acc.n_layers:
+            pol2 = pols[nxt] if per_layer else pol
+            if reads_ahead(len(set(keys[s:e])), acc.n_experts, pol2.capacity):
+                base = nxt * acc.n_experts
+                pins = pinned | {k for k in range(base, base + acc.n_experts) if k in pol2}
+                for k in range(base, base + acc.n_experts):
+                    if k in pol2 or pol2.reserved(k):
+                        continue
+                    if len(pol2) >= pol2.capacity and pol2.evict(pins) is None:
+                        break
+                    pol2.on_miss(k, e - 1)
+                    pol2.insert(k, e - 1)
+                    pins.add(k)
+                    read_ahead.add(k)
+                ahead_layer = nxt
         if min_hits:
             for i in range(s, e):
                 seen[keys[i]] = seen.get(keys[i], 0) + 1

@@ -26,7 +26,9 @@ def tiny_model(tmp_path_factory):
     return write_synth("tiny", "Q4_0", tmp_path_factory.mktemp("model") / "tiny.gguf", progress=False)
 
 
-def _drive_cache(model: str, trace_path, n_slots: int, admit_prompt: bool, seed: int):
+def _drive_cache(
+    model: str, trace_path, n_slots: int, admit_prompt: bool, seed: int, read_ahead: bool = True, skew: float = 3.0
+):
     """Run the real ExpertCache over a skewed random routing (prompt micro-batches, then decode), tracing
     it as the engine does; returns the cache's own stats."""
     from moestream.expert_cache import ExpertCache
@@ -41,7 +43,9 @@ def _drive_cache(model: str, trace_path, n_slots: int, admit_prompt: bool, seed:
     scratch = 0 if admit_prompt else top_k  # as the engine: non-admitted misses use scratch slots
     cache = ExpertCache(store, reader, n_slots + scratch, scratch_slots=scratch)
     cache.admit_prompt = admit_prompt
+    cache.read_ahead = read_ahead
     meta = {
+        "read_ahead": read_ahead,
         "n_slots": n_slots,
         "policy": "lru",
         "admit_prompt": admit_prompt,
@@ -59,7 +63,7 @@ def _drive_cache(model: str, trace_path, n_slots: int, admit_prompt: bool, seed:
     cache.trace = sink
     rng = np.random.default_rng(seed)
     hot = rng.permutation(experts)
-    p = np.exp(-np.arange(experts) / 3.0)
+    p = np.exp(-np.arange(experts) / skew)
     p /= p.sum()
 
     def route() -> list[int]:
@@ -103,6 +107,21 @@ def test_replay_reproduces_live_cache_exactly(tiny_model, tmp_path, n_slots, adm
     live = rp.live_result(acc)
     assert live.hits == stats.hits
     assert live.decode_bytes == r.decode_bytes
+
+
+@pytest.mark.parametrize("n_slots", [64, 80])
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_replay_reproduces_live_cache_with_prompt_read_ahead(tiny_model, tmp_path, n_slots, read_ahead):
+    # flat routing: prompt micro-batches ask for nearly every expert, so the cache reads the next layer ahead
+    path = tmp_path / "t.csv"
+    stats = _drive_cache(tiny_model, path, n_slots, True, seed=n_slots, read_ahead=read_ahead, skew=1e9)
+    assert (stats.ahead_reads > 0) == read_ahead
+    assert stats.ahead_unused <= stats.ahead_reads
+    meta, rows = read_trace(path)
+    acc = rp.accesses_from_trace(meta, rows)
+    r = rp.replay(acc, "lru", meta["n_slots"])
+    assert (r.decode_hits, r.decode_misses) == tuple(stats.by_phase["decode"])
+    assert (r.prompt_hits, r.prompt_misses) == tuple(stats.by_phase["prompt"])
 
 
 def test_replay_reproduces_engine_run(tiny_model, tmp_path):

@@ -123,3 +123,27 @@ def test_output_identical_across_tier_configurations(tiny, baseline, kw):
         assert eng.generate(PROMPT_A, N, Sampler()).tokens == baseline
     finally:
         eng.close()
+
+
+def test_prompt_read_ahead_reads_the_next_layer_and_changes_no_output(tiny, baseline, tmp_path):
+    path = str(tmp_path / "t.csv")
+    eng = Engine(tiny, n_slots=64, ubatch=64, trace_path=path)  # 4 layers of 16 experts: the rule allows it
+    try:
+        assert eng.generate(PROMPT_A, N, Sampler()).tokens == baseline
+        s = eng.cache.stats
+        assert s.ahead_reads > 0 and s.ahead_unused <= s.ahead_reads
+        # every expert read ahead is a miss of the layer that asked for it, or unused: never read twice
+        assert s.misses + s.ahead_unused >= s.ahead_reads
+    finally:
+        eng.close()
+    meta, rows = read_trace(path)
+    acc = accesses_from_trace(meta, rows)
+    live = live_result(acc)
+    got = replay(acc, "lru", int(meta["n_slots"]))
+    assert (got.decode_hits, got.prompt_hits) == (live.decode_hits, live.prompt_hits)
+    off = Engine(tiny, n_slots=64, ubatch=64, read_ahead=False)
+    try:
+        assert off.generate(PROMPT_A, N, Sampler()).tokens == baseline
+        assert off.cache.stats.ahead_reads == 0
+    finally:
+        off.close()
