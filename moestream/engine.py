@@ -26,6 +26,7 @@ from moestream.expert_store import ExpertStore
 from moestream.gguf_file import GGUFFile
 from moestream.mlock import LockReport, lock_dense, routed_nbytes
 from moestream.models import ARCHITECTURES, common
+from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_experts
 from moestream.reader import ExpertReader
 from moestream.sampling import Sampler
 
@@ -142,11 +143,16 @@ class Engine:
         _check_types(f)
         self.exact = _is_float_model(f) if exact is None else exact
         self.ubatch = ubatch or DEFAULT_UBATCH
+        # the read-ahead admits what it reads, so admission rules that can turn a miss away switch it off
+        read_ahead = read_ahead and admit_prompt and min_hits == 0
         cfg = model_cls.config_from_gguf(f)
         self.ctx = min(ctx or min(cfg.context_length, 4096), cfg.context_length)
         self.store = ExpertStore(f, cfg.n_layers, cfg.n_experts, self.exact)
-        # Until the micro-batch is chosen, plan with the smallest one it could be.
-        kw = _plan_args(model_cls, cfg, self.store, self.ctx, io_threads, ubatch or UBATCH_CHOICES[-1], ram_budget_mb)
+        # Until the micro-batch is chosen, plan with the smallest one it could be, and without the read-ahead's
+        # buffers (added below where the budget leaves the cache room to read ahead at all).
+        kw = _plan_args(
+            model_cls, cfg, self.store, self.ctx, io_threads, ubatch or UBATCH_CHOICES[-1], ram_budget_mb, False
+        )
         if reserve_mb is not None:
             kw["reserve_mb"] = reserve_mb
         self._tokenizer = _tokenizer_if_any(f)  # built before sizing: ~50 MB for a 150k vocabulary
@@ -170,11 +176,24 @@ class Engine:
                 )
                 kw["compute"] = model_cls.compute_nbytes(cfg, self.ubatch, self.ctx)
             self.plan: BudgetPlan | None = plan_slots(resident=rss_bytes(), **kw)
+            if read_ahead and self.plan.n_slots >= AHEAD_MIN_LAYERS * cfg.n_experts:
+                kw["reader"] = _plan_args(model_cls, cfg, self.store, self.ctx, io_threads, 1, None, True)["reader"]
+                with_ahead = plan_slots(resident=rss_bytes(), **kw)
+                if with_ahead.n_slots >= AHEAD_MIN_LAYERS * cfg.n_experts:
+                    self.plan = with_ahead
+                else:
+                    read_ahead = False  # the cache could never read ahead: keep the memory for slots
+            else:
+                read_ahead = False
             n_slots = self.plan.n_slots
         else:
             self.plan = None
         self.reader = ExpertReader(
-            f.path, self.store.max_segment_nbytes, threads=io_threads, direct=direct, buffers=3 * self.cfg.top_k
+            f.path,
+            self.store.max_segment_nbytes,
+            threads=io_threads,
+            direct=direct,
+            buffers=_read_buffers(self.cfg, io_threads, read_ahead),
         )
         # Admission rules that can turn a miss away need scratch slots for it (carved out of the budget).
         scratch = self.cfg.top_k if (not admit_prompt or min_hits > 0) else 0
@@ -381,14 +400,27 @@ class Engine:
         self.gguf.close()
 
 
+def _read_buffers(cfg, io_threads: int, read_ahead: bool) -> int:
+    """The reader's buffers: a decode token's misses (3 segments x top-k), what the prompt reads ahead, and
+    at least two per thread; see ExpertReader."""
+    ahead = 3 * ahead_experts(cfg.n_experts) if read_ahead else 0
+    return max(3 * cfg.top_k + ahead, 2 * io_threads)
+
+
 def _plan_args(
-    model_cls, cfg, store: ExpertStore, ctx: int, io_threads: int, ubatch: int, budget_mb: int | None
+    model_cls,
+    cfg,
+    store: ExpertStore,
+    ctx: int,
+    io_threads: int,
+    ubatch: int,
+    budget_mb: int | None,
+    read_ahead: bool = True,
 ) -> dict:
     return dict(
         budget_mb=budget_mb,
         compute=model_cls.compute_nbytes(cfg, ubatch, ctx),
-        # the read buffers (3 x top-k, at least 2 x threads); see ExpertReader
-        reader=max(3 * cfg.top_k, 2 * io_threads) * (store.max_segment_nbytes + 3 * 4096),
+        reader=_read_buffers(cfg, io_threads, read_ahead) * (store.max_segment_nbytes + 3 * 4096),
         slot_nbytes=store.slot_nbytes,
         min_slots=cfg.top_k,
         max_slots=cfg.n_layers * cfg.n_experts,

@@ -9,7 +9,6 @@ needs is ever evicted.
 from __future__ import annotations
 
 import ctypes
-import functools
 import mmap
 import queue
 import threading
@@ -25,7 +24,7 @@ import torch
 from moestream import linear
 from moestream.errors import BudgetError
 from moestream.expert_store import ExpertStore
-from moestream.read_ahead import reads_ahead
+from moestream.read_ahead import ahead_experts, reads_ahead
 from moestream.reader import ExpertReader, Lease
 
 Expert = tuple[linear.QLinear, linear.QLinear, linear.QLinear]  # gate, up, down
@@ -199,9 +198,8 @@ class ExpertCache:
         # accesses before this group (counted when a fetch ends), as the replay counts them
         return self._access_counts.get(key, 0) >= self.min_hits
 
-    def _fill(self, layer: int, expert: int, slot: int, pack_in_reader: bool = False) -> _Pending:
-        """Start the three segment reads of an expert into pooled buffers; the caller packs them (finish),
-        or with pack_in_reader the reading threads do."""
+    def _fill(self, layer: int, expert: int, slot: int) -> _Pending:
+        """Start the three segment reads of an expert into pooled buffers; the caller packs them (finish)."""
         layout = self.store.layouts[layer]
         base = slot * self.slot_nbytes
         arena = self._arena_t
@@ -226,13 +224,7 @@ class ExpertCache:
         # The reader threads only read; the model's thread packs each segment as it lands, in the prompt too:
         # with the lane form's packing at memory speed that beat packing in the reader threads (prefill
         # 8.0-8.3 vs 7.0-7.6 tok/s, Qwen3-30B shape, 7168 MB), which then competed with the lane pool.
-        if pack_in_reader:
-            p.futures = [
-                self.reader.read_into(seg.offset, seg.nbytes, functools.partial(p.pack, i))
-                for i, seg in enumerate(segs)
-            ]
-        else:
-            p.futures = [self.reader.read(seg.offset, seg.nbytes) for seg in segs]
+        p.futures = [self.reader.read(seg.offset, seg.nbytes) for seg in segs]
         p.left = len(p.futures)
         return p
 
@@ -399,8 +391,9 @@ class ExpertCache:
                     self._access_counts[(layer, e)] = self._access_counts.get((layer, e), 0) + 1
 
     def _start_ahead(self, layer: int) -> None:
-        """Start reading every expert of `layer` that is not cached, in expert order, each admitted at once;
-        the layer's cached experts are pinned first so that the read-ahead evicts none of them."""
+        """Start reading the first experts of `layer` that are not cached (ahead_experts of them, in expert
+        order), each admitted at once; the layer's cached experts are pinned first so that the read-ahead
+        evicts none of them. Their reads wait in the reader's buffers until the layer's fetch packs them."""
         with self._lock:
             fresh = []
             for e in range(self.store.n_experts):
@@ -414,14 +407,14 @@ class ExpertCache:
                     self._pins[slot] += 1
                     self._reserved.append(slot)
             self._ahead_layer = layer
-            for e in fresh:
+            for e in fresh[: ahead_experts(self.store.n_experts)]:
                 slot = self._take_slot()
                 if slot is None:
                     break
                 self._pins[slot] += 1
                 self._key_of[slot] = (layer, e)
                 self._lru[(layer, e)] = slot
-                self._ahead[e] = self._fill(layer, e, slot, pack_in_reader=True)
+                self._ahead[e] = self._fill(layer, e, slot)
                 self.stats.ahead_reads += 1
 
     def _settle_ahead(self, keep: bool = True) -> None:

@@ -145,25 +145,6 @@ class ExpertReader:
         self._busy_begin()
         return self._pool.submit(task)
 
-    def read_into(self, offset: int, nbytes: int, consume: Callable[[memoryview], object]) -> Future:
-        """Read a range on the pool and hand it to consume(bytes) in the reading thread; the future gives what
-        consume returns. For read-ahead: the model's thread is busy computing, so the reader packs what it
-        reads itself, and the pooled buffer goes straight back instead of waiting for the model."""
-
-        def task() -> object:
-            buf = self._pool_buffers.get()
-            try:
-                try:
-                    view = self._read_to(buf, offset, nbytes)
-                finally:
-                    self._busy_end(nbytes)
-                return consume(view)
-            finally:
-                self._pool_buffers.put(buf)
-
-        self._busy_begin()
-        return self._pool.submit(task)
-
     # Bandwidth while reads are outstanding: bytes over the time at least one read was in flight. This is
     # what to compare with the probe's figure for the same reads in flight (issue 2's 80% goal).
     def _busy_begin(self) -> None:

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from moestream.errors import MoestreamError
-from moestream.read_ahead import reads_ahead
+from moestream.read_ahead import ahead_experts, reads_ahead
 from moestream.trace import DECODE, DISK, VRAM
 
 POLICIES = ("lru", "fifo", "lfu-decay", "s3fifo", "pin", "pin+lru", "belady")
@@ -683,8 +683,8 @@ def replay(
 
 
 def _simulate(acc: Accesses, pols: list[Policy], per_layer: bool, adm: Admission, ahead: bool = False) -> np.ndarray:
-    """Misses per group. ahead: model the engine's prompt read-ahead (expert_cache.reads_ahead): a prompt group
-    asking for nearly all of a layer's experts also admits every uncached expert of the next layer, the
+    """Misses per group. ahead: model the engine's prompt read-ahead (moestream.read_ahead): a prompt group
+    asking for nearly all of a layer's experts also admits the next layer's first uncached experts, the
     next layer's resident keys pinned meanwhile; the next group's first access to such a key is a miss."""
     keys = acc.keys.tolist()
     starts = acc.starts.tolist()
@@ -761,9 +761,8 @@ def _simulate(acc: Accesses, pols: list[Policy], per_layer: bool, adm: Admission
             if reads_ahead(len(set(keys[s:e])), acc.n_experts, pol2.capacity):
                 base = nxt * acc.n_experts
                 pins = pinned | {k for k in range(base, base + acc.n_experts) if k in pol2}
-                for k in range(base, base + acc.n_experts):
-                    if k in pol2 or pol2.reserved(k):
-                        continue
+                fresh = [k for k in range(base, base + acc.n_experts) if k not in pol2 and not pol2.reserved(k)]
+                for k in fresh[: ahead_experts(acc.n_experts)]:
                     if len(pol2) >= pol2.capacity and pol2.evict(pins) is None:
                         break
                     pol2.on_miss(k, e - 1)
