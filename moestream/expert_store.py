@@ -36,6 +36,9 @@ class ExpertLayout:
     # gate and up packed as one matrix [2F, H] (int4 or lane form): one kernel call instead of two per expert
     fused_gate_up: bool = False
     gate_kind: str = ""  # compute form of gate (and up, when fused): linear.compute_kind
+    # gate|up fused and down all in the lane form: the cache packs straight from the read buffer (a bare C
+    # call per segment, no per-segment tensors: ~30 us of Python each, on every miss)
+    all_lane: bool = False
 
     @property
     def packed_nbytes(self) -> int:
@@ -89,6 +92,9 @@ class ExpertStore:
                     packed=tuple(linear.packed_nbytes(s.ggml_type, s.n, s.k, exact) for s in segs),
                     fused_gate_up=fused,
                     gate_kind=kind,
+                    all_lane=fused
+                    and kind == "lane"
+                    and linear.compute_kind(segs[2].ggml_type, segs[2].n, segs[2].k, exact) == "lane",
                 )
             )
         # A slot holds any layer's expert, so it is sized for the largest (Q4_K_M mixes Q4_K and Q6_K downs).

@@ -12,6 +12,7 @@ thread packs what it reads.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import queue
@@ -29,11 +30,12 @@ ALIGN = 4096
 class Lease:
     """Bytes read into a pooled buffer; release() hands the buffer back for the next read."""
 
-    __slots__ = ("view", "release")
+    __slots__ = ("view", "release", "addr")
 
-    def __init__(self, view: memoryview, release: Callable[[], None]):
+    def __init__(self, view: memoryview, release: Callable[[], None], addr: int = 0):
         self.view = view
         self.release = release
+        self.addr = addr  # address of view's first byte, for C callers
 
 
 class AlignedBuffer:
@@ -43,6 +45,7 @@ class AlignedBuffer:
         self.nbytes = nbytes
         self.mem = mmap.mmap(-1, nbytes)
         self.view = memoryview(self.mem)
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mem))
 
 
 def open_direct(path: str) -> int | None:
@@ -102,16 +105,16 @@ class ExpertReader:
         """Memory the reader holds at most (counted in the budget)."""
         return self.n_buffers * self.buffer_nbytes
 
-    def _read_to(self, buf: AlignedBuffer, offset: int, nbytes: int) -> memoryview:
+    def _read_to(self, buf: AlignedBuffer, offset: int, nbytes: int) -> int:
+        """Read the range into buf; returns where in buf it starts."""
         if self._fd_direct is not None:
             start = offset // ALIGN * ALIGN
             end = (offset + nbytes + ALIGN - 1) // ALIGN * ALIGN
             self._pread_full(self._fd_direct, buf.view[: end - start], start, allow_short=True)
-            lead = offset - start
-            return buf.view[lead : lead + nbytes]
+            return offset - start
         self._pread_full(self._fd_buffered, buf.view[:nbytes], offset, allow_short=False)
         drop_page_cache(self._fd_buffered, offset, nbytes)
-        return buf.view[:nbytes]
+        return 0
 
     def _pread_full(self, fd: int, view: memoryview, offset: int, allow_short: bool) -> None:
         done = 0
@@ -134,13 +137,13 @@ class ExpertReader:
         def task() -> Lease:
             buf = self._pool_buffers.get()
             try:
-                view = self._read_to(buf, offset, nbytes)
+                lead = self._read_to(buf, offset, nbytes)
             except BaseException:
                 self._pool_buffers.put(buf)
                 raise
             finally:
                 self._busy_end(nbytes)
-            return Lease(view, lambda: self._pool_buffers.put(buf))
+            return Lease(buf.view[lead : lead + nbytes], lambda: self._pool_buffers.put(buf), buf.addr + lead)
 
         self._busy_begin()
         return self._pool.submit(task)
