@@ -9,6 +9,7 @@ needs is ever evicted.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import queue
 import threading
@@ -28,6 +29,15 @@ from moestream.read_ahead import ahead_experts, reads_ahead
 from moestream.reader import ExpertReader, Lease
 
 Expert = tuple[linear.QLinear, linear.QLinear, linear.QLinear]  # gate, up, down
+
+
+@functools.cache
+def _lib():
+    from moestream import native
+
+    return native.lib()
+
+
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
@@ -60,11 +70,13 @@ TraceSink = Callable[[int, int, int, str, int, float], None]
 class _Pending:
     """An expert whose three segments are being read; packed segment by segment as reads complete."""
 
-    def __init__(self, layer, expert, slot, segs, outs, futures, exact, fused=None):
+    def __init__(self, layer, expert, slot, segs, outs, futures, exact, fused=None, lane=None):
         self.layer, self.expert, self.slot = layer, expert, slot
         self.segs, self.outs, self.futures, self.exact = segs, outs, futures, exact
         # int4: (packed gate|up rows [2F, H/2], scales [H/32, 2F, 2]); lane: the [2F, row bytes] rows; or None
         self.fused = fused
+        # every segment in the lane form: where each one goes in the slot (ExpertLayout.all_lane)
+        self.lane: list[int] | None = lane
         self.parts: list[linear.QLinear | None] = [None, None, None]
         self.left = len(futures)
         self.t0 = time.perf_counter()
@@ -88,6 +100,21 @@ class _Pending:
         """Take a finished segment (packing it here if the reader did not); the expert once all are in."""
         i = self.futures.index(fut)
         result = fut.result()
+        if self.lane is not None:
+            seg = self.segs[i]
+            try:
+                rc = _lib().ms_lane_pack(seg.ggml_type, result.addr, seg.n, seg.k, self.lane[i])
+            finally:
+                result.release()
+            if rc != 0:
+                raise RuntimeError(f"ms_lane_pack failed ({rc}) for layer {self.layer} expert {self.expert}")
+            self.left -= 1
+            if self.left:
+                return None
+            g, d = self.segs[0], self.segs[2]
+            gate_up = linear.QLinear(2 * g.n, g.k, "lane", self.fused, ggml_type=g.ggml_type)
+            down = linear.QLinear(d.n, d.k, "lane", self.outs[2], ggml_type=d.ggml_type)
+            return (gate_up, None, down)  # type: ignore[return-value]
         if isinstance(result, Lease):
             try:
                 self.parts[i] = self.pack(i, result.view)  # type: ignore[assignment]
@@ -220,7 +247,12 @@ class ExpertCache:
                 .view(k // linear.GROUP, 2 * n, 2)
             )
             fused = (w, sz)
-        p = _Pending(layer, expert, slot, segs, outs, [], self.store.exact, fused)
+        lane = None
+        if layout.all_lane:
+            lane = [base + off + arena.data_ptr() for off in layout.offsets]
+            down = segs[2]
+            outs[2] = outs[2].view(down.n, layout.packed[2] // down.n)
+        p = _Pending(layer, expert, slot, segs, outs, [], self.store.exact, fused, lane)
         # The reader threads only read; the model's thread packs each segment as it lands, in the prompt too:
         # with the lane form's packing at memory speed that beat packing in the reader threads (prefill
         # 8.0-8.3 vs 7.0-7.6 tok/s, Qwen3-30B shape, 7168 MB), which then competed with the lane pool.
