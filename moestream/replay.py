@@ -10,6 +10,9 @@ engine's slot count gives the hit count the engine observed, exactly:
 * A miss that is not admitted (prompt accesses under `decode-only`, or a key not yet seen often enough
   under `min-hits N`) still needs a slot for the duration of its group, as in the engine: it takes a free
   slot or evicts, and the slot is free again after the group.
+* A trace recorded with the prompt read-ahead on (moestream/read_ahead.py) replays it: a prompt group that
+  asks for nearly all of a layer's experts also admits the next layer's first uncached experts (the next
+  layer's resident keys pinned meanwhile), and the next group's first access to one of them is a miss.
 * When a group needs more slots than exist, the live cache proceeds in waves whose order depends on read
   timing. The replay approximates it: it first releases the group's hits (the engine computes those before
   its second wave), then its earliest placed misses one at a time. Only tiny budgets (fewer slots than one
