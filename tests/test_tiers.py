@@ -3,10 +3,13 @@ cache; and the output staying the same across every tier configuration."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from moestream.elastic import ElasticWatcher
 from moestream.engine import Engine
+from moestream.errors import BudgetError
 from moestream.replay import Admission, accesses_from_trace, live_result, replay
 from moestream.sampling import Sampler
 from moestream.synth import write_synth
@@ -147,3 +150,27 @@ def test_prompt_read_ahead_reads_the_next_layer_and_changes_no_output(tiny, base
         assert off.cache.stats.ahead_reads == 0
     finally:
         off.close()
+
+
+def test_read_ahead_buffers_are_budgeted_only_where_the_cache_can_read_ahead(tiny):
+    from moestream.engine import budget_for_slots
+    from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_experts
+
+    # the smallest budget the engine takes (its own refusal names it) and a roomy one
+    with pytest.raises(BudgetError) as refused:
+        Engine(tiny, ram_budget_mb=64)
+    least = int(re.search(r"use at least --ram-budget-mb (\d+)", str(refused.value)).group(1))
+    for mb, kw in ((least + 1, {}), (budget_for_slots(tiny, 200), {}), (budget_for_slots(tiny, 200), {"min_hits": 1})):
+        eng = Engine(tiny, ram_budget_mb=mb, **kw)
+        try:
+            top_k, E = eng.cfg.top_k, eng.cfg.n_experts
+            if eng.cache.read_ahead:
+                assert eng.cache.n_slots >= AHEAD_MIN_LAYERS * E and not kw
+                assert eng.reader.n_buffers == 3 * top_k + 3 * ahead_experts(E)
+            else:
+                assert eng.reader.n_buffers == max(3 * top_k, 8)
+            assert eng.plan is not None and eng.plan.reader >= eng.reader.buffers_nbytes
+            if mb > least + 1 and not kw:
+                assert eng.cache.read_ahead
+        finally:
+            eng.close()
