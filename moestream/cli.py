@@ -193,6 +193,10 @@ def write_stats_json(path: str, engine, gen) -> None:
         io_threads=engine.reader.threads,
         read_busy_s=engine.reader.busy_s,
         read_busy_mb_s=engine.reader.busy_bandwidth / 1e6,
+        # the prompt read-ahead over the engine's life (experts started, and those the next layer never used)
+        read_ahead=engine.cache.read_ahead,
+        ahead_reads=engine.cache.stats.ahead_reads,
+        ahead_unused=engine.cache.stats.ahead_unused,
         model=engine.gguf.path,
         ctx=engine.ctx,
         plan=dataclasses.asdict(engine.plan) if engine.plan is not None else None,

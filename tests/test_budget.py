@@ -112,3 +112,5 @@ def test_peak_rss_stays_under_a_budget_close_to_the_minimum(tiny, tmp_path):
     plan = doc["plan"]
     assert plan["budget"] == (least + 2) * MB
     assert plan["resident"] < doc["peak_rss"] <= plan["budget"], (doc["peak_rss"] / MB, plan)
+    # where the budget let the cache read ahead, the prompt did, inside the same budget
+    assert (doc["ahead_reads"] > 0) == doc["read_ahead"] and doc["ahead_unused"] <= doc["ahead_reads"]
