@@ -19,7 +19,8 @@ AHEAD_MIN_LAYERS = 4  # and the cache must hold at least this many layers' worth
 
 
 def ahead_experts(n_experts: int) -> int:
-    """At most this many experts of the next layer are read ahead."""
+    """At most this many experts of the next layer are read ahead (half a layer measured no better: a
+    98-token Qwen3.6 prompt in 14.5 vs 14.7 s, medians of 3, for twice the buffers)."""
     return max(1, n_experts // 4)
 
 
