@@ -276,7 +276,7 @@ class ExpertCache:
         list, so the access does not push anything out of the cache (the prompt path, when configured so).
         """
         if self._ahead_layer >= 0 and self._ahead_layer != layer:
-            self._settle_ahead()  # read ahead for a layer this call is not: an abandoned forward pass
+            self._drop_ahead()  # read ahead for a layer this call is not: an abandoned forward pass
         phase = self.stats.by_phase[self.phase]
         refresh = admit and (self.phase != "prompt" or self.admit_prompt)
         hits: list[tuple[int, int]] = []
@@ -449,27 +449,16 @@ class ExpertCache:
                 self._ahead[e] = self._fill(layer, e, slot)
                 self.stats.ahead_reads += 1
 
-    def _settle_ahead(self, keep: bool = True) -> None:
-        """Finish (or with keep=False drop) what was read ahead and release the read-ahead's pins."""
+    def _drop_ahead(self) -> None:
+        """Drop what was read ahead for a layer that will not be fetched next (the forward pass that started it
+        was abandoned): its reads are waited for and forgotten, their errors with them, and its pins go."""
         with self._lock:
             ahead, reserved = list(self._ahead.values()), self._reserved
             self._ahead, self._ahead_layer, self._reserved = {}, -1, []
         for slot in reserved:
             self._unpin(slot)
-        for i, p in enumerate(ahead):
-            if not keep:
-                self._abandon(p, {})
-                continue
-            try:
-                experts = p.finish()
-            except BaseException:
-                for q in ahead[i:]:
-                    self._abandon(q, {})
-                raise
-            self.stats.bytes_read += self.store.expert_file_nbytes[p.layer]
-            with self._lock:
-                self._experts[p.slot] = experts
-            self._unpin(p.slot)
+        for p in ahead:
+            self._abandon(p, {})
 
     def _abandon(self, p: _Pending, inflight: dict[Future, _Pending]) -> None:
         """Drop an expert whose reads failed or are no longer wanted: release its buffers and its slot."""
@@ -615,7 +604,7 @@ class ExpertCache:
 
     def close(self) -> None:
         self._closed = True
-        self._settle_ahead(keep=False)
+        self._drop_ahead()
         if self._prefault_thread is not None:
             self._prefault_thread.join()  # it stops at the next chunk
         self._experts = [None] * self.n_slots
