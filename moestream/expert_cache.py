@@ -38,6 +38,30 @@ def _lib():
     return native.lib()
 
 
+TAKEN = object()  # a lane-form segment's lease was taken (and is released by whoever took it): drain skips it
+
+
+def _pack_lanes(jobs: list[tuple[_Pending, int, Lease]]) -> None:
+    """Pack finished lane-form segments (pending, segment index, its bytes) in one native call, spread over
+    the lane pool's threads; the read buffers go back whatever happens."""
+    try:
+        segs = [p.segs[i] for p, i, _ in jobs]
+        n = len(jobs)
+        types = np.array([s.ggml_type for s in segs], np.int32)
+        ns = np.array([s.n for s in segs], np.int64)
+        ks = np.array([s.k for s in segs], np.int64)
+        srcs = np.array([lease.addr for _, _, lease in jobs], np.uint64)
+        dsts = np.array([p.lane[i] for p, i, _ in jobs], np.uint64)  # type: ignore[index]
+        rc = _lib().ms_lane_pack_many(
+            n, types.ctypes.data, srcs.ctypes.data, ns.ctypes.data, ks.ctypes.data, dsts.ctypes.data
+        )
+    finally:
+        for _, _, lease in jobs:
+            lease.release()
+    if rc != 0:
+        raise RuntimeError(f"ms_lane_pack_many failed ({rc}) for layer {jobs[0][0].layer}")
+
+
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
@@ -101,20 +125,9 @@ class _Pending:
         i = self.futures.index(fut)
         result = fut.result()
         if self.lane is not None:
-            seg = self.segs[i]
-            try:
-                rc = _lib().ms_lane_pack(seg.ggml_type, result.addr, seg.n, seg.k, self.lane[i])
-            finally:
-                result.release()
-            if rc != 0:
-                raise RuntimeError(f"ms_lane_pack failed ({rc}) for layer {self.layer} expert {self.expert}")
-            self.left -= 1
-            if self.left:
-                return None
-            g, d = self.segs[0], self.segs[2]
-            gate_up = linear.QLinear(2 * g.n, g.k, "lane", self.fused, ggml_type=g.ggml_type)
-            down = linear.QLinear(d.n, d.k, "lane", self.outs[2], ggml_type=d.ggml_type)
-            return (gate_up, None, down)  # type: ignore[return-value]
+            self.parts[i] = TAKEN  # type: ignore[assignment]
+            _pack_lanes([(self, i, result)])
+            return self.lane_done()
         if isinstance(result, Lease):
             try:
                 self.parts[i] = self.pack(i, result.view)  # type: ignore[assignment]
@@ -134,6 +147,16 @@ class _Pending:
             gate_up = linear.QLinear(w.shape[0], self.segs[0].k, "int4", w, sz)
             return (gate_up, None, self.parts[2])  # type: ignore[return-value]
         return tuple(self.parts)  # type: ignore[return-value]
+
+    def lane_done(self) -> Expert | None:
+        """Count one lane-form segment as packed; the expert once all three are."""
+        self.left -= 1
+        if self.left:
+            return None
+        g, d = self.segs[0], self.segs[2]
+        gate_up = linear.QLinear(2 * g.n, g.k, "lane", self.fused, ggml_type=g.ggml_type)
+        down = linear.QLinear(d.n, d.k, "lane", self.outs[2], ggml_type=d.ggml_type)
+        return (gate_up, None, down)  # type: ignore[return-value]
 
     def finish(self) -> Expert:
         out = None
@@ -386,26 +409,53 @@ class ExpertCache:
                     done.append(completed.get_nowait())
                 done = [f for f in done if f in inflight]  # reads of an expert abandoned meanwhile
                 ready: list[_Pending] = []
+
+                def complete(p: _Pending, experts: Expert | None, ready: list[_Pending] = ready) -> None:
+                    if experts is None:
+                        return  # other segments of this expert are still being read
+                    nbytes = self.store.expert_file_nbytes[layer]
+                    self.stats.bytes_read += nbytes
+                    with self._lock:
+                        self._experts[p.slot] = experts
+                    if id(p) in unused_ids:
+                        self._unpin(p.slot)
+                        return
+                    ready.append(p)
+                    if self.trace is not None:
+                        self.trace(layer, p.expert, ids.index(p.expert), "disk", nbytes, p.latency())
+
                 try:
-                    for fut in done:
-                        p = inflight.pop(fut)
-                        try:
-                            experts = p.segment_done(fut)
-                        except BaseException:
+                    lanes: list[tuple[_Pending, int, Lease]] = []  # packed together, below
+                    try:
+                        for fut in done:
+                            p = inflight.pop(fut)
+                            try:
+                                if p.lane is not None:
+                                    i = p.futures.index(fut)
+                                    lease = fut.result()
+                                    p.parts[i] = TAKEN  # type: ignore[assignment]
+                                    lanes.append((p, i, lease))
+                                    continue
+                                experts = p.segment_done(fut)
+                            except BaseException:
+                                self._abandon(p, inflight)
+                                raise
+                            complete(p, experts)
+                    except BaseException:
+                        for _, _, lease in lanes:
+                            lease.release()
+                        for p in {id(p): p for p, _, _ in lanes}.values():
                             self._abandon(p, inflight)
+                        raise
+                    if lanes:
+                        try:
+                            _pack_lanes(lanes)
+                        except BaseException:
+                            for p in {id(p): p for p, _, _ in lanes}.values():
+                                self._abandon(p, inflight)
                             raise
-                        if experts is None:
-                            continue  # other segments of this expert are still being read
-                        nbytes = self.store.expert_file_nbytes[layer]
-                        self.stats.bytes_read += nbytes
-                        with self._lock:
-                            self._experts[p.slot] = experts
-                        if id(p) in unused_ids:
-                            self._unpin(p.slot)
-                            continue
-                        ready.append(p)
-                        if self.trace is not None:
-                            self.trace(layer, p.expert, ids.index(p.expert), "disk", nbytes, p.latency())
+                        for p, _, _ in lanes:
+                            complete(p, p.lane_done())
                     if ready:
                         yield [(p.expert, self._experts[p.slot]) for p in ready]  # type: ignore[misc]
                 finally:

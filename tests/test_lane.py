@@ -127,3 +127,28 @@ def test_bad_shapes_are_refused():
     assert lib.ms_lane_row_bytes(int(T.Q4_0), 96) < 0
     assert lib.ms_lane_row_bytes(int(T.Q6_K), 256) < 0
     assert lib.ms_lane_pack(int(T.Q6_K), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0)) < 0
+
+
+@pytest.mark.parametrize("count", [1, 2, 5])
+def test_packing_many_segments_at_once_equals_one_by_one(count):
+    rng = np.random.default_rng(count)
+    lib = native.lib()
+    shapes = [(T.Q4_0, 96, 512), (T.Q4_K, 33, 768), (T.Q8_0, 64, 256), (T.Q4_K, 128, 2048), (T.Q4_0, 7, 256)][:count]
+    raws = [quants.random_gguf(t, n * k, rng) for t, n, k in shapes]
+    sizes = [n * lib.ms_lane_row_bytes(int(t), k) for t, n, k in shapes]
+    one = [np.zeros(sz, np.uint8) for sz in sizes]
+    for (t, n, k), raw, out in zip(shapes, raws, one, strict=True):
+        assert lib.ms_lane_pack(int(t), raw.ctypes.data, n, k, out.ctypes.data) == 0
+    many = [np.full(sz, 0xAB, np.uint8) for sz in sizes]
+    arrays = [
+        np.array([int(t) for t, _, _ in shapes], np.int32),
+        np.array([r.ctypes.data for r in raws], np.uint64),
+        np.array([n for _, n, _ in shapes], np.int64),
+        np.array([k for _, _, k in shapes], np.int64),
+        np.array([m.ctypes.data for m in many], np.uint64),
+    ]
+    assert lib.ms_lane_pack_many(count, *(a.ctypes.data for a in arrays)) == 0
+    for a, b in zip(one, many, strict=True):
+        np.testing.assert_array_equal(a, b)
+    arrays[0][0] = int(T.Q6_K)  # no lane form: refused before anything is written
+    assert lib.ms_lane_pack_many(count, *(a.ctypes.data for a in arrays)) != 0

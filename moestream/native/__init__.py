@@ -106,6 +106,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_lane_row_bytes.restype = i64
     lib.ms_lane_pack.argtypes = [c_int, vp, i64, i64, vp]
     lib.ms_lane_pack.restype = c_int
+    lib.ms_lane_pack_many.argtypes = [c_int, vp, vp, vp, vp, vp]
+    lib.ms_lane_pack_many.restype = c_int
     lib.ms_lane_unpack.argtypes = [c_int, vp, i64, i64, vp]
     lib.ms_lane_unpack.restype = c_int
     lib.ms_set_threads.argtypes = [c_int]

@@ -357,6 +357,40 @@ static void dispatch(task_fn fn, void *ctx, int64_t ntasks) {
     pthread_mutex_unlock(&P.mu);
 }
 
+/* Several GGUF segments -> the lane layout at once, their rows spread over the pool: the model's thread packs
+ * a batch of finished reads while the pool's other threads would otherwise wait for its next call. */
+typedef struct {
+    const int *types;
+    const uint8_t *const *srcs;
+    const int64_t *ns, *ks;
+    uint8_t *const *dsts;
+    int64_t parts; /* row chunks per segment */
+    _Atomic int rc;
+} pack_many_ctx;
+
+static void pack_many_task(void *c, int64_t t) {
+    pack_many_ctx *x = c;
+    int64_t s = t / x->parts, part = t % x->parts;
+    int64_t n = x->ns[s], k = x->ks[s], per = (n + x->parts - 1) / x->parts;
+    int64_t r0 = part * per, r1 = r0 + per < n ? r0 + per : n;
+    if (r0 >= r1) return;
+    int type = x->types[s];
+    int64_t rb = ms_lane_row_bytes(type, k);
+    int64_t sb = k / gguf_block_elems[type] * gguf_block_bytes[type];
+    int rc = ms_lane_pack(type, x->srcs[s] + r0 * sb, r1 - r0, k, x->dsts[s] + r0 * rb);
+    if (rc != QM_OK) atomic_store(&x->rc, rc);
+}
+
+int ms_lane_pack_many(int count, const int *types, const uint8_t *const *srcs, const int64_t *ns, const int64_t *ks,
+                      uint8_t *const *dsts) {
+    for (int i = 0; i < count; i++)
+        if (ms_lane_row_bytes(types[i], ks[i]) < 0) return (int)ms_lane_row_bytes(types[i], ks[i]);
+    int threads = P.n + 1;
+    pack_many_ctx x = {types, srcs, ns, ks, dsts, count >= 2 * threads ? 1 : (2 * threads + count - 1) / count, QM_OK};
+    dispatch(pack_many_task, &x, count * x.parts);
+    return atomic_load(&x.rc);
+}
+
 /* ---------------------------------------------------------------------------------------------------- */
 /* activations */
 
