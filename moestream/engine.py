@@ -176,15 +176,15 @@ class Engine:
                 )
                 kw["compute"] = model_cls.compute_nbytes(cfg, self.ubatch, self.ctx)
             self.plan: BudgetPlan | None = plan_slots(resident=rss_bytes(), **kw)
+            # the read-ahead's buffers only where the cache keeps room to read ahead with them; else the
+            # memory stays with the slots
+            with_ahead = None
             if read_ahead and self.plan.n_slots >= AHEAD_MIN_LAYERS * cfg.n_experts:
-                kw["reader"] = _plan_args(model_cls, cfg, self.store, self.ctx, io_threads, 1, None, True)["reader"]
+                kw["reader"] = _reader_nbytes(cfg, self.store, io_threads, True)
                 with_ahead = plan_slots(resident=rss_bytes(), **kw)
-                if with_ahead.n_slots >= AHEAD_MIN_LAYERS * cfg.n_experts:
-                    self.plan = with_ahead
-                else:
-                    read_ahead = False  # the cache could never read ahead: keep the memory for slots
-            else:
-                read_ahead = False
+            read_ahead = with_ahead is not None and with_ahead.n_slots >= AHEAD_MIN_LAYERS * cfg.n_experts
+            if read_ahead:
+                self.plan = with_ahead
             n_slots = self.plan.n_slots
         else:
             self.plan = None
@@ -407,6 +407,10 @@ def _read_buffers(cfg, io_threads: int, read_ahead: bool) -> int:
     return max(3 * cfg.top_k + ahead, 2 * io_threads)
 
 
+def _reader_nbytes(cfg, store: ExpertStore, io_threads: int, read_ahead: bool) -> int:
+    return _read_buffers(cfg, io_threads, read_ahead) * (store.max_segment_nbytes + 3 * 4096)
+
+
 def _plan_args(
     model_cls,
     cfg,
@@ -420,7 +424,7 @@ def _plan_args(
     return dict(
         budget_mb=budget_mb,
         compute=model_cls.compute_nbytes(cfg, ubatch, ctx),
-        reader=_read_buffers(cfg, io_threads, read_ahead) * (store.max_segment_nbytes + 3 * 4096),
+        reader=_reader_nbytes(cfg, store, io_threads, read_ahead),
         slot_nbytes=store.slot_nbytes,
         min_slots=cfg.top_k,
         max_slots=cfg.n_layers * cfg.n_experts,

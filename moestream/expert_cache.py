@@ -9,7 +9,6 @@ needs is ever evicted.
 from __future__ import annotations
 
 import ctypes
-import functools
 import mmap
 import queue
 import threading
@@ -22,20 +21,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from moestream import linear
+from moestream import linear, native
 from moestream.errors import BudgetError
 from moestream.expert_store import ExpertStore
 from moestream.read_ahead import ahead_experts, reads_ahead
 from moestream.reader import ExpertReader, Lease
 
 Expert = tuple[linear.QLinear, linear.QLinear, linear.QLinear]  # gate, up, down
-
-
-@functools.cache
-def _lib():
-    from moestream import native
-
-    return native.lib()
 
 
 TAKEN = object()  # a lane-form segment's lease was taken (and is released by whoever took it): drain skips it
@@ -52,7 +44,7 @@ def _pack_lanes(jobs: list[tuple[_Pending, int, Lease]]) -> None:
         ks = np.array([s.k for s in segs], np.int64)
         srcs = np.array([lease.addr for _, _, lease in jobs], np.uint64)
         dsts = np.array([p.lane[i] for p, i, _ in jobs], np.uint64)  # type: ignore[index]
-        rc = _lib().ms_lane_pack_many(
+        rc = native.lib().ms_lane_pack_many(
             n, types.ctypes.data, srcs.ctypes.data, ns.ctypes.data, ks.ctypes.data, dsts.ctypes.data
         )
     finally:
@@ -122,12 +114,11 @@ class _Pending:
 
     def segment_done(self, fut: Future) -> Expert | None:
         """Take a finished segment (packing it here if the reader did not); the expert once all are in."""
+        if self.lane is not None:
+            _pack_lanes([self.take(fut)])
+            return self.lane_done()
         i = self.futures.index(fut)
         result = fut.result()
-        if self.lane is not None:
-            self.parts[i] = TAKEN  # type: ignore[assignment]
-            _pack_lanes([(self, i, result)])
-            return self.lane_done()
         if isinstance(result, Lease):
             try:
                 self.parts[i] = self.pack(i, result.view)  # type: ignore[assignment]
@@ -147,6 +138,14 @@ class _Pending:
             gate_up = linear.QLinear(w.shape[0], self.segs[0].k, "int4", w, sz)
             return (gate_up, None, self.parts[2])  # type: ignore[return-value]
         return tuple(self.parts)  # type: ignore[return-value]
+
+    def take(self, fut: Future) -> tuple[_Pending, int, Lease]:
+        """A finished lane-form segment's read, for _pack_lanes: from here the caller releases its lease
+        (drain skips it)."""
+        i = self.futures.index(fut)
+        lease = fut.result()
+        self.parts[i] = TAKEN  # type: ignore[assignment]
+        return self, i, lease
 
     def lane_done(self) -> Expert | None:
         """Count one lane-form segment as packed; the expert once all three are."""
@@ -344,6 +343,21 @@ class ExpertCache:
         unused_ids = {id(p) for p in unused}
         hitq = deque(hits)
 
+        def complete(p: _Pending, experts: Expert | None, ready: list[_Pending]) -> None:
+            """A read expert's bookkeeping once its last segment is packed; ready collects those to yield."""
+            if experts is None:
+                return  # other segments of this expert are still being read
+            nbytes = self.store.expert_file_nbytes[layer]
+            self.stats.bytes_read += nbytes
+            with self._lock:
+                self._experts[p.slot] = experts
+            if id(p) in unused_ids:  # read ahead, not asked for: cached, not yielded
+                self._unpin(p.slot)
+                return
+            ready.append(p)
+            if self.trace is not None:
+                self.trace(layer, p.expert, ids.index(p.expert), "disk", nbytes, p.latency())
+
         def launch() -> None:
             with self._lock:
                 while pending:
@@ -409,53 +423,33 @@ class ExpertCache:
                     done.append(completed.get_nowait())
                 done = [f for f in done if f in inflight]  # reads of an expert abandoned meanwhile
                 ready: list[_Pending] = []
-
-                def complete(p: _Pending, experts: Expert | None, ready: list[_Pending] = ready) -> None:
-                    if experts is None:
-                        return  # other segments of this expert are still being read
-                    nbytes = self.store.expert_file_nbytes[layer]
-                    self.stats.bytes_read += nbytes
-                    with self._lock:
-                        self._experts[p.slot] = experts
-                    if id(p) in unused_ids:
-                        self._unpin(p.slot)
-                        return
-                    ready.append(p)
-                    if self.trace is not None:
-                        self.trace(layer, p.expert, ids.index(p.expert), "disk", nbytes, p.latency())
-
                 try:
                     lanes: list[tuple[_Pending, int, Lease]] = []  # packed together, below
+                    packed = False
                     try:
                         for fut in done:
                             p = inflight.pop(fut)
                             try:
                                 if p.lane is not None:
-                                    i = p.futures.index(fut)
-                                    lease = fut.result()
-                                    p.parts[i] = TAKEN  # type: ignore[assignment]
-                                    lanes.append((p, i, lease))
+                                    lanes.append(p.take(fut))
                                     continue
                                 experts = p.segment_done(fut)
                             except BaseException:
                                 self._abandon(p, inflight)
                                 raise
-                            complete(p, experts)
+                            complete(p, experts, ready)
+                        packed = True
+                        if lanes:
+                            _pack_lanes(lanes)  # gives the leases back, whatever happens
                     except BaseException:
-                        for _, _, lease in lanes:
-                            lease.release()
+                        if not packed:
+                            for _, _, lease in lanes:
+                                lease.release()
                         for p in {id(p): p for p, _, _ in lanes}.values():
                             self._abandon(p, inflight)
                         raise
-                    if lanes:
-                        try:
-                            _pack_lanes(lanes)
-                        except BaseException:
-                            for p in {id(p): p for p, _, _ in lanes}.values():
-                                self._abandon(p, inflight)
-                            raise
-                        for p, _, _ in lanes:
-                            complete(p, p.lane_done())
+                    for p, _, _ in lanes:
+                        complete(p, p.lane_done(), ready)
                     if ready:
                         yield [(p.expert, self._experts[p.slot]) for p in ready]  # type: ignore[misc]
                 finally:
