@@ -63,6 +63,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="prompt micro-batches that need nearly every expert read the next layer's experts ahead (default on)",
     )
     p.add_argument(
+        "--run-reads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a prompt reads adjacent experts' matrices in one read of up to 4 MiB (default on, with the read-ahead)",
+    )
+    p.add_argument(
         "--admit-min-hits",
         type=int,
         default=0,
@@ -119,6 +125,7 @@ def open_engine(args: argparse.Namespace):
         route_trace=args.route_trace,
         admit_prompt=args.prompt_admit,
         read_ahead=args.read_ahead,
+        run_reads=args.run_reads,
         min_hits=args.admit_min_hits,
         pin_profile=args.pin_profile,
         pin_mb=args.pin_mb,
@@ -193,6 +200,8 @@ def write_stats_json(path: str, engine, gen) -> None:
         io_threads=engine.reader.threads,
         read_busy_s=engine.reader.busy_s,
         read_busy_mb_s=engine.reader.busy_bandwidth / 1e6,
+        read_run_len=engine.reader.run_len,  # experts a prompt's run read takes at most (1: no run reads)
+        read_buffer_wait_s=engine.reader.buffer_wait_s,  # reads waiting for a free buffer, summed
         # the prompt read-ahead over the engine's life (experts started, and those the next layer never used)
         read_ahead=engine.cache.read_ahead,
         ahead_reads=engine.cache.stats.ahead_reads,

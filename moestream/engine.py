@@ -26,8 +26,8 @@ from moestream.expert_store import ExpertStore
 from moestream.gguf_file import GGUFFile
 from moestream.mlock import LockReport, lock_dense, routed_nbytes
 from moestream.models import ARCHITECTURES, common
-from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_experts
-from moestream.reader import ExpertReader
+from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_experts, ahead_reads
+from moestream.reader import ALIGN, ExpertReader, run_length
 from moestream.sampling import Sampler
 
 DEFAULT_UBATCH = 128  # SDQ seed 5.1: small micro-batches keep compute buffers and the expert union small
@@ -119,6 +119,7 @@ class Engine:
         route_trace: str | None = None,
         admit_prompt: bool = True,
         read_ahead: bool = True,
+        run_reads: bool = True,
         min_hits: int = 0,
         pin_profile: str | None = None,
         pin_mb: int | None = None,
@@ -180,7 +181,7 @@ class Engine:
             # memory stays with the slots
             with_ahead = None
             if read_ahead and self.plan.n_slots >= AHEAD_MIN_LAYERS * cfg.n_experts:
-                kw["reader"] = _reader_nbytes(cfg, self.store, io_threads, True)
+                kw["reader"] = _reader_nbytes(cfg, self.store, io_threads, True, run_reads)
                 with_ahead = plan_slots(resident=rss_bytes(), **kw)
             read_ahead = with_ahead is not None and with_ahead.n_slots >= AHEAD_MIN_LAYERS * cfg.n_experts
             if read_ahead:
@@ -188,12 +189,15 @@ class Engine:
             n_slots = self.plan.n_slots
         else:
             self.plan = None
+        single, runs = _read_buffers(self.cfg, self.store, io_threads, read_ahead, run_reads)
         self.reader = ExpertReader(
             f.path,
             self.store.max_segment_nbytes,
             threads=io_threads,
             direct=direct,
-            buffers=_read_buffers(self.cfg, io_threads, read_ahead),
+            buffers=single,
+            run_buffers=runs,
+            run_len=run_length(self.store.max_segment_nbytes, self.cfg.n_experts),
         )
         # Admission rules that can turn a miss away need scratch slots for it (carved out of the budget).
         scratch = self.cfg.top_k if (not admit_prompt or min_hits > 0) else 0
@@ -400,15 +404,24 @@ class Engine:
         self.gguf.close()
 
 
-def _read_buffers(cfg, io_threads: int, read_ahead: bool) -> int:
-    """The reader's buffers: a decode token's misses (3 segments x top-k), what the prompt reads ahead, and
-    at least two per thread; see ExpertReader."""
-    ahead = 3 * ahead_experts(cfg.n_experts) if read_ahead else 0
-    return max(3 * cfg.top_k + ahead, 2 * io_threads)
+def _read_buffers(
+    cfg, store: ExpertStore, io_threads: int, read_ahead: bool, run_reads: bool = True
+) -> tuple[int, int]:
+    """The reader's buffers, (segment buffers, run buffers): a decode token's misses (3 segments x top-k) and
+    at least two per thread; with the read-ahead, buffers for what it holds until the next layer takes it,
+    and (run reads) four run buffers per thread for the prompt's own runs to cycle through; see ExpertReader."""
+    single = max(3 * cfg.top_k, 2 * io_threads)
+    if not read_ahead:
+        return single, 0
+    if not run_reads:
+        return single + 3 * ahead_experts(cfg.n_experts), 0
+    return single, ahead_reads(cfg.n_experts, run_length(store.max_segment_nbytes, cfg.n_experts)) + 4 * io_threads
 
 
-def _reader_nbytes(cfg, store: ExpertStore, io_threads: int, read_ahead: bool) -> int:
-    return _read_buffers(cfg, io_threads, read_ahead) * (store.max_segment_nbytes + 3 * 4096)
+def _reader_nbytes(cfg, store: ExpertStore, io_threads: int, read_ahead: bool, run_reads: bool = True) -> int:
+    single, runs = _read_buffers(cfg, store, io_threads, read_ahead, run_reads)
+    seg = store.max_segment_nbytes
+    return single * (seg + 3 * ALIGN) + runs * (run_length(seg, cfg.n_experts) * seg + 3 * ALIGN)
 
 
 def _plan_args(

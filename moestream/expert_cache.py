@@ -24,7 +24,7 @@ import torch
 from moestream import linear, native
 from moestream.errors import BudgetError
 from moestream.expert_store import ExpertStore
-from moestream.read_ahead import ahead_experts, reads_ahead
+from moestream.read_ahead import ahead_experts, ahead_reads, reads_ahead
 from moestream.reader import ExpertReader, Lease
 
 Expert = tuple[linear.QLinear, linear.QLinear, linear.QLinear]  # gate, up, down
@@ -52,6 +52,17 @@ def _pack_lanes(jobs: list[tuple[_Pending, int, Lease]]) -> None:
             lease.release()
     if rc != 0:
         raise RuntimeError(f"ms_lane_pack_many failed ({rc}) for layer {jobs[0][0].layer}")
+
+
+def _runs(pairs: list[tuple[int, int]], max_len: int) -> list[list[tuple[int, int]]]:
+    """(expert, slot) pairs split into runs of consecutive expert ids, at most max_len long."""
+    runs: list[list[tuple[int, int]]] = []
+    for pair in pairs:
+        if runs and pair[0] == runs[-1][-1][0] + 1 and len(runs[-1]) < max_len:
+            runs[-1].append(pair)
+        else:
+            runs.append([pair])
+    return runs
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
@@ -249,6 +260,33 @@ class ExpertCache:
 
     def _fill(self, layer: int, expert: int, slot: int) -> _Pending:
         """Start the three segment reads of an expert into pooled buffers; the caller packs them (finish)."""
+        p = self._pending(layer, expert, slot)
+        p.futures = [self.reader.read(seg.offset, seg.nbytes) for seg in p.segs]
+        p.left = len(p.futures)
+        return p
+
+    def _fill_pairs(self, layer: int, pairs: list[tuple[int, int]]) -> list[_Pending]:
+        """Start reading (expert, slot) pairs: in a prompt consecutive experts together (_fill_run), in decode
+        one by one (its few misses are rarely adjacent, and the run buffers are the prompt's)."""
+        if self.phase != "prompt":
+            return [self._fill(layer, e, slot) for e, slot in pairs]
+        return [p for run in _runs(pairs, self.reader.run_len) for p in self._fill_run(layer, run)]
+
+    def _fill_run(self, layer: int, run: list[tuple[int, int]]) -> list[_Pending]:
+        """Start reading (expert, slot) pairs of consecutive experts: each of the three matrices of the whole
+        run is one read (they are adjacent in the file), handed over expert by expert."""
+        first = self.store.segments(layer, run[0][0])
+        runs = [self.reader.read_run(seg.offset, seg.nbytes, len(run)) for seg in first]
+        out = []
+        for j, (e, slot) in enumerate(run):
+            p = self._pending(layer, e, slot)
+            p.futures = [runs[0][j], runs[1][j], runs[2][j]]
+            p.left = 3
+            out.append(p)
+        return out
+
+    def _pending(self, layer: int, expert: int, slot: int) -> _Pending:
+        """An expert about to be read into `slot`: where each of its matrices goes."""
         layout = self.store.layouts[layer]
         base = slot * self.slot_nbytes
         arena = self._arena_t
@@ -274,13 +312,10 @@ class ExpertCache:
             lane = [base + off + arena.data_ptr() for off in layout.offsets]
             down = segs[2]
             outs[2] = outs[2].view(down.n, layout.packed[2] // down.n)
-        p = _Pending(layer, expert, slot, segs, outs, [], self.store.exact, fused, lane)
         # The reader threads only read; the model's thread packs each segment as it lands, in the prompt too:
         # with the lane form's packing at memory speed that beat packing in the reader threads (prefill
         # 8.0-8.3 vs 7.0-7.6 tok/s, Qwen3-30B shape, 7168 MB), which then competed with the lane pool.
-        p.futures = [self.reader.read(seg.offset, seg.nbytes) for seg in segs]
-        p.left = len(p.futures)
-        return p
+        return _Pending(layer, expert, slot, segs, outs, [], self.store.exact, fused, lane)
 
     # -- the model's view ------------------------------------------------------------------------------
 
@@ -359,6 +394,7 @@ class ExpertCache:
                 self.trace(layer, p.expert, ids.index(p.expert), "disk", nbytes, p.latency())
 
         def launch() -> None:
+            started: list[tuple[int, int]] = []  # (expert, slot)
             with self._lock:
                 while pending:
                     admitted = self._admits((layer, pending[0]), admit)
@@ -380,7 +416,8 @@ class ExpertCache:
                         # sequence of requests, never on which read finished first (replay reproduces it).
                         self._key_of[slot] = (layer, e)
                         self._lru[(layer, e)] = slot
-                    p = self._fill(layer, e, slot)
+                    started.append((e, slot))
+                for p in self._fill_pairs(layer, started):
                     for fut in p.futures:
                         inflight[fut] = p
                         fut.add_done_callback(completed.put)
@@ -483,15 +520,26 @@ class ExpertCache:
                     self._pins[slot] += 1
                     self._reserved.append(slot)
             self._ahead_layer = layer
+            # What it reads waits in the reader's buffers until the layer's fetch: at most ahead_reads reads,
+            # fewer experts when the uncached ones are scattered, so the buffers never run out under it.
+            chosen: list[tuple[int, int]] = []
+            reads, run_len = 0, self.reader.run_len
             for e in fresh[: ahead_experts(self.store.n_experts)]:
+                if not chosen or e != chosen[-1][0] + 1 or run_len == self.reader.run_len:
+                    reads, run_len = reads + 3, 0
+                    if reads > ahead_reads(self.store.n_experts, self.reader.run_len):
+                        break
+                run_len += 1
                 slot = self._take_slot()
                 if slot is None:
                     break
                 self._pins[slot] += 1
                 self._key_of[slot] = (layer, e)
                 self._lru[(layer, e)] = slot
-                self._ahead[e] = self._fill(layer, e, slot)
-                self.stats.ahead_reads += 1
+                chosen.append((e, slot))
+            for p in self._fill_pairs(layer, chosen):
+                self._ahead[p.expert] = p
+            self.stats.ahead_reads += len(chosen)
 
     def _drop_ahead(self) -> None:
         """Drop what was read ahead for a layer that will not be fetched next (the forward pass that started it

@@ -27,3 +27,9 @@ def ahead_experts(n_experts: int) -> int:
 def reads_ahead(n_ids: int, n_experts: int, lru_slots: int) -> bool:
     """Whether a prompt fetch of n_ids distinct experts reads the next layer ahead."""
     return n_ids >= AHEAD_COVERAGE * n_experts and lru_slots >= AHEAD_MIN_LAYERS * n_experts
+
+
+def ahead_reads(n_experts: int, run_len: int) -> int:
+    """Reads the read-ahead may hold at once: three matrices per run of up to run_len adjacent experts. The
+    reader keeps that many buffers for it on top of those the prompt's own reads cycle through."""
+    return 3 * -(-ahead_experts(n_experts) // run_len)

@@ -154,7 +154,7 @@ def test_prompt_read_ahead_reads_the_next_layer_and_changes_no_output(tiny, base
 
 def test_read_ahead_buffers_are_budgeted_only_where_the_cache_can_read_ahead(tiny):
     from moestream.engine import budget_for_slots
-    from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_experts
+    from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_reads
 
     # the smallest budget the engine takes (its own refusal names it) and a roomy one
     with pytest.raises(BudgetError) as refused:
@@ -166,9 +166,11 @@ def test_read_ahead_buffers_are_budgeted_only_where_the_cache_can_read_ahead(tin
             top_k, E = eng.cfg.top_k, eng.cfg.n_experts
             if eng.cache.read_ahead:
                 assert eng.cache.n_slots >= AHEAD_MIN_LAYERS * E and not kw
-                assert eng.reader.n_buffers == 3 * top_k + 3 * ahead_experts(E)
-            else:
                 assert eng.reader.n_buffers == max(3 * top_k, 8)
+                assert eng.reader.n_run_buffers == ahead_reads(E, eng.reader.run_len) + 4 * 4
+                assert eng.reader.run_len > 1
+            else:
+                assert eng.reader.n_buffers == max(3 * top_k, 8) and eng.reader.n_run_buffers == 0
             assert eng.plan is not None and eng.plan.reader >= eng.reader.buffers_nbytes
             if mb > least + 1 and not kw:
                 assert eng.cache.read_ahead
