@@ -71,6 +71,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
     )
     if args.reads_per_row < 1 or args.seconds_per_row <= 0:
         raise MoestreamError("--reads-per-row and --seconds-per-row must be positive")
+    if args.sizes:
+        kw["sizes"] = tuple(probe.parse_size(x) for x in args.sizes.split(",") if x.strip())
     if args.file:
         result = probe.probe_file(args.file, **kw)
     else:
@@ -308,6 +310,11 @@ def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
         help="reads per row for the expert size, 4x that for 4 KiB (default 128)",
     )
     p.add_argument("--seconds-per-row", type=float, default=2.0, help="time limit per row (default 2)")
+    p.add_argument(
+        "--sizes",
+        help="read sizes to probe, e.g. 576K,2M,4M (default: the model's expert segment and 4 KiB; a prompt's "
+        "run reads take up to 4 MiB)",
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--buffered-only", action="store_true")
     g.add_argument("--direct-only", action="store_true")
