@@ -153,7 +153,7 @@ def test_prompt_read_ahead_reads_the_next_layer_and_changes_no_output(tiny, base
 
 
 def test_read_ahead_buffers_are_budgeted_only_where_the_cache_can_read_ahead(tiny):
-    from moestream.engine import budget_for_slots
+    from moestream.engine import RUN_BUFFERS_PER_THREAD, budget_for_slots
     from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_reads
 
     # the smallest budget the engine takes (its own refusal names it) and a roomy one
@@ -167,7 +167,7 @@ def test_read_ahead_buffers_are_budgeted_only_where_the_cache_can_read_ahead(tin
             if eng.cache.read_ahead:
                 assert eng.cache.n_slots >= AHEAD_MIN_LAYERS * E and not kw
                 assert eng.reader.n_buffers == max(3 * top_k, 8)
-                assert eng.reader.n_run_buffers == ahead_reads(E, eng.reader.run_len) + 4 * 4
+                assert eng.reader.n_run_buffers == ahead_reads(E, eng.reader.run_len) + RUN_BUFFERS_PER_THREAD * 4
                 assert eng.reader.run_len > 1
             else:
                 assert eng.reader.n_buffers == max(3 * top_k, 8) and eng.reader.n_run_buffers == 0
