@@ -119,7 +119,7 @@ class Engine:
         route_trace: str | None = None,
         admit_prompt: bool = True,
         read_ahead: bool = True,
-        run_reads: bool = True,
+        run_reads: bool = False,  # off: no gain measured end to end on this disk (README, run reads)
         min_hits: int = 0,
         pin_profile: str | None = None,
         pin_mb: int | None = None,
@@ -243,6 +243,7 @@ class Engine:
                     "policy": "lru",
                     "admit_prompt": admit_prompt,
                     "read_ahead": read_ahead,
+                    "read_run_len": self.reader.run_len,
                     "min_hits": min_hits,
                     "layers": self.cfg.n_layers,
                     "experts": self.cfg.n_experts,
@@ -411,7 +412,7 @@ RUN_BUFFERS_PER_THREAD = 8
 
 
 def _read_buffers(
-    cfg, store: ExpertStore, io_threads: int, read_ahead: bool, run_reads: bool = True
+    cfg, store: ExpertStore, io_threads: int, read_ahead: bool, run_reads: bool = False
 ) -> tuple[int, int]:
     """The reader's buffers, (segment buffers, run buffers): a decode token's misses (3 segments x top-k) and
     at least two per thread; with the read-ahead, buffers for what it holds until the next layer takes it,
@@ -425,7 +426,7 @@ def _read_buffers(
     return single, ahead_reads(cfg.n_experts, run_len) + RUN_BUFFERS_PER_THREAD * io_threads
 
 
-def _reader_nbytes(cfg, store: ExpertStore, io_threads: int, read_ahead: bool, run_reads: bool = True) -> int:
+def _reader_nbytes(cfg, store: ExpertStore, io_threads: int, read_ahead: bool, run_reads: bool = False) -> int:
     single, runs = _read_buffers(cfg, store, io_threads, read_ahead, run_reads)
     seg = store.max_segment_nbytes
     return single * (seg + 3 * ALIGN) + runs * (run_length(seg, cfg.n_experts) * seg + 3 * ALIGN)

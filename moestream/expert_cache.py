@@ -24,7 +24,7 @@ import torch
 from moestream import linear, native
 from moestream.errors import BudgetError
 from moestream.expert_store import ExpertStore
-from moestream.read_ahead import ahead_experts, ahead_reads, reads_ahead
+from moestream.read_ahead import ahead_choice, reads_ahead
 from moestream.reader import ExpertReader, Lease
 
 Expert = tuple[linear.QLinear, linear.QLinear, linear.QLinear]  # gate, up, down
@@ -520,16 +520,10 @@ class ExpertCache:
                     self._pins[slot] += 1
                     self._reserved.append(slot)
             self._ahead_layer = layer
-            # What it reads waits in the reader's buffers until the layer's fetch: at most ahead_reads reads,
-            # fewer experts when the uncached ones are scattered, so the buffers never run out under it.
+            # What it reads waits in the reader's buffers until the layer's fetch (ahead_choice keeps it within
+            # the buffers planned for it).
             chosen: list[tuple[int, int]] = []
-            reads, run_len = 0, self.reader.run_len
-            for e in fresh[: ahead_experts(self.store.n_experts)]:
-                if not chosen or e != chosen[-1][0] + 1 or run_len == self.reader.run_len:
-                    reads, run_len = reads + 3, 0
-                    if reads > ahead_reads(self.store.n_experts, self.reader.run_len):
-                        break
-                run_len += 1
+            for e in ahead_choice(fresh, self.store.n_experts, self.reader.run_len):
                 slot = self._take_slot()
                 if slot is None:
                     break

@@ -33,3 +33,19 @@ def ahead_reads(n_experts: int, run_len: int) -> int:
     """Reads the read-ahead may hold at once: three matrices per run of up to run_len adjacent experts. The
     reader keeps that many buffers for it on top of those the prompt's own reads cycle through."""
     return 3 * -(-ahead_experts(n_experts) // run_len)
+
+
+def ahead_choice(fresh: list[int], n_experts: int, run_len: int) -> list[int]:
+    """Which of the next layer's uncached experts (ascending ids) are read ahead: the first ahead_experts of
+    them, fewer where they are scattered, so that their runs of adjacent ids (at most run_len long, three
+    reads each) take at most ahead_reads reads."""
+    out: list[int] = []
+    reads, run = 0, run_len
+    for e in fresh[: ahead_experts(n_experts)]:
+        if not out or e != out[-1] + 1 or run == run_len:
+            reads, run = reads + 3, 0
+            if reads > ahead_reads(n_experts, run_len):
+                break
+        run += 1
+        out.append(e)
+    return out

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from moestream.errors import MoestreamError
-from moestream.read_ahead import ahead_experts, reads_ahead
+from moestream.read_ahead import ahead_choice, reads_ahead
 from moestream.trace import DECODE, DISK, VRAM
 
 POLICIES = ("lru", "fifo", "lfu-decay", "s3fifo", "pin", "pin+lru", "belady")
@@ -665,7 +665,9 @@ def replay(
     # The engine's prompt read-ahead changes what the cache holds, so a trace recorded with it on replays it
     # (Belady, an oracle that admits everything, does not).
     ahead = bool(acc.meta.get("read_ahead")) and not belady and admission.prompt and not admission.min_hits
-    misses = _simulate(acc, pols, per_layer, admission if not belady else Admission(), ahead)
+    # runs of adjacent experts bound how many it reads (read_ahead.ahead_choice); traces before run reads: 1
+    run_len = int(acc.meta.get("read_run_len", 1))
+    misses = _simulate(acc, pols, per_layer, admission if not belady else Admission(), ahead, run_len)
     sizes = np.diff(acc.starts)
     dec = acc.group_decode
     d_miss = misses[dec]
@@ -685,7 +687,9 @@ def replay(
     )
 
 
-def _simulate(acc: Accesses, pols: list[Policy], per_layer: bool, adm: Admission, ahead: bool = False) -> np.ndarray:
+def _simulate(
+    acc: Accesses, pols: list[Policy], per_layer: bool, adm: Admission, ahead: bool = False, run_len: int = 1
+) -> np.ndarray:
     """Misses per group. ahead: model the engine's prompt read-ahead (moestream.read_ahead): a prompt group
     asking for nearly all of a layer's experts also admits the next layer's first uncached experts, the
     next layer's resident keys pinned meanwhile; the next group's first access to such a key is a miss."""
@@ -764,8 +768,8 @@ def _simulate(acc: Accesses, pols: list[Policy], per_layer: bool, adm: Admission
             if reads_ahead(len(set(keys[s:e])), acc.n_experts, pol2.capacity):
                 base = nxt * acc.n_experts
                 pins = pinned | {k for k in range(base, base + acc.n_experts) if k in pol2}
-                fresh = [k for k in range(base, base + acc.n_experts) if k not in pol2 and not pol2.reserved(k)]
-                for k in fresh[: ahead_experts(acc.n_experts)]:
+                fresh = [k - base for k in range(base, base + acc.n_experts) if k not in pol2 and not pol2.reserved(k)]
+                for k in (base + x for x in ahead_choice(fresh, acc.n_experts, run_len)):
                     if len(pol2) >= pol2.capacity and pol2.evict(pins) is None:
                         break
                     pol2.on_miss(k, e - 1)

@@ -128,10 +128,13 @@ def test_output_identical_across_tier_configurations(tiny, baseline, kw):
         eng.close()
 
 
-def test_prompt_read_ahead_reads_the_next_layer_and_changes_no_output(tiny, baseline, tmp_path):
+@pytest.mark.parametrize("run_reads", [False, True], ids=["segments", "runs"])
+def test_prompt_read_ahead_reads_the_next_layer_and_changes_no_output(tiny, baseline, tmp_path, run_reads):
     path = str(tmp_path / "t.csv")
-    eng = Engine(tiny, n_slots=64, ubatch=64, trace_path=path)  # 4 layers of 16 experts: the rule allows it
+    # 4 layers of 16 experts: the rule allows it
+    eng = Engine(tiny, n_slots=64, ubatch=64, trace_path=path, run_reads=run_reads)
     try:
+        assert (eng.reader.run_len > 1) == run_reads
         assert eng.generate(PROMPT_A, N, Sampler()).tokens == baseline
         s = eng.cache.stats
         assert s.ahead_reads > 0 and s.ahead_unused <= s.ahead_reads
@@ -154,25 +157,29 @@ def test_prompt_read_ahead_reads_the_next_layer_and_changes_no_output(tiny, base
 
 def test_read_ahead_buffers_are_budgeted_only_where_the_cache_can_read_ahead(tiny):
     from moestream.engine import RUN_BUFFERS_PER_THREAD, budget_for_slots
-    from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_reads
+    from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_experts, ahead_reads
 
     # the smallest budget the engine takes (its own refusal names it) and a roomy one
     with pytest.raises(BudgetError) as refused:
         Engine(tiny, ram_budget_mb=64)
     least = int(re.search(r"use at least --ram-budget-mb (\d+)", str(refused.value)).group(1))
-    for mb, kw in ((least + 1, {}), (budget_for_slots(tiny, 200), {}), (budget_for_slots(tiny, 200), {"min_hits": 1})):
+    roomy = budget_for_slots(tiny, 200)
+    for mb, kw in ((least + 1, {}), (roomy, {}), (roomy, {"run_reads": True}), (roomy, {"min_hits": 1})):
         eng = Engine(tiny, ram_budget_mb=mb, **kw)
         try:
             top_k, E = eng.cfg.top_k, eng.cfg.n_experts
-            if eng.cache.read_ahead:
-                assert eng.cache.n_slots >= AHEAD_MIN_LAYERS * E and not kw
+            if eng.cache.read_ahead and kw.get("run_reads"):
+                assert eng.cache.n_slots >= AHEAD_MIN_LAYERS * E
                 assert eng.reader.n_buffers == max(3 * top_k, 8)
                 assert eng.reader.n_run_buffers == ahead_reads(E, eng.reader.run_len) + RUN_BUFFERS_PER_THREAD * 4
                 assert eng.reader.run_len > 1
+            elif eng.cache.read_ahead:
+                assert eng.cache.n_slots >= AHEAD_MIN_LAYERS * E and not kw
+                assert eng.reader.n_buffers == 3 * top_k + 3 * ahead_experts(E) and eng.reader.n_run_buffers == 0
             else:
                 assert eng.reader.n_buffers == max(3 * top_k, 8) and eng.reader.n_run_buffers == 0
             assert eng.plan is not None and eng.plan.reader >= eng.reader.buffers_nbytes
-            if mb > least + 1 and not kw:
+            if mb > least + 1 and "min_hits" not in kw:
                 assert eng.cache.read_ahead
         finally:
             eng.close()
