@@ -1,0 +1,147 @@
+"""Where a prompt's time goes, with the cache's memory committed before it and as a fresh process runs it.
+
+    python bench/prefill_parts.py --model /tmp/models/q36.gguf --budget-mb 7168 --repeat 3
+
+Each run is a fresh process (this script re-runs itself with --one): page cache dropped, an Engine at the
+budget, then one prompt (the compare.py prompt) and one token. Arm `committed` waits for the background
+commit of the expert slots (ExpertCache.prefault) before the prompt; arm `fresh` starts the prompt at once,
+as `moestream run` does. Timers wrap the model's parts (linear attention, full attention, the MoE block:
+routed and shared experts with their waits and packing)
+and the packing of read segments; the reader reports how long reads waited for a free buffer and its
+bandwidth while reads were in flight. Arms alternate. Needs root (drop_caches). No balloon: run it on an
+otherwise idle machine.
+
+Writes bench/results/<date>-<name>.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from compare import DEFAULT_PROMPT, RESULTS_DIR, git_commit, host_info, results_path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARTS = ("prompt_s", "read_wait_s", "cpu_s", "linear_attention_s", "attention_s", "moe_s", "pack_s", "commit_wait_s")
+
+
+def one(model: str, budget_mb: int, committed: bool, threads: int) -> dict:
+    sys.path.insert(0, REPO)
+    from moestream import expert_cache
+    from moestream.engine import Engine
+    from moestream.models import qwen3moe, qwen35moe
+
+    spent: dict[str, float] = collections.defaultdict(float)
+
+    def timed(owner, name: str, key: str) -> None:
+        f = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t
+
+        setattr(owner, name, wrapper)
+
+    timed(qwen35moe.GatedDeltaNet, "__call__", "linear_attention_s")
+    timed(qwen35moe.GatedAttention, "__call__", "attention_s")
+    timed(qwen35moe.SharedMoE, "__call__", "moe_s")
+    timed(qwen3moe.Attention, "__call__", "attention_s")
+    timed(qwen3moe.MoE, "__call__", "moe_s")
+    timed(expert_cache, "_pack_lanes", "pack_s")
+    os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
+    eng = Engine(model, ram_budget_mb=budget_mb, threads=threads)
+    t = time.perf_counter()
+    if committed and eng.cache._prefault_thread is not None:
+        eng.cache._prefault_thread.join()
+    commit_wait = time.perf_counter() - t
+    ids = eng.tokenizer.encode(DEFAULT_PROMPT)
+    spent.clear()
+    cpu0 = time.process_time()
+    g = eng.generate(ids, 1)
+    out = dict(spent)
+    out.update(
+        arm="committed" if committed else "fresh",
+        prompt_tokens=len(ids),
+        prompt_s=g.stats.prompt_s,
+        read_wait_s=g.stats.read_wait_s,
+        cpu_s=time.process_time() - cpu0,
+        commit_wait_s=commit_wait,
+        buffer_wait_s=eng.reader.buffer_wait_s,
+        read_busy_mb_s=eng.reader.busy_bandwidth / 1e6,
+        n_slots=eng.cache.n_slots,
+    )
+    eng.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--budget-mb", type=int, default=7168)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--name", default="prefill-parts")
+    ap.add_argument("--results-dir", default=RESULTS_DIR)
+    ap.add_argument("--one", choices=("committed", "fresh"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(args.model, args.budget_mb, args.one == "committed", args.threads)))
+        return 0
+    rows = []
+    for rep in range(args.repeat):
+        for arm in ("committed", "fresh") if rep % 2 == 0 else ("fresh", "committed"):
+            cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--budget-mb", str(args.budget_mb)]
+            cmd += ["--threads", str(args.threads), "--one", arm]
+            res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+            if res.returncode != 0:
+                sys.exit(f"error: the {arm} run failed:\n{res.stderr[-2000:]}")
+            row = json.loads(res.stdout.strip().splitlines()[-1])
+            row["repeat"] = rep
+            rows.append(row)
+            print(f"repeat {rep + 1}/{args.repeat} {arm}: prompt {row['prompt_s']:.1f} s", file=sys.stderr)
+    md = [
+        f"### Where a prompt's time goes: {os.path.basename(args.model)}, {args.budget_mb} MB, "
+        f"{rows[0]['prompt_tokens']} tokens",
+        "",
+        "| arm | " + " | ".join(PARTS) + " |",
+        "|---|" + "---|" * len(PARTS),
+    ]
+    for arm in ("committed", "fresh"):
+        mine = [r for r in rows if r["arm"] == arm]
+        cells = []
+        for p in PARTS:
+            xs = [r.get(p, 0.0) for r in mine]
+            cells.append(f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})")
+        md.append(f"| {arm} | " + " | ".join(cells) + " |")
+    text = "\n".join(md)
+    doc = {
+        "meta": {
+            "date": dt.datetime.now().isoformat(timespec="seconds"),
+            "model": args.model,
+            "host": host_info(args.model),
+            "moestream_commit": git_commit(),
+            "args": {k: v for k, v in vars(args).items() if k != "one"},
+        },
+        "rows": rows,
+        "markdown": text,
+    }
+    path = results_path(args.results_dir, args.name)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(text)
+    print(f"\nresults: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
