@@ -121,3 +121,18 @@ def test_probe_cli(small_file, tmp_path, capsys):
     args = parser.parse_args(["probe"])
     with pytest.raises(MoestreamError, match="--file"):
         args.func(args)
+
+
+def test_probe_cli_sizes(small_file, capsys):
+    from moestream.analysis_cli import add_analysis_commands
+
+    parser = argparse.ArgumentParser()
+    add_analysis_commands(parser.add_subparsers(dest="command", required=True))
+    common = ["probe", "--file", small_file, "--inflight", "1", "--reads-per-row", "4", "--seconds-per-row", "0.5"]
+    args = parser.parse_args([*common, "--buffered-only", "--json", "--sizes", "64K,1M"])
+    assert args.func(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted({row["size"] for row in doc["rows"]}) == [64 << 10, 1 << 20]
+    args = parser.parse_args([*common, "--sizes", "64K,lots"])
+    with pytest.raises(MoestreamError, match="cannot read the size 'lots'"):
+        args.func(args)
