@@ -16,7 +16,6 @@ Writes bench/results/<date>-<name>.json and prints a markdown table (also --mark
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import shlex
 import sys
@@ -30,10 +29,9 @@ from compare import (
     RunResult,
     cell,
     condition_context,
-    git_commit,
-    host_info,
     pair_ratios,
     prepare,
+    run_meta,
     run_moestream,
     save_results,
     short,
@@ -167,15 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    doc: dict[str, Any] = {
-        "meta": {
-            "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "model": args.model,
-            "host": host_info(args.model),
-            "moestream_commit": git_commit(),
-            "args": vars(args),
-        }
-    }
+    doc: dict[str, Any] = {"meta": run_meta(args)}
     doc |= run_ab(args, log)
     save_results(doc, markdown(doc), args, "ab", log)
     return 0

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime as dt
-import json
 import mmap
 import os
 import statistics
@@ -25,7 +23,7 @@ import sys
 import threading
 import time
 
-from compare import RESULTS_DIR, git_commit, host_info, results_path
+from compare import RESULTS_DIR, run_meta, save_results
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,6 +56,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="commit-cost")
     ap.add_argument("--results-dir", default=RESULTS_DIR)
+    ap.add_argument("--markdown", default=None, help="also write the table to this file")
     args = ap.parse_args()
     eng = Engine(args.model, ram_budget_mb=args.budget_mb, threads=args.threads)
     if eng.cache._prefault_thread is not None:
@@ -106,22 +105,8 @@ def main() -> int:
             f"| **ratio** | **{cell(ratios)}x** | |",
         ]
     )
-    doc = {
-        "meta": {
-            "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "model": args.model,
-            "host": host_info(args.model),
-            "moestream_commit": git_commit(),
-            "args": vars(args),
-        },
-        "rows": rows,
-        "markdown": text,
-    }
-    path = results_path(args.results_dir, args.name)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(text)
-    print(f"\nresults: {path}")
+    doc = {"meta": run_meta(args), "rows": rows, "markdown": text}
+    save_results(doc, text, args, args.name, lambda msg: print(msg, file=sys.stderr))
     return 0
 
 

@@ -927,6 +927,18 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_meta(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    """What every results file records about its run: when, which model, the machine, the commit, the args."""
+    return {
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "model": args.model,
+        "host": host_info(args.model),
+        "moestream_commit": git_commit(),
+        "args": vars(args),
+        **extra,
+    }
+
+
 def save_results(doc: dict[str, Any], md: str, args: argparse.Namespace, kind: str, log: Callable[[str], None]) -> str:
     """Write the JSON under --results-dir, print the markdown table (and to --markdown); the JSON path."""
     name = args.name or f"{kind}-{os.path.splitext(os.path.basename(args.model))[0]}"
@@ -1033,16 +1045,7 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     doc: dict[str, Any] = {
-        "meta": {
-            "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "model": args.model,
-            "model_bytes": os.path.getsize(args.model),
-            "host": host_info(args.model),
-            "moestream_commit": git_commit(),
-            "llama_cpp_version": _llama_version(),
-            "args": {k: v for k, v in vars(args).items()},
-            "notes": [],
-        },
+        "meta": run_meta(args, model_bytes=os.path.getsize(args.model), llama_cpp_version=_llama_version(), notes=[]),
         "conditions": [],
     }
     compute_ms = None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime as dt
 import json
 import os
 import statistics
@@ -26,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from compare import DEFAULT_PROMPT, RESULTS_DIR, git_commit, host_info, results_path
+from compare import DEFAULT_PROMPT, RESULTS_DIR, run_meta, save_results
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("prompt_s", "read_wait_s", "cpu_s", "linear_attention_s", "attention_s", "moe_s", "pack_s", "commit_wait_s")
@@ -92,6 +91,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="prefill-parts")
     ap.add_argument("--results-dir", default=RESULTS_DIR)
+    ap.add_argument("--markdown", default=None, help="also write the table to this file")
     ap.add_argument("--one", choices=("committed", "fresh"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -124,22 +124,8 @@ def main() -> int:
             cells.append(f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})")
         md.append(f"| {arm} | " + " | ".join(cells) + " |")
     text = "\n".join(md)
-    doc = {
-        "meta": {
-            "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "model": args.model,
-            "host": host_info(args.model),
-            "moestream_commit": git_commit(),
-            "args": {k: v for k, v in vars(args).items() if k != "one"},
-        },
-        "rows": rows,
-        "markdown": text,
-    }
-    path = results_path(args.results_dir, args.name)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(text)
-    print(f"\nresults: {path}")
+    doc = {"meta": run_meta(args), "rows": rows, "markdown": text}
+    save_results(doc, text, args, args.name, lambda msg: print(msg, file=sys.stderr))
     return 0
 
 

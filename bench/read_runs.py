@@ -15,15 +15,13 @@ Writes bench/results/<date>-<name>.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
 import random
 import statistics
 import sys
 import time
 
-from compare import RESULTS_DIR, git_commit, host_info, results_path
+from compare import RESULTS_DIR, run_meta, save_results
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -81,6 +79,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=4, help="reads in flight (default 4, the engine's)")
     ap.add_argument("--name", default="read-runs")
     ap.add_argument("--results-dir", default=RESULTS_DIR)
+    ap.add_argument("--markdown", default=None, help="also write the table to this file")
     args = ap.parse_args()
     runs = [int(x) for x in args.runs.split(",")]
     tensors, n_exp = expert_tensors(args.model)
@@ -111,22 +110,8 @@ def main() -> int:
             f"| {statistics.median(cpu):.3f} | {statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f}) |"
         )
     text = "\n".join(md)
-    doc = {
-        "meta": {
-            "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "model": args.model,
-            "host": host_info(args.model),
-            "moestream_commit": git_commit(),
-            "args": vars(args),
-        },
-        "rows": rows,
-        "markdown": text,
-    }
-    path = results_path(args.results_dir, args.name)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(text)
-    print(f"\nresults: {path}")
+    doc = {"meta": run_meta(args), "rows": rows, "markdown": text}
+    save_results(doc, text, args, args.name, lambda msg: print(msg, file=sys.stderr))
     return 0
 
 
