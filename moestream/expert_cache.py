@@ -24,7 +24,7 @@ import torch
 from moestream import linear, native
 from moestream.errors import BudgetError
 from moestream.expert_store import ExpertStore
-from moestream.read_ahead import ahead_choice, reads_ahead
+from moestream.read_ahead import ahead_choice, consecutive_runs, reads_ahead
 from moestream.reader import ExpertReader, Lease
 
 Expert = tuple[linear.QLinear, linear.QLinear, linear.QLinear]  # gate, up, down
@@ -52,17 +52,6 @@ def _pack_lanes(jobs: list[tuple[_Pending, int, Lease]]) -> None:
             lease.release()
     if rc != 0:
         raise RuntimeError(f"ms_lane_pack_many failed ({rc}) for layer {jobs[0][0].layer}")
-
-
-def _runs(pairs: list[tuple[int, int]], max_len: int) -> list[list[tuple[int, int]]]:
-    """(expert, slot) pairs split into runs of consecutive expert ids, at most max_len long."""
-    runs: list[list[tuple[int, int]]] = []
-    for pair in pairs:
-        if runs and pair[0] == runs[-1][-1][0] + 1 and len(runs[-1]) < max_len:
-            runs[-1].append(pair)
-        else:
-            runs.append([pair])
-    return runs
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
@@ -270,7 +259,8 @@ class ExpertCache:
         one by one (its few misses are rarely adjacent, and the run buffers are the prompt's)."""
         if self.phase != "prompt":
             return [self._fill(layer, e, slot) for e, slot in pairs]
-        return [p for run in _runs(pairs, self.reader.run_len) for p in self._fill_run(layer, run)]
+        runs = consecutive_runs(pairs, self.reader.run_len, key=lambda pair: pair[0])
+        return [p for run in runs for p in self._fill_run(layer, run)]
 
     def _fill_run(self, layer: int, run: list[tuple[int, int]]) -> list[_Pending]:
         """Start reading (expert, slot) pairs of consecutive experts: each of the three matrices of the whole

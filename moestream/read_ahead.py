@@ -35,17 +35,21 @@ def ahead_reads(n_experts: int, run_len: int) -> int:
     return 3 * -(-ahead_experts(n_experts) // run_len)
 
 
+def consecutive_runs(items: list, max_len: int, key=lambda x: x) -> list[list]:
+    """items split, in order, into runs whose keys are consecutive integers, at most max_len long: what one run
+    read takes (the cache splits (expert, slot) pairs, the read-ahead expert ids)."""
+    runs: list[list] = []
+    for item in items:
+        if runs and key(item) == key(runs[-1][-1]) + 1 and len(runs[-1]) < max_len:
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs
+
+
 def ahead_choice(fresh: list[int], n_experts: int, run_len: int) -> list[int]:
     """Which of the next layer's uncached experts (ascending ids) are read ahead: the first ahead_experts of
     them, fewer where they are scattered, so that their runs of adjacent ids (at most run_len long, three
     reads each) take at most ahead_reads reads."""
-    out: list[int] = []
-    reads, run = 0, run_len
-    for e in fresh[: ahead_experts(n_experts)]:
-        if not out or e != out[-1] + 1 or run == run_len:
-            reads, run = reads + 3, 0
-            if reads > ahead_reads(n_experts, run_len):
-                break
-        run += 1
-        out.append(e)
-    return out
+    runs = consecutive_runs(fresh[: ahead_experts(n_experts)], run_len)
+    return [e for run in runs[: ahead_reads(n_experts, run_len) // 3] for e in run]

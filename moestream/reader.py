@@ -25,10 +25,16 @@ from moestream.errors import MoestreamError
 from moestream.gguf_file import drop_page_cache
 
 ALIGN = 4096
-# A prompt reads runs of adjacent experts' matrices (consecutive ids sit next to each other in the file) as one
-# read of up to this many bytes: on this disk, O_DIRECT reads of one 0.6 MB Q4_K segment reached 1.13-1.16 GB/s
-# at 4 in flight, 2.4 MB reads 1.45-1.61 GB/s and 4.7 MB reads 1.78 GB/s (bench/results/...-read-size.json).
+# With --run-reads a prompt reads runs of adjacent experts' matrices (consecutive ids sit next to each other in
+# the file) as one read of up to this many bytes. Whether that reads faster depends on the disk: this one gave
+# 1.11 vs 1.19 GB/s for one 0.6 MB Q4_K matrix vs 4 MiB at 4 in flight in bench/read_runs.py's results, and
+# 1.13 vs 1.78 GB/s at another moment; the CPU per GB read fell from 0.17 to 0.12 s.
 RUN_BYTES = 4 << 20
+
+
+def _buffer_nbytes(nbytes: int) -> int:
+    """A buffer for reads of up to nbytes: O_DIRECT reads start and end on page boundaries around the range."""
+    return (nbytes + 2 * ALIGN + ALIGN - 1) // ALIGN * ALIGN
 
 
 def run_length(max_segment_nbytes: int, n_experts: int) -> int:
@@ -117,7 +123,7 @@ class ExpertReader:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd_buffered, 0, 0, os.POSIX_FADV_RANDOM)
         # Buffers big enough for the largest segment plus alignment slack at both ends.
-        self.buffer_nbytes = (max_segment_nbytes + 2 * ALIGN + ALIGN - 1) // ALIGN * ALIGN
+        self.buffer_nbytes = _buffer_nbytes(max_segment_nbytes)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="moestream-read")
         self._inflight = 0
@@ -135,7 +141,7 @@ class ExpertReader:
         # Bigger buffers for run reads (read_run); without them every part is read on its own.
         self.n_run_buffers = run_buffers
         self.run_len = run_len if run_buffers else 1
-        self.run_buffer_nbytes = (self.run_len * max_segment_nbytes + 2 * ALIGN + ALIGN - 1) // ALIGN * ALIGN
+        self.run_buffer_nbytes = _buffer_nbytes(self.run_len * max_segment_nbytes)
         self._run_buffers: queue.SimpleQueue[AlignedBuffer] = queue.SimpleQueue()
         for _ in range(run_buffers):
             self._run_buffers.put(AlignedBuffer(self.run_buffer_nbytes))
