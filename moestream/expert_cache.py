@@ -139,6 +139,11 @@ class _Pending:
             return (gate_up, None, self.parts[2])  # type: ignore[return-value]
         return tuple(self.parts)  # type: ignore[return-value]
 
+    def started(self, futures: list[Future]) -> _Pending:
+        """Its segment reads are under way: one future per segment, gate, up, down."""
+        self.futures, self.left = futures, len(futures)
+        return self
+
     def take(self, fut: Future) -> tuple[_Pending, int, Lease]:
         """A finished lane-form segment's read, for _pack_lanes: from here the caller releases its lease
         (drain skips it)."""
@@ -250,9 +255,7 @@ class ExpertCache:
     def _fill(self, layer: int, expert: int, slot: int) -> _Pending:
         """Start the three segment reads of an expert into pooled buffers; the caller packs them (finish)."""
         p = self._pending(layer, expert, slot)
-        p.futures = [self.reader.read(seg.offset, seg.nbytes) for seg in p.segs]
-        p.left = len(p.futures)
-        return p
+        return p.started([self.reader.read(seg.offset, seg.nbytes) for seg in p.segs])
 
     def _fill_pairs(self, layer: int, pairs: list[tuple[int, int]]) -> list[_Pending]:
         """Start reading (expert, slot) pairs: in a prompt consecutive experts together (_fill_run), in decode
@@ -267,13 +270,7 @@ class ExpertCache:
         run is one read (they are adjacent in the file), handed over expert by expert."""
         first = self.store.segments(layer, run[0][0])
         runs = [self.reader.read_run(seg.offset, seg.nbytes, len(run)) for seg in first]
-        out = []
-        for j, (e, slot) in enumerate(run):
-            p = self._pending(layer, e, slot)
-            p.futures = [runs[0][j], runs[1][j], runs[2][j]]
-            p.left = 3
-            out.append(p)
-        return out
+        return [self._pending(layer, e, slot).started([r[j] for r in runs]) for j, (e, slot) in enumerate(run)]
 
     def _pending(self, layer: int, expert: int, slot: int) -> _Pending:
         """An expert about to be read into `slot`: where each of its matrices goes."""
