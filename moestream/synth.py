@@ -126,6 +126,8 @@ QUANTS: dict[str, T] = {
     "Q4_0": T.Q4_0,
     "Q8_0": T.Q8_0,
     "Q4_K": T.Q4_K,
+    "Q4_K_M": T.Q4_K,  # Q4_K with llama.cpp's Q4_K_M exceptions in Q6_K (see q4_k_m_type)
+    "Q6_K": T.Q6_K,
     "F16": T.F16,
     "BF16": T.BF16,
     "F32": T.F32,
@@ -134,6 +136,7 @@ _FILE_TYPE = {
     T.Q4_0: LlamaFileType.MOSTLY_Q4_0,
     T.Q8_0: LlamaFileType.MOSTLY_Q8_0,
     T.Q4_K: LlamaFileType.MOSTLY_Q4_K_S,
+    T.Q6_K: LlamaFileType.MOSTLY_Q6_K,
     T.F16: LlamaFileType.MOSTLY_F16,
     T.BF16: LlamaFileType.MOSTLY_BF16,
     T.F32: LlamaFileType.ALL_F32,
@@ -145,12 +148,29 @@ _FILE_TYPE = {
 #   Q4_0: (q - 8), q uniform in 0..15          -> 21.5  (var 21.25 + mean^2 0.25)
 #   Q8_0: int8 uniform in -128..127            -> 5461.5
 #   Q4_K: sc*(q - 7.5) once dmin*m = 7.5*d*sc  -> 21.25 * sc^2
+#   Q6_K: sc*(q - 32), q uniform in 0..63     -> 341.5 * sc^2
 _Q4_0_MS = 21.5
 _Q8_0_MS = 5461.5
 _Q4_K_MS = 21.25
+_Q6_K_MS = 341.5
 
-# bytes per block, and bytes of header at the block's start that the table overwrites
-_BLOCK = {T.Q4_0: (32, 18, 2), T.Q8_0: (32, 34, 2), T.Q4_K: (256, 144, 16)}
+# elements and bytes per block, and the byte range of the header (scales) that the table overwrites
+_BLOCK = {T.Q4_0: (32, 18, 0, 2), T.Q8_0: (32, 34, 0, 2), T.Q4_K: (256, 144, 0, 16), T.Q6_K: (256, 210, 192, 210)}
+
+
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's choice of the layers whose ffn_down gets more bits in Q4_K_M / Q5_K_M files: the first and
+    last eighth, and every third layer between."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, layer: int | None, n_layers: int) -> T:
+    """The type llama-quantize gives a tensor of a Q4_K_M file, for the tensors a synthetic model has:
+    Q6_K for the output head and for ffn_down (experts and shared expert) on use_more_bits layers, Q4_K for
+    the rest (llama.cpp's further exceptions for attention tensors do not touch the experts)."""
+    if name == "output.weight" or ("ffn_down" in name and layer is not None and use_more_bits(layer, n_layers)):
+        return T.Q6_K
+    return T.Q4_K
 
 
 def _f16_bits(x: np.ndarray) -> np.ndarray:
@@ -178,6 +198,13 @@ def header_table(ggml_type: T, std: float, rng: np.random.Generator) -> np.ndarr
         ms = _Q4_0_MS if ggml_type == T.Q4_0 else _Q8_0_MS
         d = mag * (std / math.sqrt(ms * np.mean(mag**2)))
         return _f16_bits(d).reshape(256, 1)
+    if ggml_type == T.Q6_K:
+        sc = rng.integers(16, 64, (256, 16))
+        d = mag * (std / math.sqrt(_Q6_K_MS * np.mean(mag[:, None] ** 2 * sc**2)))
+        hdr = np.empty((256, 18), np.uint8)
+        hdr[:, 0:16] = sc.astype(np.int8).view(np.uint8)
+        hdr[:, 16:18] = _f16_bits(d).view(np.uint8).reshape(256, 2)
+        return hdr.view(np.uint16)
     if ggml_type == T.Q4_K:
         # mins equal to the scales and dmin = 7.5*d put every sub-block's zero at q = 7.5 (exact in f16)
         sc = rng.integers(16, 64, (256, 8))
@@ -196,7 +223,7 @@ def random_blocks(ggml_type: T, n_elems: int, std: float, seed: Any) -> Iterator
     if ggml_type in (T.F32, T.F16, T.BF16):
         yield from _random_floats(ggml_type, n_elems, std, np.random.Generator(bitgen))
         return
-    block, size, hsize = _BLOCK[ggml_type]
+    block, size, h0, h1 = _BLOCK[ggml_type]
     table = header_table(ggml_type, std, np.random.Generator(np.random.SFC64(bitgen.random_raw())))
     words = size // 2
     n_blocks = n_elems // block
@@ -205,8 +232,8 @@ def random_blocks(ggml_type: T, n_elems: int, std: float, seed: Any) -> Iterator
         nb = min(per_chunk, n_blocks - start)
         raw = bitgen.random_raw(-(-nb * size // 8)).view(np.uint8)[: nb * size]
         u = raw.view(np.uint16).reshape(nb, words)
-        # the low byte of the block's (random) first word picks its header
-        u[:, : hsize // 2] = table[u[:, 0].astype(np.uint8)]
+        # the low byte of the block's (random) first word picks its header (never a header byte itself)
+        u[:, h0 // 2 : h1 // 2] = table[u[:, 0].astype(np.uint8)]
         yield raw
 
 
@@ -320,7 +347,14 @@ def _deltanet_specs(s: SynthShape, p: str, dense_type: T, seed: int) -> list[Ten
     ]
 
 
-def synth_tensors(s: SynthShape, expert_type: T, dense_type: T, vocab: int, seed: int) -> list[TensorSpec]:
+def synth_tensors(
+    s: SynthShape, expert_type: T, dense_type: T, vocab: int, seed: int, k_m: bool = False
+) -> list[TensorSpec]:
+    """The tensors of a synthetic model. k_m: a Q4_K_M file (q4_k_m_type's Q6_K exceptions)."""
+
+    def down_type(default: T, layer: int) -> T:
+        return q4_k_m_type("ffn_down", layer, s.n_layers) if k_m else default
+
     H, q_dim, kv_dim = s.hidden, s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     E, F, Fs = s.n_experts, s.expert_ffn, s.shared_ffn
     w_in = 1.0 / math.sqrt(H)  # input projections: unit-variance outputs from an RMS-normed input
@@ -348,19 +382,20 @@ def synth_tensors(s: SynthShape, expert_type: T, dense_type: T, vocab: int, seed
             _spec(p + "ffn_gate_inp.weight", T.F32, (E, H), 2.0 * w_in, seed),
             _spec(p + "ffn_gate_exps.weight", expert_type, (E, F, H), w_in, seed),
             _spec(p + "ffn_up_exps.weight", expert_type, (E, F, H), w_in, seed),
-            _spec(p + "ffn_down_exps.weight", expert_type, (E, H, F), w_out, seed),
+            _spec(p + "ffn_down_exps.weight", down_type(expert_type, i), (E, H, F), w_out, seed),
         ]
         if Fs:
             specs += [
                 _spec(p + "ffn_gate_shexp.weight", expert_type, (Fs, H), w_in, seed),
                 _spec(p + "ffn_up_shexp.weight", expert_type, (Fs, H), w_in, seed),
-                _spec(p + "ffn_down_shexp.weight", expert_type, (H, Fs), w_out, seed),
+                _spec(p + "ffn_down_shexp.weight", down_type(expert_type, i), (H, Fs), w_out, seed),
             ]
             if gated:  # sigmoid gate on the shared expert: logits of std ~1
                 specs.append(_spec(p + "ffn_gate_inp_shexp.weight", T.F32, (1, H), w_in, seed))
     specs += [
         _norm_spec("output_norm.weight", H, seed),
-        _spec("output.weight", dense_type, (vocab, H), 2.0 * w_in, seed),
+        _spec("output.weight", q4_k_m_type("output.weight", None, s.n_layers) if k_m else dense_type, (vocab, H),
+              2.0 * w_in, seed),
     ]
     return specs
 
@@ -387,7 +422,7 @@ def synth_nbytes(shape: str, quant: str, layers: int | None = None, *, dense: st
     """Bytes of tensor data write_synth would write (plus a header under 1 MB): for a disk-space check."""
     s = _resolve(shape, layers)
     vocab = s.vocab or len(tiny_bpe_metadata()["tokenizer.ggml.tokens"])
-    specs = synth_tensors(s, _quant_type(quant), _quant_type(dense or quant), vocab, 0)
+    specs = synth_tensors(s, _quant_type(quant), _quant_type(dense or quant), vocab, 0, quant.upper() == "Q4_K_M")
     return sum(t.nbytes for t in specs)
 
 
@@ -403,7 +438,8 @@ def write_synth(
 ) -> str:
     """Write a random-weight GGUF of a named shape; returns the path.
 
-    quant: type of the expert tensors ('Q4_0', 'Q8_0', 'Q4_K', 'F16', also 'BF16', 'F32').
+    quant: type of the expert tensors ('Q4_0', 'Q8_0', 'Q4_K', 'Q6_K', 'F16', also 'BF16', 'F32'), or 'Q4_K_M':
+    Q4_K with llama.cpp's Q4_K_M exceptions (ffn_down on use_more_bits layers and the output head in Q6_K).
     dense: type of the embeddings, attention and output weights; default the same as `quant`, as
     llama-quantize does. Norms and the router stay F32 (the converter keeps ffn_gate_inp in F32).
     layers: keep only the first N layers (a quick model of the same per-layer shape).
@@ -416,7 +452,9 @@ def write_synth(
     if vocab != len(tok_md["tokenizer.ggml.tokens"]):
         raise ValueError(f"{shape} wants vocab {vocab} but the tokenizer has {len(tok_md['tokenizer.ggml.tokens'])}")
     name = f"moestream-synth-{shape}-{quant.upper()}" + (f"-{layers}L" if layers is not None else "")
-    md = shape_metadata(s, name, _FILE_TYPE[expert_type]) | tok_md
+    k_m = quant.upper() == "Q4_K_M"
+    md = shape_metadata(s, name, LlamaFileType.MOSTLY_Q4_K_M if k_m else _FILE_TYPE[expert_type]) | tok_md
     path = os.fspath(path)
-    write_gguf(path, s.arch, md, synth_tensors(s, expert_type, dense_type, vocab, seed), progress=progress, desc=name)
+    specs = synth_tensors(s, expert_type, dense_type, vocab, seed, k_m)
+    write_gguf(path, s.arch, md, specs, progress=progress, desc=name)
     return path

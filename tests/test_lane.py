@@ -14,7 +14,7 @@ from gguf import quants as gq
 from moestream import linear, native, quants
 
 pytestmark = pytest.mark.skipif(not native.lane_ok(), reason="needs AVX-512 VNNI and the native library")
-LANE_TYPES = [T.Q4_0, T.Q4_K, T.Q8_0]
+LANE_TYPES = [T.Q4_0, T.Q4_K, T.Q6_K, T.Q8_0]
 
 
 def reference(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> np.ndarray:
@@ -50,12 +50,13 @@ def test_matmul_is_the_quantized_product(ggml_type, n, k, m):
 
 
 def test_sizes_match_the_gguf_blocks():
-    for t, per_row in ((T.Q4_0, 2048 // 32 * 18), (T.Q8_0, 2048 // 32 * 34), (T.Q4_K, 2048 // 256 * 148)):
+    per_256 = ((T.Q4_0, 144), (T.Q8_0, 272), (T.Q4_K, 148), (T.Q6_K, 210))  # Q6_K: as its GGUF blocks
+    for t, per_row in ((t, 2048 // 256 * b) for t, b in per_256):
         assert linear.compute_kind(t, 768, 2048, False) == "lane"
         assert linear.packed_nbytes(t, 768, 2048, False) == 768 * per_row
         assert native.lib().ms_lane_row_bytes(int(t), 2048) == per_row
     assert linear.compute_kind(T.Q4_0, 64, 96, False) != "lane"  # rows must be whole 256-groups
-    assert linear.compute_kind(T.Q6_K, 768, 2048, False) == "bf16"
+    assert linear.compute_kind(T.Q5_K, 768, 2048, False) == "bf16"
 
 
 def test_results_do_not_depend_on_thread_count():
@@ -84,7 +85,7 @@ def test_concat_stacks_rows():
     assert linear.concat([parts[0], mixed]) is None  # one kernel per type
 
 
-@pytest.mark.parametrize("down_type", [T.Q4_0, T.Q8_0])
+@pytest.mark.parametrize("down_type", [T.Q4_0, T.Q8_0, T.Q6_K])
 def test_swiglu_group_equals_expert_by_expert(down_type):
     h, f = 512, 256
     rng = np.random.default_rng(7)
@@ -125,15 +126,16 @@ def test_scalar_build_reports_no_lane_kernels():
 def test_bad_shapes_are_refused():
     lib = native.lib()
     assert lib.ms_lane_row_bytes(int(T.Q4_0), 96) < 0
-    assert lib.ms_lane_row_bytes(int(T.Q6_K), 256) < 0
-    assert lib.ms_lane_pack(int(T.Q6_K), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0)) < 0
+    assert lib.ms_lane_row_bytes(int(T.Q5_K), 256) < 0
+    assert lib.ms_lane_row_bytes(int(T.Q6_K), 384) < 0
+    assert lib.ms_lane_pack(int(T.Q5_K), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0)) < 0
 
 
 @pytest.mark.parametrize("count", [1, 2, 5])
 def test_packing_many_segments_at_once_equals_one_by_one(count):
     rng = np.random.default_rng(count)
     lib = native.lib()
-    shapes = [(T.Q4_0, 96, 512), (T.Q4_K, 33, 768), (T.Q8_0, 64, 256), (T.Q4_K, 128, 2048), (T.Q4_0, 7, 256)][:count]
+    shapes = [(T.Q4_0, 96, 512), (T.Q6_K, 33, 768), (T.Q8_0, 64, 256), (T.Q4_K, 128, 2048), (T.Q4_0, 7, 256)][:count]
     raws = [quants.random_gguf(t, n * k, rng) for t, n, k in shapes]
     sizes = [n * lib.ms_lane_row_bytes(int(t), k) for t, n, k in shapes]
     one = [np.zeros(sz, np.uint8) for sz in sizes]
@@ -150,5 +152,33 @@ def test_packing_many_segments_at_once_equals_one_by_one(count):
     assert lib.ms_lane_pack_many(count, *(a.ctypes.data for a in arrays)) == 0
     for a, b in zip(one, many, strict=True):
         np.testing.assert_array_equal(a, b)
-    arrays[0][0] = int(T.Q6_K)  # no lane form: refused before anything is written
+    arrays[0][0] = int(T.Q5_K)  # no lane form: refused before anything is written
     assert lib.ms_lane_pack_many(count, *(a.ctypes.data for a in arrays)) != 0
+
+
+def test_q4_k_m_model_computes_its_q6_k_experts_in_lane_form(tmp_path):
+    """llama.cpp's Q4_K_M keeps ffn_down in Q6_K on some layers: those experts take lane slots (not bf16 ones,
+    over twice the bytes), and the output does not depend on the budget."""
+    from moestream.engine import Engine
+    from moestream.sampling import Sampler
+    from moestream.synth import use_more_bits, write_synth
+
+    path = write_synth("tiny", "Q4_K_M", tmp_path / "m.gguf", progress=False)
+    prompt = list(range(5, 45))
+    outs = []
+    for n_slots in (64, 8):
+        eng = Engine(path, n_slots=n_slots)
+        try:
+            outs.append(eng.generate(prompt, 8, Sampler()).tokens)
+            n_layers = eng.cfg.n_layers
+            six = [lay for lay in range(n_layers) if use_more_bits(lay, n_layers)]
+            assert six and len(six) < n_layers
+            for layer in range(n_layers):
+                _, _, down = next(eng.cache.fetch(layer, [0]))[1]
+                assert down.kind == "lane"
+                assert down.ggml_type == (T.Q6_K if layer in six else T.Q4_K)
+            h, f = down.out_features, down.in_features
+            assert eng.store.slot_nbytes < 2 * f * h * 148 // 256 + h * f * 210 // 256 + 4096 + 3 * 64
+        finally:
+            eng.close()
+    assert outs[0] == outs[1]

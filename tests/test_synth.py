@@ -96,7 +96,7 @@ def test_gguf_reader_decodes_a_synth_file(tmp_path):
     assert np.std(router) == pytest.approx(2 / np.sqrt(SHAPES["tiny"].hidden), rel=0.05)
 
 
-@pytest.mark.parametrize("quant", [T.Q4_0, T.Q8_0, T.Q4_K, T.F16, T.BF16, T.F32])
+@pytest.mark.parametrize("quant", [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K, T.F16, T.BF16, T.F32])
 @pytest.mark.parametrize("std", [1.0, 0.002])
 def test_random_blocks_have_the_intended_std(quant, std):
     n = 1 << 18
@@ -108,6 +108,29 @@ def test_random_blocks_have_the_intended_std(quant, std):
     assert abs(np.mean(w)) < 0.02 * std  # zero-mean: no shared direction for the residual to drift along
     # different blocks really differ (not one block repeated)
     assert len(np.unique(raw[: 64 * 1024])) > 200
+
+
+def test_use_more_bits_is_llama_cpps_rule():
+    # llama.cpp's Q4_K_M ffn_down layers for 40 layers: 0-4, 35-39 and every third from 7
+    assert [i for i in range(40) if synth.use_more_bits(i, 40)] == [0, 1, 2, 3, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31,
+                                                                   34, 35, 36, 37, 38, 39]  # fmt: skip
+
+
+def test_q4_k_m_puts_the_exceptions_in_q6_k(tmp_path):
+    path = write_synth("tiny", "Q4_K_M", tmp_path / "m.gguf", progress=False)
+    f = GGUFFile(path)
+    n = SHAPES["tiny"].n_layers
+    assert f.metadata["general.file_type"] == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    for name, info in f.tensors.items():
+        if len(info.shape) == 1 or "ffn_gate_inp" in name:
+            continue
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
+        six = name == "output.weight" or ("ffn_down" in name and synth.use_more_bits(layer, n))
+        assert info.ggml_type == (T.Q6_K if six else T.Q4_K), name
+    assert any(i.ggml_type == T.Q6_K for n_, i in f.tensors.items() if "ffn_down_exps" in n_)
+    assert any(i.ggml_type == T.Q4_K for n_, i in f.tensors.items() if "ffn_down_exps" in n_)
+    assert sum(t.nbytes for t in f.tensors.values()) == synth_nbytes("tiny", "Q4_K_M")
+    f.close()
 
 
 def test_random_blocks_are_seeded():

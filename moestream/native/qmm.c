@@ -17,8 +17,15 @@
  *     Q4_0: nibbles [4][L][4] | d f16 [L]                                   18 L bytes (as GGUF)
  *     Q4_K: nibbles [4][L][4] | sc u8 [L] | m u8 [L] | d f16 [L/8] | dmin f16 [L/8]   18.5 L bytes
  *     Q8_0: bytes   [8][L][4] | d f16 [L]                                   34 L bytes (as GGUF)
+ *     Q6_K: nibbles [4][L][4] | high bits [2][L][4] | sc s8 [2][L] | d f16 [L/8]   26.25 L bytes (as GGUF)
  *
- *   Q4_0 weight = d (q - 8); Q4_K weight = d sc q - dmin m; Q8_0 weight = d q.
+ *   Q4_0 weight = d (q - 8); Q4_K weight = d sc q - dmin m; Q8_0 weight = d q; Q6_K weight = d sc (q - 32).
+ *
+ *   Q6_K has a scale per 16 weights. Even steps hold weights 0..15 of a sub-block and odd steps 16..31, so
+ *   the two halves accumulate apart (sc [0][L] is the first half's scale, sc [1][L] the second's) and the
+ *   -32 offset uses the activations' per-half sums. Its 6-bit values keep their low 4 bits where Q4_K keeps
+ *   its nibbles; high-bit byte (h, j, t) holds the top 2 bits of the weights of chunk 2h (bits 0-3: low then
+ *   high nibble's weight) and of chunk 2h+1 (bits 4-7).
  *
  * Activations: each row of x is quantized to int8 with one scale per 32 values (like llama.cpp's q8_0)
  * and laid out in the same step order, with the per-sub-block sums the offsets need.
@@ -51,7 +58,7 @@
 #define PF_DIST 16384
 #define PF_HINT _MM_HINT_T1
 
-enum { QT_Q4_0 = 2, QT_Q8_0 = 8, QT_Q4_K = 12 };
+enum { QT_Q4_0 = 2, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q6_K = 14 };
 enum { QM_OK = 0, QM_BAD_TYPE = -1, QM_BAD_SHAPE = -2, QM_NO_SIMD = -3, QM_NO_MEM = -4 };
 
 /* ---------------------------------------------------------------------------------------------------- */
@@ -59,22 +66,28 @@ enum { QM_OK = 0, QM_BAD_TYPE = -1, QM_BAD_SHAPE = -2, QM_NO_SIMD = -3, QM_NO_ME
 
 /* bytes of one group of L lanes (see the layout above) */
 static inline int64_t group_bytes(int type, int L) {
-    return type == QT_Q8_0 ? 34 * L : type == QT_Q4_0 ? 18 * L : 18 * L + L / 2;
+    switch (type) {
+    case QT_Q8_0: return 34 * L;
+    case QT_Q4_0: return 18 * L;
+    case QT_Q4_K: return 18 * L + L / 2;
+    default: return 26 * L + L / 4; /* Q6_K */
+    }
 }
 
-static int64_t lane_bytes(int type) { /* bytes per lane (sub-block of 32) x2 for Q4_K's halves */
+static int64_t super_bytes(int type) { /* bytes per 256 weights (8 lanes) of a row */
     switch (type) {
-    case QT_Q4_0: return 36;  /* 18 per lane, counted x2 */
-    case QT_Q4_K: return 37;  /* 18.5 per lane */
-    case QT_Q8_0: return 68;
+    case QT_Q4_0: return 144;
+    case QT_Q4_K: return 148;
+    case QT_Q8_0: return 272;
+    case QT_Q6_K: return 210;
     default: return -1;
     }
 }
 
 int64_t ms_lane_row_bytes(int type, int64_t k) {
-    if (lane_bytes(type) < 0) return QM_BAD_TYPE;
+    if (super_bytes(type) < 0) return QM_BAD_TYPE;
     if (k % 256) return QM_BAD_SHAPE;
-    return lane_bytes(type) * (k / 32) / 2;
+    return super_bytes(type) * (k / 256);
 }
 
 int ms_lane_supported(void) {
@@ -193,8 +206,80 @@ static void pack_row_q4_k(const uint8_t *src, int64_t k, uint8_t *dst) {
     }
 }
 
-static const int64_t gguf_block_bytes[] = {[QT_Q4_0] = 18, [QT_Q8_0] = 34, [QT_Q4_K] = 144};
-static const int64_t gguf_block_elems[] = {[QT_Q4_0] = 32, [QT_Q8_0] = 32, [QT_Q4_K] = 256};
+/* Q6_K: its 256 six-bit values decoded, then each sub-block j of 32 put in lane 8 bi + j */
+static void pack_row_q6_k(const uint8_t *src, int64_t k, uint8_t *dst) {
+    int64_t nsup = k / 256;
+    for (int64_t b0 = 0; b0 < nsup; b0 += 2) {
+        int nb = nsup - b0 >= 2 ? 2 : 1, L = 8 * nb;
+        uint8_t *nib = dst, *hb = dst + 16 * L, *sc = hb + 8 * L, *dd = sc + 2 * L;
+        for (int bi = 0; bi < nb; bi++) {
+            const uint8_t *b = src + (b0 + bi) * 210, *scales = b + 192;
+            memcpy(dd + 2 * bi, b + 208, 2);
+            for (int js = 0; js < 8; js++) {
+                sc[8 * bi + js] = scales[2 * js];
+                sc[L + 8 * bi + js] = scales[2 * js + 1];
+            }
+#ifdef MS_VNNI
+            { /* as the loops below, 32 bytes at a time (this runs on the cache-miss path) */
+                uint8_t q[256] __attribute__((aligned(32)));
+                const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+                for (int n = 0; n < 2; n++) {
+                    __m256i a0 = _mm256_loadu_si256((const __m256i *)(b + 64 * n));
+                    __m256i a1 = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32));
+                    __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+                    __m256i *o = (__m256i *)(q + 128 * n);
+                    for (int g = 0; g < 4; g++) {
+                        __m256i a = (g & 1) ? a1 : a0;
+                        if (g >= 2) a = _mm256_srli_epi16(a, 4);
+                        __m256i hh = _mm256_and_si256(_mm256_srli_epi16(h, 2 * g), m3);
+                        _mm256_store_si256(o + g, _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(hh, 4)));
+                    }
+                }
+                const __m128i n4 = _mm_set1_epi8(0x0F), n4h = _mm_set1_epi8((char)0xF0), n3 = _mm_set1_epi8(3);
+                __m128i rows[4];
+                for (int js = 0; js < 8; js++) {
+                    const int j = 8 * bi + js;
+                    __m128i lo = _mm_load_si128((const __m128i *)(q + 32 * js)), hi = _mm_load_si128((const __m128i *)(q + 32 * js + 16));
+                    rows[js & 3] = _mm_or_si128(_mm_and_si128(lo, n4), _mm_and_si128(_mm_slli_epi16(hi, 4), n4h));
+                    __m128i v = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), n3), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hi, 4), n3), 2));
+                    v = _mm_or_si128(v, _mm_slli_epi16(_mm_srli_epi64(v, 32), 4));
+                    int32_t h0 = _mm_cvtsi128_si32(v), h1 = _mm_extract_epi32(v, 2);
+                    memcpy(hb + j * 4, &h0, 4);
+                    memcpy(hb + (L + j) * 4, &h1, 4);
+                    if ((js & 3) == 3) put_nibble_lanes4(rows[0], rows[1], rows[2], rows[3], nib, L, j - 3);
+                }
+                continue;
+            }
+#endif
+            uint8_t q[256];
+            for (int n = 0; n < 2; n++) {
+                const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+                uint8_t *o = q + 128 * n;
+                for (int l = 0; l < 32; l++) {
+                    o[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+                    o[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+                    o[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                    o[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                }
+            }
+            for (int js = 0; js < 8; js++) {
+                const int j = 8 * bi + js;
+                const uint8_t *w = q + 32 * js;
+                for (int c = 0; c < 4; c++)
+                    for (int t = 0; t < 4; t++)
+                        nib[(c * L + j) * 4 + t] = (w[4 * c + t] & 0xF) | (uint8_t)((w[16 + 4 * c + t] & 0xF) << 4);
+                for (int h = 0; h < 2; h++)
+                    for (int t = 0; t < 4; t++)
+                        hb[(h * L + j) * 4 + t] = (uint8_t)((w[8 * h + t] >> 4) | ((w[16 + 8 * h + t] >> 4) << 2) |
+                                                            ((w[8 * h + 4 + t] >> 4) << 4) | ((w[16 + 8 * h + 4 + t] >> 4) << 6));
+            }
+        }
+        dst += 26 * L + L / 4;
+    }
+}
+
+static const int64_t gguf_block_bytes[] = {[QT_Q4_0] = 18, [QT_Q8_0] = 34, [QT_Q4_K] = 144, [QT_Q6_K] = 210};
+static const int64_t gguf_block_elems[] = {[QT_Q4_0] = 32, [QT_Q8_0] = 32, [QT_Q4_K] = 256, [QT_Q6_K] = 256};
 
 /* rows [0, n) of a GGUF [n, k] tensor -> the lane layout at dst (ms_lane_row_bytes(type, k) per row) */
 int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
@@ -206,7 +291,8 @@ int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *ds
         uint8_t *d = dst + r * rb;
         if (type == QT_Q4_0) pack_row_q4_0(s, k, d);
         else if (type == QT_Q8_0) pack_row_q8_0(s, k, d);
-        else pack_row_q4_k(s, k, d);
+        else if (type == QT_Q4_K) pack_row_q4_k(s, k, d);
+        else pack_row_q6_k(s, k, d);
     }
     return QM_OK;
 }
@@ -229,6 +315,13 @@ int ms_lane_unpack(int type, const uint8_t *w, int64_t n, int64_t k, float *out)
                         float v;
                         if (type == QT_Q8_0) {
                             v = (float)(int8_t)(g[(s * L + j) * 4 + t] ^ 0x80) * rd_fp16((g + 32 * L + 2 * j));
+                        } else if (type == QT_Q6_K) {
+                            int c = s >> 1;
+                            uint8_t byte = g[(c * L + j) * 4 + t];
+                            uint8_t h = (uint8_t)(g[16 * L + ((c >> 1) * L + j) * 4 + t] >> (4 * (c & 1)));
+                            int q = (s & 1) ? (byte >> 4) | (((h >> 2) & 3) << 4) : (byte & 0xF) | ((h & 3) << 4);
+                            const int8_t *sc = (const int8_t *)(g + 24 * L);
+                            v = rd_fp16((g + 26 * L + 2 * (j / 8))) * (float)sc[(s & 1) * L + j] * (float)(q - 32);
                         } else {
                             uint8_t byte = g[((s >> 1) * L + j) * 4 + t];
                             int q = (s & 1) ? byte >> 4 : byte & 0xF;
@@ -399,9 +492,10 @@ typedef struct {
     float *dx;    /* [M][K/32] lane scales */
     float *dxsx;  /* [M][K/32] dx * sum(q) (Q4_K mins) */
     int32_t *n8sx;/* [M][K/32] -8 * sum(q) (Q4_0 offset; x16 for Q8_0) */
+    int32_t *n32lo, *n32hi; /* [M][K/32] -32 * sum(q) over each half of 16 (Q6_K offset) */
 } xprep;
 
-static size_t xprep_bytes(int64_t m, int64_t k) { return (size_t)(m * k + 3 * 4 * m * (k / 32) + 64); }
+static size_t xprep_bytes(int64_t m, int64_t k) { return (size_t)(m * k + 5 * 4 * m * (k / 32) + 64); }
 
 static void xprep_bind(xprep *x, void *mem, int64_t m, int64_t k) {
     uint8_t *p = mem;
@@ -409,12 +503,22 @@ static void xprep_bind(xprep *x, void *mem, int64_t m, int64_t k) {
     x->dx = (float *)p;
     x->dxsx = x->dx + ns;
     x->n8sx = (int32_t *)(x->dxsx + ns);
-    x->q = (int8_t *)(x->n8sx + ns);
+    x->n32lo = x->n8sx + ns;
+    x->n32hi = x->n32lo + ns;
+    x->q = (int8_t *)(x->n32hi + ns);
+}
+
+/* x's rows from r on (rows of k values) */
+static xprep xprep_from(const xprep *x, int64_t r, int64_t k) {
+    int64_t ns = r * (k / 32);
+    return (xprep){x->q + r * k, x->dx + ns, x->dxsx + ns, x->n8sx + ns, x->n32lo + ns, x->n32hi + ns};
 }
 
 /* one row of x (K floats) -> int8 in lane step order */
 #ifdef MS_VNNI
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float *dxsx, int32_t *n8sx) {
+static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row) {
+    const xprep r = xprep_from(p, row, k);
+    int8_t *q = r.q;
     int64_t nsub = k / 32;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
@@ -426,7 +530,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float 
             float d = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
             __m512 idv = _mm512_set1_ps(id);
             __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
-            int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+            int lo_sum = _mm512_reduce_add_epi32(i0), hi_sum = _mm512_reduce_add_epi32(i1), sum = lo_sum + hi_sum;
             __m128i lo = _mm512_cvtepi32_epi8(i0), hi = _mm512_cvtepi32_epi8(i1);
             int32_t *o = (int32_t *)q;
             o[0 * L + j] = _mm_extract_epi32(lo, 0);
@@ -437,15 +541,19 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float 
             o[5 * L + j] = _mm_extract_epi32(hi, 2);
             o[6 * L + j] = _mm_extract_epi32(lo, 3);
             o[7 * L + j] = _mm_extract_epi32(hi, 3);
-            dx[s0 + j] = d;
-            dxsx[s0 + j] = d * (float)sum;
-            n8sx[s0 + j] = -8 * sum;
+            r.dx[s0 + j] = d;
+            r.dxsx[s0 + j] = d * (float)sum;
+            r.n8sx[s0 + j] = -8 * sum;
+            r.n32lo[s0 + j] = -32 * lo_sum;
+            r.n32hi[s0 + j] = -32 * hi_sum;
         }
         q += 32 * L;
     }
 }
 #else
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float *dxsx, int32_t *n8sx) {
+static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row) {
+    const xprep r = xprep_from(p, row, k);
+    int8_t *q = r.q;
     int64_t nsub = k / 32;
     for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
         int L = nsub - s0 >= 16 ? 16 : 8;
@@ -454,17 +562,20 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float 
             float amax = 0;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
             float d = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
-            int sum = 0;
+            int half[2] = {0, 0};
             int8_t qq[32];
             for (int i = 0; i < 32; i++) {
-                int r = (int)lrintf(v[i] * id);
-                qq[i] = (int8_t)r;
-                sum += r;
+                int v8 = (int)lrintf(v[i] * id);
+                qq[i] = (int8_t)v8;
+                half[i >= 16] += v8;
             }
+            int sum = half[0] + half[1];
             for (int s = 0; s < 8; s++) memcpy(q + (s * L + j) * 4, qq + 16 * (s & 1) + 4 * (s >> 1), 4);
-            dx[s0 + j] = d;
-            dxsx[s0 + j] = d * (float)sum;
-            n8sx[s0 + j] = -8 * sum;
+            r.dx[s0 + j] = d;
+            r.dxsx[s0 + j] = d * (float)sum;
+            r.n8sx[s0 + j] = -8 * sum;
+            r.n32lo[s0 + j] = -32 * half[0];
+            r.n32hi[s0 + j] = -32 * half[1];
         }
         q += 32 * L;
     }
@@ -498,7 +609,18 @@ static inline __attribute__((always_inline)) void group_scales(int T, const uint
                                                                __m512 *scale, __m512 *mins) {
     if (T == QT_Q8_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 32 * L));
     else if (T == QT_Q4_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 16 * L));
-    else {
+    else if (T == QT_Q6_K) {
+        const uint8_t *sc = g + 24 * L, *dd = sc + 2 * L;
+        __m512 dv;
+        if (L == 16) {
+            __m512 d2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(*(const int32_t *)dd)));
+            dv = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), d2);
+        } else {
+            dv = _mm512_set1_ps(rd_fp16((dd)));
+        }
+        *scale = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mf, sc))));
+        *mins = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mf, sc + L))));
+    } else {
         const uint8_t *sc = g + 16 * L, *mn = sc + L, *dd = mn + L, *dm = dd + L / 4;
         __m512 dv, mv;
         if (L == 16) {
@@ -521,6 +643,14 @@ static inline __attribute__((always_inline)) void group_scales(int T, const uint
 #define LDF(L, p) ((L) == 16 ? _mm512_loadu_ps(p) : _mm512_zextps256_ps512(_mm256_loadu_ps(p)))
 #define LDI(L, p) ((L) == 16 ? _mm512_loadu_si512((const void *)(p)) : _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(p))))
 
+/* Q6_K chunk c of a group: its 6-bit weights for the even step (w0) and the odd step (w1), from the chunk's
+ * nibbles v and its pair's high-bit bytes h (already shifted right by 4 for an odd chunk) */
+static inline __attribute__((always_inline)) void q6_weights(__m512i v, __m512i h, __m512i *w0, __m512i *w1) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    *w0 = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
+    *w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
+}
+
 /* One group (L = 16 or 8 lanes, a constant) of two rows against one token. */
 static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const uint8_t *ga, const uint8_t *gb,
                                                              const int8_t *xq, const xprep *x, int64_t s0,
@@ -535,13 +665,31 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
     __m512i a0, a1, b0, b1;
     if (T == QT_Q4_K) {
         a0 = b0 = _mm512_setzero_si512();
+    } else if (T == QT_Q6_K) {
+        a0 = b0 = LDI(L, x->n32lo + s0);
     } else {
         a0 = LDI(L, x->n8sx + s0);
         if (T == QT_Q8_0) a0 = _mm512_slli_epi32(a0, 4);
         b0 = a0;
     }
-    a1 = b1 = _mm512_setzero_si512();
-    if (T == QT_Q8_0) {
+    a1 = b1 = T == QT_Q6_K ? LDI(L, x->n32hi + s0) : _mm512_setzero_si512();
+    if (T == QT_Q6_K) {
+        for (int c = 0; c < 4; c++) {
+            __m512i xl = LDB(L, xq + 2 * c * cb), xh = LDB(L, xq + (2 * c + 1) * cb);
+            __m512i ha = LDB(L, ga + 16 * L + (c >> 1) * cb), hb = LDB(L, gb + 16 * L + (c >> 1) * cb);
+            if (c & 1) {
+                ha = _mm512_srli_epi16(ha, 4);
+                hb = _mm512_srli_epi16(hb, 4);
+            }
+            __m512i wa0, wa1, wb0, wb1;
+            q6_weights(LDB(L, ga + c * cb), ha, &wa0, &wa1);
+            q6_weights(LDB(L, gb + c * cb), hb, &wb0, &wb1);
+            a0 = _mm512_dpbusd_epi32(a0, wa0, xl);
+            a1 = _mm512_dpbusd_epi32(a1, wa1, xh);
+            b0 = _mm512_dpbusd_epi32(b0, wb0, xl);
+            b1 = _mm512_dpbusd_epi32(b1, wb1, xh);
+        }
+    } else if (T == QT_Q8_0) {
         for (int s = 0; s < 8; s += 2) {
             __m512i xl = LDB(L, xq + s * cb), xh = LDB(L, xq + (s + 1) * cb);
             a0 = _mm512_dpbusd_epi32(a0, LDB(L, ga + s * cb), xl);
@@ -563,6 +711,13 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
     group_scales(T, ga, L, mf, &sa, &ma);
     group_scales(T, gb, L, mf, &sb, &mbv);
     __m512 dxv = LDF(L, x->dx + s0);
+    if (T == QT_Q6_K) { /* the second half's scale is in the mins slot */
+        *acca = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(sa, dxv), *acca);
+        *acca = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(ma, dxv), *acca);
+        *accb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b0), _mm512_mul_ps(sb, dxv), *accb);
+        *accb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b1), _mm512_mul_ps(mbv, dxv), *accb);
+        return;
+    }
     *acca = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), _mm512_mul_ps(sa, dxv), *acca);
     *accb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)), _mm512_mul_ps(sb, dxv), *accb);
     if (T == QT_Q4_K) {
@@ -596,6 +751,7 @@ static inline __attribute__((always_inline)) void qmv2(int T, const qmm_job *J, 
 static void qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) {
     if (J->type == QT_Q4_0) qmv2(QT_Q4_0, J, r0, r1);
     else if (J->type == QT_Q4_K) qmv2(QT_Q4_K, J, r0, r1);
+    else if (J->type == QT_Q6_K) qmv2(QT_Q6_K, J, r0, r1);
     else qmv2(QT_Q8_0, J, r0, r1);
 }
 
@@ -624,6 +780,12 @@ static void qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                 __m512 scale, mins = _mm512_setzero_ps();
                 if (type == QT_Q8_0) {
                     for (int s = 0; s < 8; s++) w[s] = _mm512_maskz_loadu_epi8(mb, g + s * cb);
+                } else if (type == QT_Q6_K) {
+                    for (int c = 0; c < 4; c++) {
+                        __m512i h = _mm512_maskz_loadu_epi8(mb, g + 16 * L + (c >> 1) * cb);
+                        if (c & 1) h = _mm512_srli_epi16(h, 4);
+                        q6_weights(_mm512_maskz_loadu_epi8(mb, g + c * cb), h, &w[2 * c], &w[2 * c + 1]);
+                    }
                 } else {
                     for (int c = 0; c < 4; c++) {
                         __m512i v = _mm512_maskz_loadu_epi8(mb, g + c * cb);
@@ -639,16 +801,24 @@ static void qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                     __m512i a0, a1;
                     if (type == QT_Q4_K) {
                         a0 = _mm512_setzero_si512();
+                    } else if (type == QT_Q6_K) {
+                        a0 = _mm512_maskz_loadu_epi32(mf, J->x->n32lo + xi);
                     } else {
                         a0 = _mm512_maskz_loadu_epi32(mf, J->x->n8sx + xi);
                         if (type == QT_Q8_0) a0 = _mm512_slli_epi32(a0, 4);
                     }
-                    a1 = _mm512_setzero_si512();
+                    a1 = type == QT_Q6_K ? _mm512_maskz_loadu_epi32(mf, J->x->n32hi + xi) : _mm512_setzero_si512();
                     for (int s = 0; s < 8; s += 2) {
                         a0 = _mm512_dpbusd_epi32(a0, w[s], _mm512_maskz_loadu_epi8(mb, xp + s * cb));
                         a1 = _mm512_dpbusd_epi32(a1, w[s + 1], _mm512_maskz_loadu_epi8(mb, xp + (s + 1) * cb));
                     }
                     __m512 dxv = _mm512_maskz_loadu_ps(mf, J->x->dx + xi);
+                    if (type == QT_Q6_K) { /* the second half's scale is in mins */
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(scale, dxv), acc[i]);
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(mins, dxv), acc[i]);
+                        xq[i] += 32 * L;
+                        continue;
+                    }
                     __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1));
                     acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, dxv), acc[i]);
                     if (type == QT_Q4_K)
@@ -706,8 +876,7 @@ typedef struct {
 static void quant_task(void *vctx, int64_t t) {
     quant_ctx *c = vctx;
     const xprep *p = c->xp;
-    int64_t ns = c->k / 32;
-    quantize_row(c->x + t * c->ldx, c->k, p->q + t * c->k, p->dx + t * ns, p->dxsx + t * ns, p->n8sx + t * ns);
+    quantize_row(c->x + t * c->ldx, c->k, p, t);
 }
 
 static _Thread_local void *scratch;
@@ -734,7 +903,7 @@ int ms_qmm(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int
     (void)type; (void)w; (void)n; (void)k; (void)x; (void)m; (void)ldx; (void)y; (void)ldy;
     return QM_NO_SIMD;
 #else
-    if (lane_bytes(type) < 0) return QM_BAD_TYPE;
+    if (super_bytes(type) < 0) return QM_BAD_TYPE;
     if (k % 256 || m < 0) return QM_BAD_SHAPE;
     if (m == 0) return QM_OK;
     void *mem = scratch_get(xprep_bytes(m, k));
@@ -767,8 +936,7 @@ static void swiglu_task(void *vctx, int64_t t) {
         a[i] = g / (1.0f + expf(-g)) * a[c->f + i];
     }
     const xprep *p = c->xp;
-    int64_t ns = c->f / 32;
-    quantize_row(a, c->f, p->q + t * c->f, p->dx + t * ns, p->dxsx + t * ns, p->n8sx + t * ns);
+    quantize_row(a, c->f, p, t);
 }
 
 int64_t ms_moe_scratch_bytes(int64_t rows, int64_t h, int64_t f) {
@@ -788,9 +956,7 @@ static void moe_quant_task(void *vctx, int64_t t) {
     int e = 0;
     while (c->row0[e + 1] <= t) e++;
     const xprep *p = c->xp;
-    int64_t ns = c->h / 32;
-    quantize_row(c->x[e] + (t - c->row0[e]) * c->h, c->h, p->q + t * c->h, p->dx + t * ns, p->dxsx + t * ns,
-                 p->n8sx + t * ns);
+    quantize_row(c->x[e] + (t - c->row0[e]) * c->h, c->h, p, t);
 }
 
 /* x[e]: expert e's m[e] input rows [m[e], h]; out[e]: its output rows [m[e], h] (pointers may repeat for x:
@@ -805,7 +971,7 @@ int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const 
     if (n_exp < 1 || n_exp > 1024) return QM_BAD_SHAPE;
     int64_t rows = 0, row0[n_exp + 1];
     for (int e = 0; e < n_exp; e++) {
-        if (lane_bytes(type_gu[e]) < 0 || lane_bytes(type_d[e]) < 0) return QM_BAD_TYPE;
+        if (super_bytes(type_gu[e]) < 0 || super_bytes(type_d[e]) < 0) return QM_BAD_TYPE;
         row0[e] = rows;
         rows += m[e];
     }
@@ -828,8 +994,8 @@ int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const 
     int nj = 0;
     for (int e = 0; e < n_exp; e++) {
         if (!m[e]) continue;
-        int64_t ns = h / 32, r = row0[e];
-        xins[e] = (xprep){xin.q + r * h, xin.dx + r * ns, xin.dxsx + r * ns, xin.n8sx + r * ns};
+        int64_t r = row0[e];
+        xins[e] = xprep_from(&xin, r, h);
         jobs[nj++] = (qmm_job){type_gu[e], w_gu[e], 2 * f, h, &xins[e], m[e], act + r * 2 * f, 2 * f};
     }
     run_jobs(jobs, nj);
@@ -840,8 +1006,8 @@ int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const 
     nj = 0;
     for (int e = 0; e < n_exp; e++) {
         if (!m[e]) continue;
-        int64_t ns = f / 32, r = row0[e];
-        xacts[e] = (xprep){xact.q + r * f, xact.dx + r * ns, xact.dxsx + r * ns, xact.n8sx + r * ns};
+        int64_t r = row0[e];
+        xacts[e] = xprep_from(&xact, r, f);
         jobs[nj++] = (qmm_job){type_d[e], w_d[e], h, f, &xacts[e], m[e], out[e], h};
     }
     run_jobs(jobs, nj);
