@@ -263,7 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("synth", help="write a synthetic model with random weights at a real shape")
     p.add_argument("--shape", required=True, help="tiny, qwen3-30b-a3b, qwen3.6-35b-a3b-moe, ...")
-    p.add_argument("--quant", default="Q4_0", help="expert weight type: Q4_0, Q4_K, Q8_0, F16 (default Q4_0)")
+    p.add_argument(
+        "--quant",
+        default="Q4_0",
+        help="expert weight type: Q4_0, Q4_K, Q4_K_M (Q4_K with llama.cpp's Q6_K exceptions), Q6_K, Q8_0, F16 "
+        "(default Q4_0)",
+    )
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", required=True)

@@ -392,10 +392,10 @@ def synth_tensors(
             ]
             if gated:  # sigmoid gate on the shared expert: logits of std ~1
                 specs.append(_spec(p + "ffn_gate_inp_shexp.weight", T.F32, (1, H), w_in, seed))
+    out_type = q4_k_m_type("output.weight", None, s.n_layers) if k_m else dense_type
     specs += [
         _norm_spec("output_norm.weight", H, seed),
-        _spec("output.weight", q4_k_m_type("output.weight", None, s.n_layers) if k_m else dense_type, (vocab, H),
-              2.0 * w_in, seed),
+        _spec("output.weight", out_type, (vocab, H), 2.0 * w_in, seed),
     ]
     return specs
 
