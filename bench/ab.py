@@ -3,6 +3,9 @@
     python bench/ab.py --model /tmp/models/q30.gguf --a "--io-threads 2" --b "--io-threads 8" \\
         --budget-mb 6000 --repeat 5 --tokens 32
 
+Two versions of moestream: `git worktree add /tmp/base <commit>`, then `--a '' --a-tree /tmp/base --b ''`
+runs arm A from that checkout and arm B from this one.
+
 Everything but the two flag strings is shared: model, prompt, tokens, threads, budget, and the page-cache
 state made before every run (--condition: cold drops caches, pagecache pre-reads the file, pressure holds
 a balloon leaving --leave-gb GiB, asis leaves the machine alone). Interleaving spreads the drift of a
@@ -54,6 +57,7 @@ RATIO_METRICS = ("decode_tps", "prompt_tps", "hit_rate", "engine_mb_per_token")
 
 def run_ab(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     arms = {"A": shlex.split(args.a), "B": shlex.split(args.b)}
+    trees = {"A": args.a_tree, "B": args.b_tree}
     runs: list[RunResult] = []
     doc: dict[str, Any] = {}
     try:
@@ -68,7 +72,14 @@ def run_ab(args: argparse.Namespace, log: Any) -> dict[str, Any]:
                 for arm, extra in arms.items():
                     setup = prepare(args.condition, args.model, balloon) if args.condition != "asis" else {}
                     m, stats = run_moestream(
-                        args.model, args.prompt, args.tokens, args.threads, args.budget_mb, extra, args.timeout_s
+                        args.model,
+                        args.prompt,
+                        args.tokens,
+                        args.threads,
+                        args.budget_mb,
+                        extra,
+                        args.timeout_s,
+                        trees[arm],
                     )
                     r = to_result("moestream", arm, args.condition, rep, m, stats, setup)
                     if balloon is not None and not balloon.alive():
@@ -86,7 +97,11 @@ def run_ab(args: argparse.Namespace, log: Any) -> dict[str, Any]:
 
 def markdown(doc: dict[str, Any]) -> str:
     meta, args = doc["meta"], doc["meta"]["args"]
-    flags = {"A": args["a"] or "(defaults)", "B": args["b"] or "(defaults)"}
+    flags = {
+        arm: (args[arm.lower()] or "(defaults)")
+        + (f" (from {args.get(arm.lower() + '_tree')})" if args.get(arm.lower() + "_tree") else "")
+        for arm in ("A", "B")
+    }
     cond = args["condition"] + (f", {args['leave_gb']:g} GiB left" if args["condition"] == "pressure" else "")
     lines = [
         f"### moestream A/B: {os.path.basename(meta['model'])}",
@@ -134,6 +149,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", required=True)
     ap.add_argument("--a", required=True, help="moestream run flags of arm A (quote them; '' for defaults)")
     ap.add_argument("--b", required=True, help="moestream run flags of arm B")
+    ap.add_argument("--a-tree", default=None, help="run arm A's moestream from this checkout (a git worktree)")
+    ap.add_argument("--b-tree", default=None, help="run arm B's moestream from this checkout")
     ap.add_argument("--repeat", type=int, default=5, help="runs per arm (default 5)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
@@ -152,9 +169,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"no such model file: {args.model}")
     if args.repeat < 1 or args.tokens < 1:
         ap.error("--repeat and --tokens must be positive")
-    for flag in ("--ram-budget-mb", "-m", "--model", "-p", "--prompt", "-n", "--threads", "--stats-json"):
+    # an arm may set its own --ram-budget-mb (an A/B of budgets) when ab.py sets none for both
+    shared = ("-m", "--model", "-p", "--prompt", "-n", "--threads", "--stats-json")
+    for flag in shared + (("--ram-budget-mb",) if args.budget_mb is not None else ()):
         if flag in shlex.split(args.a) + shlex.split(args.b):
             ap.error(f"{flag} is set by ab.py itself for both arms; pass it as ab.py's own option")
+    for tree in (args.a_tree, args.b_tree):
+        if tree is not None and not os.path.isfile(os.path.join(tree, "moestream", "__init__.py")):
+            ap.error(f"{tree} is not a moestream checkout (no moestream/__init__.py)")
     args.model = os.path.abspath(args.model)
     return args
 

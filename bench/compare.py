@@ -342,13 +342,24 @@ def _tail(text: str, lines: int = 3) -> str:
 
 
 def run_moestream(
-    model: str, prompt: str, tokens: int, threads: int, budget_mb: int | None, extra: list[str], timeout_s: float
+    model: str,
+    prompt: str,
+    tokens: int,
+    threads: int,
+    budget_mb: int | None,
+    extra: list[str],
+    timeout_s: float,
+    tree: str | None = None,
 ) -> tuple[Measured, dict[str, Any]]:
-    """One `moestream run` in a fresh process; returns (outside view, its --stats-json)."""
+    """One `moestream run` in a fresh process; returns (outside view, its --stats-json). tree: run the moestream
+    package of another checkout (a `git worktree` of an older commit) instead of this one."""
 
     def cmd(stats_path: str) -> list[str]:
         c = [
+            # -P: the current directory (maybe this checkout) must not come before the tree on sys.path
+            *(["env", f"PYTHONPATH={os.path.abspath(tree)}"] if tree else []),
             sys.executable,
+            *(["-P"] if tree else []),
             "-m",
             "moestream",
             "run",

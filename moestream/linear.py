@@ -39,7 +39,7 @@ INT4_GEMM_MIN_ROWS = 48
 EXPAND_SCRATCH_BYTES = 8 << 20  # bf16 scratch for one slice of an expanded weight
 
 INT4_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K)})
-LANE_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K), int(T.Q6_K), int(T.Q8_0)})
+LANE_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K), int(T.Q5_K), int(T.Q6_K), int(T.Q8_0)})
 LANE_K = 256  # rows must be whole groups of the lane layout
 F32_TYPES = frozenset({int(T.F32), int(T.F16)})
 

@@ -148,14 +148,22 @@ _FILE_TYPE = {
 #   Q4_0: (q - 8), q uniform in 0..15          -> 21.5  (var 21.25 + mean^2 0.25)
 #   Q8_0: int8 uniform in -128..127            -> 5461.5
 #   Q4_K: sc*(q - 7.5) once dmin*m = 7.5*d*sc  -> 21.25 * sc^2
+#   Q5_K: sc*(q - 15.5) once dmin*m = 15.5*d*sc -> 85.25 * sc^2
 #   Q6_K: sc*(q - 32), q uniform in 0..63     -> 341.5 * sc^2
 _Q4_0_MS = 21.5
 _Q8_0_MS = 5461.5
 _Q4_K_MS = 21.25
+_Q5_K_MS = 85.25
 _Q6_K_MS = 341.5
 
 # elements and bytes per block, and the byte range of the header (scales) that the table overwrites
-_BLOCK = {T.Q4_0: (32, 18, 0, 2), T.Q8_0: (32, 34, 0, 2), T.Q4_K: (256, 144, 0, 16), T.Q6_K: (256, 210, 192, 210)}
+_BLOCK = {
+    T.Q4_0: (32, 18, 0, 2),
+    T.Q8_0: (32, 34, 0, 2),
+    T.Q4_K: (256, 144, 0, 16),
+    T.Q5_K: (256, 176, 0, 16),
+    T.Q6_K: (256, 210, 192, 210),
+}
 
 
 def use_more_bits(layer: int, n_layers: int) -> bool:
@@ -164,12 +172,15 @@ def use_more_bits(layer: int, n_layers: int) -> bool:
     return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
 
 
-def q4_k_m_type(name: str, layer: int | None, n_layers: int) -> T:
-    """The type llama-quantize gives a tensor of a Q4_K_M file, for the tensors a synthetic model has:
-    Q6_K for the output head and for ffn_down (experts and shared expert) on use_more_bits layers, Q4_K for
-    the rest (llama.cpp's further exceptions for attention tensors do not touch the experts)."""
-    if name == "output.weight" or ("ffn_down" in name and layer is not None and use_more_bits(layer, n_layers)):
+def q4_k_m_type(name: str, layer: int, n_layers: int) -> T:
+    """The type llama-quantize (llama_tensor_get_type) gives a tensor of a Q4_K_M file, for the tensors a
+    synthetic model has: the output head in Q6_K; ffn_down (experts and shared expert) in Q6_K on the layers
+    use_more_bits picks; a fused attn_qkv (qwen35moe's DeltaNet input) in Q5_K; the rest Q4_K. Its attn_v rule
+    (Q6_K on some layers, counted over attention layers) is left out: dense, small, and versions differ."""
+    if name == "output.weight" or ("ffn_down" in name and use_more_bits(layer, n_layers)):
         return T.Q6_K
+    if "attn_qkv" in name:
+        return T.Q5_K
     return T.Q4_K
 
 
@@ -205,13 +216,15 @@ def header_table(ggml_type: T, std: float, rng: np.random.Generator) -> np.ndarr
         hdr[:, 0:16] = sc.astype(np.int8).view(np.uint8)
         hdr[:, 16:18] = _f16_bits(d).view(np.uint8).reshape(256, 2)
         return hdr.view(np.uint16)
-    if ggml_type == T.Q4_K:
-        # mins equal to the scales and dmin = 7.5*d put every sub-block's zero at q = 7.5 (exact in f16)
+    if ggml_type in (T.Q4_K, T.Q5_K):
+        # mins equal to the scales and dmin = 7.5*d (15.5*d) put every sub-block's zero at q = 7.5 (15.5), the
+        # middle of its range (exact in f16)
+        mid, ms = (7.5, _Q4_K_MS) if ggml_type == T.Q4_K else (15.5, _Q5_K_MS)
         sc = rng.integers(16, 64, (256, 8))
-        d = mag * (std / math.sqrt(_Q4_K_MS * np.mean(mag[:, None] ** 2 * sc**2)))
+        d = mag * (std / math.sqrt(ms * np.mean(mag[:, None] ** 2 * sc**2)))
         hdr = np.empty((256, 16), np.uint8)
         hdr[:, 0:2] = _f16_bits(d).view(np.uint8).reshape(256, 2)
-        hdr[:, 2:4] = _f16_bits(d * 7.5).view(np.uint8).reshape(256, 2)
+        hdr[:, 2:4] = _f16_bits(d * mid).view(np.uint8).reshape(256, 2)
         hdr[:, 4:16] = _pack_k_scales(sc, sc)
         return hdr.view(np.uint16)
     raise ValueError(f"no random-block generator for {ggml_type.name}")
@@ -326,13 +339,13 @@ def _norm_spec(name: str, n: int, seed: int) -> TensorSpec:
     return TensorSpec(name, T.F32, (n,), produce)
 
 
-def _deltanet_specs(s: SynthShape, p: str, dense_type: T, seed: int) -> list[TensorSpec]:
+def _deltanet_specs(s: SynthShape, p: str, dense_type: T, seed: int, qkv_type: T) -> list[TensorSpec]:
     """One Gated DeltaNet layer's token mixer, under llama.cpp's names and in its stored forms."""
     H, Hv, d, K = s.hidden, s.lin_v_heads, s.lin_head_dim, s.conv_kernel
     conv_dim = 2 * s.lin_k_heads * d + Hv * d
     w_in = 1.0 / math.sqrt(H)
     return [
-        _spec(p + "attn_qkv.weight", dense_type, (conv_dim, H), w_in, seed),
+        _spec(p + "attn_qkv.weight", qkv_type, (conv_dim, H), w_in, seed),
         _spec(p + "attn_gate.weight", dense_type, (Hv * d, H), w_in, seed),
         _spec(p + "ssm_beta.weight", dense_type, (Hv, H), w_in, seed),
         _spec(p + "ssm_alpha.weight", dense_type, (Hv, H), w_in, seed),
@@ -352,8 +365,8 @@ def synth_tensors(
 ) -> list[TensorSpec]:
     """The tensors of a synthetic model. k_m: a Q4_K_M file (q4_k_m_type's Q6_K exceptions)."""
 
-    def down_type(default: T, layer: int) -> T:
-        return q4_k_m_type("ffn_down", layer, s.n_layers) if k_m else default
+    def typed(name: str, default: T, layer: int = -1) -> T:
+        return q4_k_m_type(name, layer, s.n_layers) if k_m else default
 
     H, q_dim, kv_dim = s.hidden, s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     E, F, Fs = s.n_experts, s.expert_ffn, s.shared_ffn
@@ -365,7 +378,7 @@ def synth_tensors(
         p = f"blk.{i}."
         specs.append(_norm_spec(p + "attn_norm.weight", H, seed))
         if s.recurrent(i):
-            specs += _deltanet_specs(s, p, dense_type, seed)
+            specs += _deltanet_specs(s, p, dense_type, seed, typed("attn_qkv", dense_type))
         else:
             specs += [
                 _spec(p + "attn_q.weight", dense_type, ((2 if gated else 1) * q_dim, H), w_in, seed),
@@ -382,20 +395,19 @@ def synth_tensors(
             _spec(p + "ffn_gate_inp.weight", T.F32, (E, H), 2.0 * w_in, seed),
             _spec(p + "ffn_gate_exps.weight", expert_type, (E, F, H), w_in, seed),
             _spec(p + "ffn_up_exps.weight", expert_type, (E, F, H), w_in, seed),
-            _spec(p + "ffn_down_exps.weight", down_type(expert_type, i), (E, H, F), w_out, seed),
+            _spec(p + "ffn_down_exps.weight", typed("ffn_down_exps", expert_type, i), (E, H, F), w_out, seed),
         ]
         if Fs:
             specs += [
                 _spec(p + "ffn_gate_shexp.weight", expert_type, (Fs, H), w_in, seed),
                 _spec(p + "ffn_up_shexp.weight", expert_type, (Fs, H), w_in, seed),
-                _spec(p + "ffn_down_shexp.weight", down_type(expert_type, i), (H, Fs), w_out, seed),
+                _spec(p + "ffn_down_shexp.weight", typed("ffn_down_shexp", expert_type, i), (H, Fs), w_out, seed),
             ]
             if gated:  # sigmoid gate on the shared expert: logits of std ~1
                 specs.append(_spec(p + "ffn_gate_inp_shexp.weight", T.F32, (1, H), w_in, seed))
-    out_type = q4_k_m_type("output.weight", None, s.n_layers) if k_m else dense_type
     specs += [
         _norm_spec("output_norm.weight", H, seed),
-        _spec("output.weight", out_type, (vocab, H), 2.0 * w_in, seed),
+        _spec("output.weight", typed("output.weight", dense_type), (vocab, H), 2.0 * w_in, seed),
     ]
     return specs
 
@@ -439,7 +451,7 @@ def write_synth(
     """Write a random-weight GGUF of a named shape; returns the path.
 
     quant: type of the expert tensors ('Q4_0', 'Q8_0', 'Q4_K', 'Q6_K', 'F16', also 'BF16', 'F32'), or 'Q4_K_M':
-    Q4_K with llama.cpp's Q4_K_M exceptions (ffn_down on use_more_bits layers and the output head in Q6_K).
+    Q4_K with llama.cpp's Q4_K_M exceptions (q4_k_m_type).
     dense: type of the embeddings, attention and output weights; default the same as `quant`, as
     llama-quantize does. Norms and the router stay F32 (the converter keeps ffn_gate_inp in F32).
     layers: keep only the first N layers (a quick model of the same per-layer shape).

@@ -14,7 +14,7 @@ from gguf import quants as gq
 from moestream import linear, native, quants
 
 pytestmark = pytest.mark.skipif(not native.lane_ok(), reason="needs AVX-512 VNNI and the native library")
-LANE_TYPES = [T.Q4_0, T.Q4_K, T.Q6_K, T.Q8_0]
+LANE_TYPES = [T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0]
 
 
 def reference(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> np.ndarray:
@@ -44,19 +44,21 @@ def test_matmul_is_the_quantized_product(ggml_type, n, k, m):
     y = lin(torch.from_numpy(x)).numpy()
     want = q8_activations(x).astype(np.float64) @ w.T.astype(np.float64)
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    # and against the unquantized product, the error is activation rounding only (~0.5%)
+    # and against the unquantized product, the error is activation rounding only (~0.5%; up to 1% for a
+    # single 256-wide row of random Q5_K, whose large common offsets cancel in the product)
     exact = x @ w.T
-    assert np.linalg.norm(y - exact) / np.linalg.norm(exact) < 1e-2
+    assert np.linalg.norm(y - exact) / np.linalg.norm(exact) < 2e-2
 
 
 def test_sizes_match_the_gguf_blocks():
-    per_256 = ((T.Q4_0, 144), (T.Q8_0, 272), (T.Q4_K, 148), (T.Q6_K, 210))  # Q6_K: as its GGUF blocks
+    # as their GGUF blocks but for Q4_K's and Q5_K's d/dmin pairs (one per 256 weights, stored per 8 lanes)
+    per_256 = ((T.Q4_0, 144), (T.Q8_0, 272), (T.Q4_K, 148), (T.Q5_K, 180), (T.Q6_K, 210))
     for t, per_row in ((t, 2048 // 256 * b) for t, b in per_256):
         assert linear.compute_kind(t, 768, 2048, False) == "lane"
         assert linear.packed_nbytes(t, 768, 2048, False) == 768 * per_row
         assert native.lib().ms_lane_row_bytes(int(t), 2048) == per_row
     assert linear.compute_kind(T.Q4_0, 64, 96, False) != "lane"  # rows must be whole 256-groups
-    assert linear.compute_kind(T.Q5_K, 768, 2048, False) == "bf16"
+    assert linear.compute_kind(T.Q5_0, 768, 2048, False) == "bf16"
 
 
 def test_results_do_not_depend_on_thread_count():
@@ -85,7 +87,7 @@ def test_concat_stacks_rows():
     assert linear.concat([parts[0], mixed]) is None  # one kernel per type
 
 
-@pytest.mark.parametrize("down_type", [T.Q4_0, T.Q8_0, T.Q6_K])
+@pytest.mark.parametrize("down_type", [T.Q4_0, T.Q8_0, T.Q5_K, T.Q6_K])
 def test_swiglu_group_equals_expert_by_expert(down_type):
     h, f = 512, 256
     rng = np.random.default_rng(7)
@@ -126,16 +128,16 @@ def test_scalar_build_reports_no_lane_kernels():
 def test_bad_shapes_are_refused():
     lib = native.lib()
     assert lib.ms_lane_row_bytes(int(T.Q4_0), 96) < 0
-    assert lib.ms_lane_row_bytes(int(T.Q5_K), 256) < 0
+    assert lib.ms_lane_row_bytes(int(T.Q5_0), 256) < 0
     assert lib.ms_lane_row_bytes(int(T.Q6_K), 384) < 0
-    assert lib.ms_lane_pack(int(T.Q5_K), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0)) < 0
+    assert lib.ms_lane_pack(int(T.Q5_0), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0)) < 0
 
 
 @pytest.mark.parametrize("count", [1, 2, 5])
 def test_packing_many_segments_at_once_equals_one_by_one(count):
     rng = np.random.default_rng(count)
     lib = native.lib()
-    shapes = [(T.Q4_0, 96, 512), (T.Q6_K, 33, 768), (T.Q8_0, 64, 256), (T.Q4_K, 128, 2048), (T.Q4_0, 7, 256)][:count]
+    shapes = [(T.Q4_0, 96, 512), (T.Q6_K, 33, 768), (T.Q8_0, 64, 256), (T.Q5_K, 128, 2048), (T.Q4_K, 7, 256)][:count]
     raws = [quants.random_gguf(t, n * k, rng) for t, n, k in shapes]
     sizes = [n * lib.ms_lane_row_bytes(int(t), k) for t, n, k in shapes]
     one = [np.zeros(sz, np.uint8) for sz in sizes]
@@ -152,7 +154,7 @@ def test_packing_many_segments_at_once_equals_one_by_one(count):
     assert lib.ms_lane_pack_many(count, *(a.ctypes.data for a in arrays)) == 0
     for a, b in zip(one, many, strict=True):
         np.testing.assert_array_equal(a, b)
-    arrays[0][0] = int(T.Q5_K)  # no lane form: refused before anything is written
+    arrays[0][0] = int(T.Q5_0)  # no lane form: refused before anything is written
     assert lib.ms_lane_pack_many(count, *(a.ctypes.data for a in arrays)) != 0
 
 

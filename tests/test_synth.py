@@ -96,7 +96,7 @@ def test_gguf_reader_decodes_a_synth_file(tmp_path):
     assert np.std(router) == pytest.approx(2 / np.sqrt(SHAPES["tiny"].hidden), rel=0.05)
 
 
-@pytest.mark.parametrize("quant", [T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K, T.F16, T.BF16, T.F32])
+@pytest.mark.parametrize("quant", [T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32])
 @pytest.mark.parametrize("std", [1.0, 0.002])
 def test_random_blocks_have_the_intended_std(quant, std):
     n = 1 << 18
@@ -116,21 +116,30 @@ def test_use_more_bits_is_llama_cpps_rule():
                                                                    34, 35, 36, 37, 38, 39]  # fmt: skip
 
 
-def test_q4_k_m_puts_the_exceptions_in_q6_k(tmp_path):
+def _check_q4_k_m_types(specs, n_layers: int) -> None:
+    for t in specs:
+        if t.ggml_type == T.F32:
+            continue
+        layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1
+        six = t.name == "output.weight" or ("ffn_down" in t.name and synth.use_more_bits(layer, n_layers))
+        assert t.ggml_type == (T.Q6_K if six else T.Q5_K if "attn_qkv" in t.name else T.Q4_K), t.name
+    downs = [t.ggml_type for t in specs if "ffn_down_exps" in t.name]
+    assert T.Q6_K in downs and T.Q4_K in downs
+
+
+def test_q4_k_m_uses_llama_cpps_exception_types(tmp_path):
     path = write_synth("tiny", "Q4_K_M", tmp_path / "m.gguf", progress=False)
     f = GGUFFile(path)
-    n = SHAPES["tiny"].n_layers
     assert f.metadata["general.file_type"] == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-    for name, info in f.tensors.items():
-        if len(info.shape) == 1 or "ffn_gate_inp" in name:
-            continue
-        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
-        six = name == "output.weight" or ("ffn_down" in name and synth.use_more_bits(layer, n))
-        assert info.ggml_type == (T.Q6_K if six else T.Q4_K), name
-    assert any(i.ggml_type == T.Q6_K for n_, i in f.tensors.items() if "ffn_down_exps" in n_)
-    assert any(i.ggml_type == T.Q4_K for n_, i in f.tensors.items() if "ffn_down_exps" in n_)
+    _check_q4_k_m_types([TensorSpec(n, i.ggml_type, i.shape, None) for n, i in f.tensors.items()], 4)
     assert sum(t.nbytes for t in f.tensors.values()) == synth_nbytes("tiny", "Q4_K_M")
     f.close()
+    # qwen35moe's DeltaNet input projection (attn_qkv) is Q5_K in a Q4_K_M file (specs only: nothing written)
+    s = replace(SHAPES["qwen3.6-35b-a3b"], n_layers=8)
+    vocab = len(synth.tiny_bpe_metadata()["tokenizer.ggml.tokens"])
+    specs = synth.synth_tensors(s, T.Q4_K, T.Q4_K, vocab, 0, k_m=True)
+    _check_q4_k_m_types(specs, 8)
+    assert sum(t.ggml_type == T.Q5_K for t in specs) == 6  # the 6 DeltaNet layers of 8
 
 
 def test_random_blocks_are_seeded():

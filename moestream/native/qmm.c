@@ -17,9 +17,14 @@
  *     Q4_0: nibbles [4][L][4] | d f16 [L]                                   18 L bytes (as GGUF)
  *     Q4_K: nibbles [4][L][4] | sc u8 [L] | m u8 [L] | d f16 [L/8] | dmin f16 [L/8]   18.5 L bytes
  *     Q8_0: bytes   [8][L][4] | d f16 [L]                                   34 L bytes (as GGUF)
+ *     Q5_K: nibbles [4][L][4] | fifth bits [L][4] | then as Q4_K                     22.5 L bytes (GGUF: 22)
  *     Q6_K: nibbles [4][L][4] | high bits [2][L][4] | sc s8 [2][L] | d f16 [L/8]   26.25 L bytes (as GGUF)
  *
- *   Q4_0 weight = d (q - 8); Q4_K weight = d sc q - dmin m; Q8_0 weight = d q; Q6_K weight = d sc (q - 32).
+ *   Q4_0 weight = d (q - 8); Q4_K and Q5_K weight = d sc q - dmin m; Q8_0 weight = d q;
+ *   Q6_K weight = d sc (q - 32).
+ *
+ *   Q5_K's fifth-bit byte (j, t) holds, in bits 2c and 2c+1, the fifth bit of the weights of chunk c's low
+ *   and high nibble.
  *
  *   Q6_K has a scale per 16 weights. Even steps hold weights 0..15 of a sub-block and odd steps 16..31, so
  *   the two halves accumulate apart (sc [0][L] is the first half's scale, sc [1][L] the second's) and the
@@ -58,7 +63,7 @@
 #define PF_DIST 16384
 #define PF_HINT _MM_HINT_T1
 
-enum { QT_Q4_0 = 2, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q6_K = 14 };
+enum { QT_Q4_0 = 2, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
 enum { QM_OK = 0, QM_BAD_TYPE = -1, QM_BAD_SHAPE = -2, QM_NO_SIMD = -3, QM_NO_MEM = -4 };
 
 /* ---------------------------------------------------------------------------------------------------- */
@@ -70,6 +75,7 @@ static inline int64_t group_bytes(int type, int L) {
     case QT_Q8_0: return 34 * L;
     case QT_Q4_0: return 18 * L;
     case QT_Q4_K: return 18 * L + L / 2;
+    case QT_Q5_K: return 22 * L + L / 2;
     default: return 26 * L + L / 4; /* Q6_K */
     }
 }
@@ -78,6 +84,7 @@ static int64_t super_bytes(int type) { /* bytes per 256 weights (8 lanes) of a r
     switch (type) {
     case QT_Q4_0: return 144;
     case QT_Q4_K: return 148;
+    case QT_Q5_K: return 180;
     case QT_Q8_0: return 272;
     case QT_Q6_K: return 210;
     default: return -1;
@@ -165,44 +172,75 @@ static void pack_row_q8_0(const uint8_t *src, int64_t k, uint8_t *dst) {
     }
 }
 
-static void pack_row_q4_k(const uint8_t *src, int64_t k, uint8_t *dst) {
+/* One K-quant super-block's 128 bytes of nibbles (q[32p..32p+32): sub-block 2p in the low nibbles, 2p+1 in
+ * the high ones) -> lanes lane0..lane0+7 of a group's nibble chunks. */
+static void k_nibble_lanes(const uint8_t *q, uint8_t *nib, int L, int lane0) {
+#ifdef MS_VNNI
+    const __m128i m4 = _mm_set1_epi8(0x0F), m4h = _mm_set1_epi8((char)0xF0);
+    __m128i lo[4], hi[4];
+    for (int p = 0; p < 4; p++) {
+        __m128i a0 = _mm_loadu_si128((const __m128i *)(q + 32 * p)), a1 = _mm_loadu_si128((const __m128i *)(q + 32 * p + 16));
+        lo[p] = _mm_or_si128(_mm_and_si128(a0, m4), _mm_and_si128(_mm_slli_epi16(a1, 4), m4h));
+        hi[p] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a0, 4), m4), _mm_and_si128(a1, m4h));
+    }
+    /* lanes lane0 + 2p (lo) and lane0 + 2p + 1 (hi) */
+    put_nibble_lanes4(lo[0], hi[0], lo[1], hi[1], nib, L, lane0);
+    put_nibble_lanes4(lo[2], hi[2], lo[3], hi[3], nib, L, lane0 + 4);
+#else
+    for (int p = 0; p < 4; p++) {
+        uint8_t lo[16], hi[16];
+        const uint8_t *a = q + 32 * p;
+        for (int i = 0; i < 16; i++) {
+            lo[i] = (a[i] & 0xF) | (uint8_t)((a[i + 16] & 0xF) << 4);
+            hi[i] = (a[i] >> 4) | (uint8_t)(a[i + 16] & 0xF0);
+        }
+        put_nibble_lane(lo, nib, L, lane0 + 2 * p);
+        put_nibble_lane(hi, nib, L, lane0 + 2 * p + 1);
+    }
+#endif
+}
+
+/* Q4_K (hb == NULL) and Q5_K rows: nibbles, then Q5_K's fifth bits, then scales, mins, d, dmin */
+static void pack_row_k(const uint8_t *src, int64_t k, uint8_t *dst, int five) {
     int64_t nsup = k / 256;
+    const int bb = five ? 176 : 144, qs = five ? 48 : 16;
     for (int64_t b0 = 0; b0 < nsup; b0 += 2) {
         int nb = nsup - b0 >= 2 ? 2 : 1, L = 8 * nb;
-        uint8_t *nib = dst, *sc = dst + 16 * L, *mn = sc + L, *dd = mn + L, *dm = dd + 2 * nb;
+        uint8_t *nib = dst, *hb = dst + 16 * L, *sc = hb + (five ? 4 * L : 0), *mn = sc + L, *dd = mn + L, *dm = dd + 2 * nb;
         for (int bi = 0; bi < nb; bi++) {
-            const uint8_t *b = src + (b0 + bi) * 144;
+            const uint8_t *b = src + (b0 + bi) * bb;
             k_scale_min(b + 4, sc + 8 * bi, mn + 8 * bi);
             memcpy(dd + 2 * bi, b, 2);
             memcpy(dm + 2 * bi, b + 2, 2);
-            const uint8_t *q = b + 16;
+            k_nibble_lanes(b + qs, nib, L, 8 * bi);
+            if (!five) continue;
+            const uint8_t *qh = b + 16; /* bit js of qh[l]: the fifth bit of weight l of sub-block js */
 #ifdef MS_VNNI
             {
-                const __m128i m4 = _mm_set1_epi8(0x0F), m4h = _mm_set1_epi8((char)0xF0);
-                __m128i lo[4], hi[4];
-                for (int p = 0; p < 4; p++) {
-                    __m128i a0 = _mm_loadu_si128((const __m128i *)(q + 32 * p)), a1 = _mm_loadu_si128((const __m128i *)(q + 32 * p + 16));
-                    lo[p] = _mm_or_si128(_mm_and_si128(a0, m4), _mm_and_si128(_mm_slli_epi16(a1, 4), m4h));
-                    hi[p] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a0, 4), m4), _mm_and_si128(a1, m4h));
+                const __m128i one = _mm_set1_epi8(1), lo = _mm_loadu_si128((const __m128i *)qh);
+                const __m128i hi = _mm_loadu_si128((const __m128i *)(qh + 16));
+                for (int js = 0; js < 8; js++) {
+                    __m128i v = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, js), one),
+                                             _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hi, js), one), 1));
+                    v = _mm_or_si128(v, _mm_slli_epi16(_mm_srli_epi64(v, 32), 2)); /* bytes t: v[t] | v[4+t] << 2 */
+                    v = _mm_or_si128(v, _mm_slli_epi16(_mm_srli_si128(v, 8), 4));  /* | (v[8+t] | v[12+t] << 2) << 4 */
+                    int32_t w = _mm_cvtsi128_si32(v);
+                    memcpy(hb + (8 * bi + js) * 4, &w, 4);
                 }
-                /* lanes 8bi + 2p (lo) and 8bi + 2p + 1 (hi) */
-                put_nibble_lanes4(lo[0], hi[0], lo[1], hi[1], nib, L, 8 * bi);
-                put_nibble_lanes4(lo[2], hi[2], lo[3], hi[3], nib, L, 8 * bi + 4);
                 continue;
             }
 #endif
-            for (int p = 0; p < 4; p++) { /* q[32p..32p+32): sub 2p in low nibbles, 2p+1 in high */
-                uint8_t lo[16], hi[16];
-                const uint8_t *a = q + 32 * p;
-                for (int i = 0; i < 16; i++) {
-                    lo[i] = (a[i] & 0xF) | (uint8_t)((a[i + 16] & 0xF) << 4);
-                    hi[i] = (a[i] >> 4) | (uint8_t)(a[i + 16] & 0xF0);
+            for (int js = 0; js < 8; js++) {
+                uint8_t *o = hb + (8 * bi + js) * 4;
+                for (int t = 0; t < 4; t++) {
+                    uint8_t v = 0;
+                    for (int c = 0; c < 4; c++)
+                        v |= (uint8_t)((((qh[4 * c + t] >> js) & 1) << (2 * c)) | (((qh[16 + 4 * c + t] >> js) & 1) << (2 * c + 1)));
+                    o[t] = v;
                 }
-                put_nibble_lane(lo, nib, L, 8 * bi + 2 * p);
-                put_nibble_lane(hi, nib, L, 8 * bi + 2 * p + 1);
             }
         }
-        dst += 16 * L + 2 * L + 4 * nb;
+        dst += group_bytes(five ? QT_Q5_K : QT_Q4_K, L);
     }
 }
 
@@ -278,8 +316,8 @@ static void pack_row_q6_k(const uint8_t *src, int64_t k, uint8_t *dst) {
     }
 }
 
-static const int64_t gguf_block_bytes[] = {[QT_Q4_0] = 18, [QT_Q8_0] = 34, [QT_Q4_K] = 144, [QT_Q6_K] = 210};
-static const int64_t gguf_block_elems[] = {[QT_Q4_0] = 32, [QT_Q8_0] = 32, [QT_Q4_K] = 256, [QT_Q6_K] = 256};
+static const int64_t gguf_block_bytes[] = {[QT_Q4_0] = 18, [QT_Q8_0] = 34, [QT_Q4_K] = 144, [QT_Q5_K] = 176, [QT_Q6_K] = 210};
+static const int64_t gguf_block_elems[] = {[QT_Q4_0] = 32, [QT_Q8_0] = 32, [QT_Q4_K] = 256, [QT_Q5_K] = 256, [QT_Q6_K] = 256};
 
 /* rows [0, n) of a GGUF [n, k] tensor -> the lane layout at dst (ms_lane_row_bytes(type, k) per row) */
 int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
@@ -291,7 +329,7 @@ int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *ds
         uint8_t *d = dst + r * rb;
         if (type == QT_Q4_0) pack_row_q4_0(s, k, d);
         else if (type == QT_Q8_0) pack_row_q8_0(s, k, d);
-        else if (type == QT_Q4_K) pack_row_q4_k(s, k, d);
+        else if (type == QT_Q4_K || type == QT_Q5_K) pack_row_k(s, k, d, type == QT_Q5_K);
         else pack_row_q6_k(s, k, d);
     }
     return QM_OK;
@@ -325,9 +363,11 @@ int ms_lane_unpack(int type, const uint8_t *w, int64_t n, int64_t k, float *out)
                         } else {
                             uint8_t byte = g[((s >> 1) * L + j) * 4 + t];
                             int q = (s & 1) ? byte >> 4 : byte & 0xF;
+                            if (type == QT_Q5_K) q |= ((g[16 * L + j * 4 + t] >> s) & 1) << 4; /* bit 2c + (s & 1) = s */
                             if (type == QT_Q4_0) v = (float)(q - 8) * rd_fp16((g + 16 * L + 2 * j));
                             else {
-                                const uint8_t *sc = g + 16 * L, *mn = sc + L, *dd = mn + L, *dm = dd + 2 * (L / 8);
+                                const uint8_t *sc = g + (type == QT_Q5_K ? 20 : 16) * L, *mn = sc + L, *dd = mn + L,
+                                              *dm = dd + 2 * (L / 8);
                                 float d = rd_fp16((dd + 2 * (j / 8))), dmin = rd_fp16((dm + 2 * (j / 8)));
                                 v = d * (float)sc[j] * (float)q - dmin * (float)mn[j];
                             }
@@ -621,7 +661,7 @@ static inline __attribute__((always_inline)) void group_scales(int T, const uint
         *scale = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mf, sc))));
         *mins = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mf, sc + L))));
     } else {
-        const uint8_t *sc = g + 16 * L, *mn = sc + L, *dd = mn + L, *dm = dd + L / 4;
+        const uint8_t *sc = g + (T == QT_Q5_K ? 20 : 16) * L, *mn = sc + L, *dd = mn + L, *dm = dd + L / 4;
         __m512 dv, mv;
         if (L == 16) {
             __m512 d2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(*(const int32_t *)dd)));
@@ -651,6 +691,14 @@ static inline __attribute__((always_inline)) void q6_weights(__m512i v, __m512i 
     *w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
 }
 
+/* Q5_K chunk c: its nibbles v with their fifth bits from the group's fifth-bit bytes h */
+static inline __attribute__((always_inline)) void q5_weights(__m512i v, __m512i h, int c, __m512i *w0, __m512i *w1) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
+    h = _mm512_srli_epi16(h, 2 * c);
+    *w0 = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m10));
+    *w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(_mm512_slli_epi16(h, 3), m10));
+}
+
 /* One group (L = 16 or 8 lanes, a constant) of two rows against one token. */
 static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const uint8_t *ga, const uint8_t *gb,
                                                              const int8_t *xq, const xprep *x, int64_t s0,
@@ -663,7 +711,7 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
         _mm_prefetch((const char *)gb + PF_DIST + o, PF_HINT);
     }
     __m512i a0, a1, b0, b1;
-    if (T == QT_Q4_K) {
+    if (T == QT_Q4_K || T == QT_Q5_K) {
         a0 = b0 = _mm512_setzero_si512();
     } else if (T == QT_Q6_K) {
         a0 = b0 = LDI(L, x->n32lo + s0);
@@ -684,6 +732,18 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
             __m512i wa0, wa1, wb0, wb1;
             q6_weights(LDB(L, ga + c * cb), ha, &wa0, &wa1);
             q6_weights(LDB(L, gb + c * cb), hb, &wb0, &wb1);
+            a0 = _mm512_dpbusd_epi32(a0, wa0, xl);
+            a1 = _mm512_dpbusd_epi32(a1, wa1, xh);
+            b0 = _mm512_dpbusd_epi32(b0, wb0, xl);
+            b1 = _mm512_dpbusd_epi32(b1, wb1, xh);
+        }
+    } else if (T == QT_Q5_K) {
+        const __m512i ha = LDB(L, ga + 16 * L), hb = LDB(L, gb + 16 * L);
+        for (int c = 0; c < 4; c++) {
+            __m512i xl = LDB(L, xq + 2 * c * cb), xh = LDB(L, xq + (2 * c + 1) * cb);
+            __m512i wa0, wa1, wb0, wb1;
+            q5_weights(LDB(L, ga + c * cb), ha, c, &wa0, &wa1);
+            q5_weights(LDB(L, gb + c * cb), hb, c, &wb0, &wb1);
             a0 = _mm512_dpbusd_epi32(a0, wa0, xl);
             a1 = _mm512_dpbusd_epi32(a1, wa1, xh);
             b0 = _mm512_dpbusd_epi32(b0, wb0, xl);
@@ -720,7 +780,7 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
     }
     *acca = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), _mm512_mul_ps(sa, dxv), *acca);
     *accb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)), _mm512_mul_ps(sb, dxv), *accb);
-    if (T == QT_Q4_K) {
+    if (T == QT_Q4_K || T == QT_Q5_K) {
         __m512 dxsx = LDF(L, x->dxsx + s0);
         *acca = _mm512_fnmadd_ps(ma, dxsx, *acca);
         *accb = _mm512_fnmadd_ps(mbv, dxsx, *accb);
@@ -751,6 +811,7 @@ static inline __attribute__((always_inline)) void qmv2(int T, const qmm_job *J, 
 static void qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) {
     if (J->type == QT_Q4_0) qmv2(QT_Q4_0, J, r0, r1);
     else if (J->type == QT_Q4_K) qmv2(QT_Q4_K, J, r0, r1);
+    else if (J->type == QT_Q5_K) qmv2(QT_Q5_K, J, r0, r1);
     else if (J->type == QT_Q6_K) qmv2(QT_Q6_K, J, r0, r1);
     else qmv2(QT_Q8_0, J, r0, r1);
 }
@@ -780,6 +841,10 @@ static void qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                 __m512 scale, mins = _mm512_setzero_ps();
                 if (type == QT_Q8_0) {
                     for (int s = 0; s < 8; s++) w[s] = _mm512_maskz_loadu_epi8(mb, g + s * cb);
+                } else if (type == QT_Q5_K) {
+                    __m512i h = _mm512_maskz_loadu_epi8(mb, g + 16 * L);
+                    for (int c = 0; c < 4; c++)
+                        q5_weights(_mm512_maskz_loadu_epi8(mb, g + c * cb), h, c, &w[2 * c], &w[2 * c + 1]);
                 } else if (type == QT_Q6_K) {
                     for (int c = 0; c < 4; c++) {
                         __m512i h = _mm512_maskz_loadu_epi8(mb, g + 16 * L + (c >> 1) * cb);
@@ -799,7 +864,7 @@ static void qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                     const int64_t xi = (m0 + i) * nsub + s0;
                     const int8_t *xp = xq[i];
                     __m512i a0, a1;
-                    if (type == QT_Q4_K) {
+                    if (type == QT_Q4_K || type == QT_Q5_K) {
                         a0 = _mm512_setzero_si512();
                     } else if (type == QT_Q6_K) {
                         a0 = _mm512_maskz_loadu_epi32(mf, J->x->n32lo + xi);
@@ -821,7 +886,7 @@ static void qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                     }
                     __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1));
                     acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, dxv), acc[i]);
-                    if (type == QT_Q4_K)
+                    if (type == QT_Q4_K || type == QT_Q5_K)
                         acc[i] = _mm512_fnmadd_ps(mins, _mm512_maskz_loadu_ps(mf, J->x->dxsx + xi), acc[i]);
                     xq[i] += 32 * L;
                 }
