@@ -26,7 +26,7 @@ from moestream.expert_store import ExpertStore
 from moestream.gguf_file import GGUFFile
 from moestream.mlock import LockReport, lock_dense, routed_nbytes
 from moestream.models import ARCHITECTURES, common
-from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_experts, ahead_reads
+from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_experts, ahead_reads, prompt_slots
 from moestream.reader import ALIGN, ExpertReader, run_length
 from moestream.sampling import Sampler
 
@@ -121,6 +121,7 @@ class Engine:
         read_ahead: bool = True,
         run_reads: bool = False,  # off: no gain measured end to end on this disk (README, run reads)
         min_hits: int = 0,
+        prompt_working_slots: int | None = None,  # None: read_ahead.prompt_slots for the model
         pin_profile: str | None = None,
         pin_mb: int | None = None,
         keep_free_mb: int | None = None,
@@ -215,6 +216,7 @@ class Engine:
         if ram_budget_mb is not None:
             self.cache.prefault()
         self.cache.min_slots = self.cfg.top_k
+        self.cache.prompt_slots = prompt_working_slots or prompt_slots(self.cfg.n_experts)
         self.cache.admit_prompt = admit_prompt
         self.cache.read_ahead = read_ahead
         self.cache.min_hits = min_hits
@@ -244,6 +246,7 @@ class Engine:
                     "admit_prompt": admit_prompt,
                     "read_ahead": read_ahead,
                     "read_run_len": self.reader.run_len,
+                    "prompt_slots": self.cache.prompt_slots,
                     "min_hits": min_hits,
                     "layers": self.cfg.n_layers,
                     "experts": self.cfg.n_experts,

@@ -213,6 +213,12 @@ class ExpertCache:
         self._closed = False
         self._prefault_thread: threading.Thread | None = None
         self.stats = CacheStats()
+        # A prompt fills at most prompt_slots LRU slots beyond those in use when it starts (prompt_slots in
+        # read_ahead.py: why), and the prefault waits while a prompt runs.
+        self.prompt_slots = n_slots
+        self._prompt_cap = n_slots
+        self._not_prompt = threading.Event()
+        self._phase = ""
         self.phase = "decode"
         self.trace: TraceSink | None = None
         # Admission. The prompt path reads every cold expert once; admitting those would push out what the
@@ -229,12 +235,34 @@ class ExpertCache:
         self._ahead_layer = -1
         self._reserved: list[int] = []
 
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        with self._lock:
+            if value == "prompt" and self._phase != "prompt":
+                self._prompt_cap = max(self.prompt_slots, len(self._lru))
+            self._phase = value
+        if value == "prompt":
+            self._not_prompt.clear()
+        else:
+            self._not_prompt.set()
+
     # -- slot bookkeeping ------------------------------------------------------------------------------
 
+    def _lru_limit(self) -> int:
+        """LRU entries this access may grow the cache to (the replay applies the same rule)."""
+        return self._prompt_cap if self._phase == "prompt" else self.n_slots
+
     def _take_slot(self) -> int | None:
-        if self._free:
+        if self._free and len(self._lru) < self._lru_limit():
             return self._free.popleft()
-        return self._evict_lru()
+        slot = self._evict_lru()
+        if slot is None and self._free:  # every entry pinned: a free slot rather than a wait
+            return self._free.popleft()
+        return slot
 
     def _evict_lru(self) -> int | None:
         for key, slot in self._lru.items():
@@ -423,7 +451,9 @@ class ExpertCache:
                 and self.min_hits == 0
                 and not pending
                 and layer + 1 < self.store.n_layers
-                and reads_ahead(len(ids), self.store.n_experts, self.n_slots - len(self._scratch_set))
+                and reads_ahead(
+                    len(ids), self.store.n_experts, min(self.n_slots - len(self._scratch_set), self._lru_limit())
+                )
             ):
                 self._start_ahead(layer + 1)
             if hitq:
@@ -640,6 +670,7 @@ class ExpertCache:
 
         def run() -> None:
             for first in range(0, self.n_slots, slots_per_call):
+                self._not_prompt.wait()  # a prompt's own slots are committed by its fills (prompt_slots)
                 # Stop as soon as the elastic cache has had to give memory back: prefaulting would take it again.
                 if self._closed or self.stats.shrinks:
                     return
@@ -677,6 +708,7 @@ class ExpertCache:
 
     def close(self) -> None:
         self._closed = True
+        self._not_prompt.set()  # a waiting prefault sees _closed and ends
         self._drop_ahead()
         if self._prefault_thread is not None:
             self._prefault_thread.join()  # it stops at the next chunk

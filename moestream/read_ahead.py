@@ -24,6 +24,17 @@ def ahead_experts(n_experts: int) -> int:
     return max(1, n_experts // 4)
 
 
+def prompt_slots(n_experts: int) -> int:
+    """LRU slots a prompt may fill beyond those already in use when it starts (its working set): enough for
+    the read-ahead rule and what it reads ahead, ~1.9 GB for Qwen3.6-35B.
+
+    A fresh process's first prompt otherwise spreads over the whole cache, and committing that much fresh
+    memory while the prompt runs is what slowed it most in a VM (the host backs each page on first touch):
+    a 98-token Qwen3.6 prompt under a balloon ran at 7.7 tok/s with a 3500 MB budget against 5.4 with 7168
+    (bench/results/2026-11-30-prefill-budget-ab-qwen36.json). The rest of the cache fills after the prompt."""
+    return AHEAD_MIN_LAYERS * n_experts + ahead_experts(n_experts)
+
+
 def reads_ahead(n_ids: int, n_experts: int, lru_slots: int) -> bool:
     """Whether a prompt fetch of n_ids distinct experts reads the next layer ahead."""
     return n_ids >= AHEAD_COVERAGE * n_experts and lru_slots >= AHEAD_MIN_LAYERS * n_experts

@@ -667,7 +667,9 @@ def replay(
     ahead = bool(acc.meta.get("read_ahead")) and not belady and admission.prompt and not admission.min_hits
     # runs of adjacent experts bound how many it reads (read_ahead.ahead_choice); traces before run reads: 1
     run_len = int(acc.meta.get("read_run_len", 1))
-    misses = _simulate(acc, pols, per_layer, admission if not belady else Admission(), ahead, run_len)
+    # the engine's prompt working set (read_ahead.prompt_slots); traces before it: none
+    prompt_cap = None if per_layer or belady else acc.meta.get("prompt_slots")
+    misses = _simulate(acc, pols, per_layer, admission if not belady else Admission(), ahead, run_len, prompt_cap)
     sizes = np.diff(acc.starts)
     dec = acc.group_decode
     d_miss = misses[dec]
@@ -688,11 +690,19 @@ def replay(
 
 
 def _simulate(
-    acc: Accesses, pols: list[Policy], per_layer: bool, adm: Admission, ahead: bool = False, run_len: int = 1
+    acc: Accesses,
+    pols: list[Policy],
+    per_layer: bool,
+    adm: Admission,
+    ahead: bool = False,
+    run_len: int = 1,
+    prompt_slots: int | None = None,
 ) -> np.ndarray:
     """Misses per group. ahead: model the engine's prompt read-ahead (moestream.read_ahead): a prompt group
     asking for nearly all of a layer's experts also admits the next layer's first uncached experts, the
-    next layer's resident keys pinned meanwhile; the next group's first access to such a key is a miss."""
+    next layer's resident keys pinned meanwhile; the next group's first access to such a key is a miss.
+    prompt_slots: a prompt grows the cache by at most this many keys beyond what it held when the prompt
+    began (read_ahead.prompt_slots); it evicts instead."""
     keys = acc.keys.tolist()
     starts = acc.starts.tolist()
     decode = acc.group_decode.tolist()
@@ -703,9 +713,13 @@ def _simulate(
     out = np.zeros(acc.n_groups, np.int64)
     read_ahead: set[int] = set()  # keys admitted by the read-ahead, not accessed yet
     ahead_layer = -1
+    prompt_cap = NEVER
     for g in range(acc.n_groups):
         pol = pols[layer[g]] if per_layer else pols[0]
         pol.begin(g, step[g])
+        if prompt_slots is not None and not decode[g] and (g == 0 or decode[g - 1]):  # a prompt begins
+            prompt_cap = max(int(prompt_slots), len(pol))
+        limit = pol.capacity if decode[g] else min(pol.capacity, prompt_cap)
         s, e = starts[g], starts[g + 1]
         prev = read_ahead if ahead_layer == layer[g] else set()
         read_ahead, ahead_layer = set(), -1
@@ -740,7 +754,7 @@ def _simulate(
                 admit = pol.admits and admit_phase and seen.get(k, 0) >= min_hits and pol.wants(k, i)
                 if not admit:
                     continue  # served from the engine's scratch slots: the cache itself does not change
-                while len(pol) + borrowed >= pol.capacity:
+                while len(pol) + borrowed >= limit:
                     if pol.evict(pinned) is not None:
                         break
                     # Every resident key is pinned: the live cache waits for reads and goes on in waves.
@@ -765,12 +779,13 @@ def _simulate(
         nxt = layer[g] + 1
         if ahead and not decode[g] and nxt < acc.n_layers:
             pol2 = pols[nxt] if per_layer else pol
-            if reads_ahead(len(set(keys[s:e])), acc.n_experts, pol2.capacity):
+            limit2 = limit if pol2 is pol else pol2.capacity
+            if reads_ahead(len(set(keys[s:e])), acc.n_experts, limit2):
                 base = nxt * acc.n_experts
                 pins = pinned | {k for k in range(base, base + acc.n_experts) if k in pol2}
                 fresh = [k - base for k in range(base, base + acc.n_experts) if k not in pol2 and not pol2.reserved(k)]
                 for k in (base + x for x in ahead_choice(fresh, acc.n_experts, run_len)):
-                    if len(pol2) >= pol2.capacity and pol2.evict(pins) is None:
+                    if len(pol2) >= limit2 and pol2.evict(pins) is None:
                         break
                     pol2.on_miss(k, e - 1)
                     pol2.insert(k, e - 1)

@@ -183,3 +183,35 @@ def test_read_ahead_buffers_are_budgeted_only_where_the_cache_can_read_ahead(tin
                 assert eng.cache.read_ahead
         finally:
             eng.close()
+
+
+def test_a_prompt_grows_the_cache_only_by_its_working_set(tiny, baseline, tmp_path):
+    """A fresh cache's first prompt fills at most prompt_slots slots (committing the rest of a big cache while
+    a prompt runs slowed it most); output and replay are unchanged, later phases use the whole cache."""
+    path = str(tmp_path / "t.csv")
+    eng = Engine(tiny, n_slots=64, trace_path=path, prompt_working_slots=20)
+    try:
+        cache = eng.cache
+        cache.phase = "prompt"
+        assert not cache._not_prompt.is_set()  # the prefault waits while a prompt runs
+        cache.phase = "decode"
+        assert cache._not_prompt.is_set()
+        eng.generate(PROMPT_A, 1, Sampler())  # the prompt only
+        assert cache.used_slots == 20 and cache.stats.evictions > 0
+        eng.reset()
+        assert eng.generate(PROMPT_A, N, Sampler()).tokens == baseline
+        assert cache.used_slots > 20  # decode fills the rest
+        before = cache.used_slots
+        eng.reset()
+        eng.generate(PROMPT_B, 1, Sampler())  # a later prompt keeps what the cache holds
+        assert cache.used_slots >= before
+    finally:
+        eng.close()
+    meta, rows = read_trace(path)
+    assert int(meta["prompt_slots"]) == 20
+    acc = accesses_from_trace(meta, rows)
+    live = live_result(acc)
+    got = replay(acc, "lru", int(meta["n_slots"]))
+    assert (got.decode_hits, got.prompt_hits) == (live.decode_hits, live.prompt_hits)
+    old = replay(accesses_from_trace({k: v for k, v in meta.items() if k != "prompt_slots"}, rows), "lru", 64)
+    assert (old.decode_hits, old.prompt_hits) != (live.decode_hits, live.prompt_hits)  # the rule matters here
