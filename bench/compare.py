@@ -600,11 +600,12 @@ def calibrate_compute(
     prompt_repeat: int,
     budget_mb: int | None,
 ) -> dict[str, Any]:
-    """Decode time per token with every expert already cached: a long prompt touches (nearly) every expert
-    during prefill, the budget keeps them all, and the decode then reads (almost) nothing."""
+    """Decode time per token with every expert already cached: --preload fills the cache before the prompt
+    (a generation grows the cache only step by step), the budget keeps every expert, and the decode then
+    reads nothing. The long prompt is kept so that the decode runs at a realistic context length."""
     long_prompt = " ".join([prompt] * prompt_repeat)
     drop_caches()
-    m, stats = run_moestream(model, long_prompt, tokens, threads, budget_mb, extra, timeout_s)
+    m, stats = run_moestream(model, long_prompt, tokens, threads, budget_mb, [*extra, "--preload"], timeout_s)
     if m.status != "ok":
         return {"status": m.status, "error": _tail(m.stderr)}
     n = max(1, stats["decode_tokens"])

@@ -26,7 +26,7 @@ from moestream.expert_store import ExpertStore
 from moestream.gguf_file import GGUFFile
 from moestream.mlock import LockReport, lock_dense, routed_nbytes
 from moestream.models import ARCHITECTURES, common
-from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_experts, ahead_reads, prompt_slots
+from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_experts, ahead_reads, decode_slots, prompt_slots
 from moestream.reader import ALIGN, ExpertReader, run_length
 from moestream.sampling import Sampler
 
@@ -121,7 +121,7 @@ class Engine:
         read_ahead: bool = True,
         run_reads: bool = False,  # off: no gain measured end to end on this disk (README, run reads)
         min_hits: int = 0,
-        prompt_working_slots: int | None = None,  # None: read_ahead.prompt_slots for the model
+        growth_slots: tuple[int, int] | None = None,  # LRU growth per prompt micro-batch, per token
         pin_profile: str | None = None,
         pin_mb: int | None = None,
         keep_free_mb: int | None = None,
@@ -216,7 +216,10 @@ class Engine:
         if ram_budget_mb is not None:
             self.cache.prefault()
         self.cache.min_slots = self.cfg.top_k
-        self.cache.prompt_slots = prompt_working_slots or prompt_slots(self.cfg.n_experts)
+        self.cache.prompt_slots, self.cache.decode_slots = growth_slots or (
+            prompt_slots(self.cfg.n_experts),
+            decode_slots(self.cfg.top_k),
+        )
         self.cache.admit_prompt = admit_prompt
         self.cache.read_ahead = read_ahead
         self.cache.min_hits = min_hits
@@ -247,6 +250,7 @@ class Engine:
                     "read_ahead": read_ahead,
                     "read_run_len": self.reader.run_len,
                     "prompt_slots": self.cache.prompt_slots,
+                    "decode_slots": self.cache.decode_slots,
                     "min_hits": min_hits,
                     "layers": self.cfg.n_layers,
                     "experts": self.cfg.n_experts,
@@ -257,14 +261,19 @@ class Engine:
             self.cache.trace = self._trace_record
 
     def preload(self) -> int:
-        """Read experts into the LRU until it is full, layer by layer (benchmarks: compute without reads)."""
+        """Read experts into the LRU until it is full, layer by layer (benchmarks: compute without reads).
+        A trace does not record these reads: they are not the model's accesses."""
         n = 0
-        for layer in range(self.cfg.n_layers):
-            room = min(self.cfg.n_experts, self.cache.capacity - self.cache.pinned_slots - n)
-            if room <= 0:
-                break
-            for _e, _w in self.cache.fetch(layer, list(range(room))):
-                n += 1
+        trace, self.cache.trace = self.cache.trace, None
+        try:
+            for layer in range(self.cfg.n_layers):
+                room = min(self.cfg.n_experts, self.cache.capacity - self.cache.pinned_slots - n)
+                if room <= 0:
+                    break
+                for _e, _w in self.cache.fetch(layer, list(range(room))):
+                    n += 1
+        finally:
+            self.cache.trace = trace
         return n
 
     def _pin_from_profile(self, path: str, pin_mb: int | None, progress: bool) -> None:
@@ -303,6 +312,7 @@ class Engine:
             self._spin_us = spin
         self._step += 1
         self._token = pos
+        self.cache.begin_step()
         return self.model.forward(tokens, self.kv, pos)
 
     @property
@@ -359,7 +369,7 @@ class Engine:
         self.cache.phase = "prompt"
         logits = None
         pos = common
-        with torch.inference_mode():
+        with torch.inference_mode(), self.cache.generation():
             while pos < len(prompt):
                 chunk = prompt[pos : pos + self.ubatch]
                 logits = self._forward(chunk, pos)

@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -213,12 +214,15 @@ class ExpertCache:
         self._closed = False
         self._prefault_thread: threading.Thread | None = None
         self.stats = CacheStats()
-        # A prompt fills at most prompt_slots LRU slots beyond those in use when it starts (prompt_slots in
-        # read_ahead.py: why), and the prefault waits while a prompt runs.
+        # While a generation runs, each forward step may grow the LRU by at most prompt_slots (a prompt
+        # micro-batch) or decode_slots (a decoded token) entries, and the prefault waits: committing fresh
+        # memory under a running model slowed it most in a VM (read_ahead.prompt_slots has the figures).
         self.prompt_slots = n_slots
-        self._prompt_cap = n_slots
-        self._not_prompt = threading.Event()
-        self._phase = ""
+        self.decode_slots = n_slots
+        self._limit = 0
+        self._generating = False
+        self._idle = threading.Event()
+        self._idle.set()
         self.phase = "decode"
         self.trace: TraceSink | None = None
         # Admission. The prompt path reads every cold expert once; admitting those would push out what the
@@ -235,26 +239,32 @@ class ExpertCache:
         self._ahead_layer = -1
         self._reserved: list[int] = []
 
-    @property
-    def phase(self) -> str:
-        return self._phase
+    # -- growth while generating ------------------------------------------------------------------------
 
-    @phase.setter
-    def phase(self, value: str) -> None:
+    @contextmanager
+    def generation(self) -> Iterator[None]:
+        """While the model generates: steps grow the LRU by their allowance only, and the prefault waits."""
+        self._generating = True
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._generating = False
+            self.phase = "decode"
+            self._idle.set()
+
+    def begin_step(self) -> None:
+        """A forward step starts (the engine calls it): the LRU may grow by this step's allowance. The rule
+        depends only on the sequence of steps and accesses, so the replay reproduces it."""
+        grow = self.prompt_slots if self.phase == "prompt" else self.decode_slots
         with self._lock:
-            if value == "prompt" and self._phase != "prompt":
-                self._prompt_cap = max(self.prompt_slots, len(self._lru))
-            self._phase = value
-        if value == "prompt":
-            self._not_prompt.clear()
-        else:
-            self._not_prompt.set()
+            self._limit = min(self.n_slots, max(self._limit, len(self._lru)) + grow)
 
     # -- slot bookkeeping ------------------------------------------------------------------------------
 
     def _lru_limit(self) -> int:
-        """LRU entries this access may grow the cache to (the replay applies the same rule)."""
-        return self._prompt_cap if self._phase == "prompt" else self.n_slots
+        """LRU entries this access may grow the cache to."""
+        return self._limit if self._generating else self.n_slots
 
     def _take_slot(self) -> int | None:
         if self._free and len(self._lru) < self._lru_limit():
@@ -662,7 +672,8 @@ class ExpertCache:
         A slot's first fill otherwise takes its page faults inside the pack: 0.8 ms instead of 0.18 ms per
         768x2048 matrix measured here, most of a cold cache's miss cost. Only worth it when the user gave the
         budget: the memory is promised to the cache anyway. In this VM it commits ~0.45 GB/s, so a 7 GB
-        cache is ready ~16 s after start; fills before that fault as usual.
+        cache is ready ~16 s after start; fills before that fault as usual. It waits while a prompt runs:
+        committing fresh memory slows the whole VM (begin_step: how the cache grows meanwhile).
         """
         libc = ctypes.CDLL(None, use_errno=True)
         base = self._arena_t.data_ptr()
@@ -670,7 +681,7 @@ class ExpertCache:
 
         def run() -> None:
             for first in range(0, self.n_slots, slots_per_call):
-                self._not_prompt.wait()  # a prompt's own slots are committed by its fills (prompt_slots)
+                self._idle.wait()  # not while the model runs: its steps grow the cache a little each
                 # Stop as soon as the elastic cache has had to give memory back: prefaulting would take it again.
                 if self._closed or self.stats.shrinks:
                     return
@@ -708,7 +719,7 @@ class ExpertCache:
 
     def close(self) -> None:
         self._closed = True
-        self._not_prompt.set()  # a waiting prefault sees _closed and ends
+        self._idle.set()  # a waiting prefault sees _closed and ends
         self._drop_ahead()
         if self._prefault_thread is not None:
             self._prefault_thread.join()  # it stops at the next chunk

@@ -25,14 +25,22 @@ def ahead_experts(n_experts: int) -> int:
 
 
 def prompt_slots(n_experts: int) -> int:
-    """LRU slots a prompt may fill beyond those already in use when it starts (its working set): enough for
-    the read-ahead rule and what it reads ahead, ~1.9 GB for Qwen3.6-35B.
+    """LRU entries a prompt micro-batch may add to the expert cache while a generation runs: enough for the
+    read-ahead rule and what it reads ahead, ~1.9 GB for Qwen3.6-35B (ExpertCache.begin_step).
 
     A fresh process's first prompt otherwise spreads over the whole cache, and committing that much fresh
-    memory while the prompt runs is what slowed it most in a VM (the host backs each page on first touch):
-    a 98-token Qwen3.6 prompt under a balloon ran at 7.7 tok/s with a 3500 MB budget against 5.4 with 7168
-    (bench/results/2026-11-30-prefill-budget-ab-qwen36.json). The rest of the cache fills after the prompt."""
+    memory while the model runs is what slowed it most in a VM (the host backs each page on first touch): a
+    98-token Qwen3.6 prompt under a balloon ran at 7.7 tok/s with a 3500 MB budget against 5.4 with 7168
+    (bench/results/2026-11-30-prefill-budget-ab-qwen36.json). The prefault commits the rest while idle."""
     return AHEAD_MIN_LAYERS * n_experts + ahead_experts(n_experts)
+
+
+def decode_slots(top_k: int) -> int:
+    """LRU entries a decoded token may add while a generation runs: the cache keeps growing at a pace whose
+    first touches cost a decode step little (56 MB a token for Qwen3.6-35B), instead of the prefault
+    committing the rest at once under it (decode at 0.56x while it did,
+    bench/results/2026-11-30-prompt-slots-ab-qwen36.json)."""
+    return 4 * top_k
 
 
 def reads_ahead(n_ids: int, n_experts: int, lru_slots: int) -> bool:

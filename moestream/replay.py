@@ -667,9 +667,11 @@ def replay(
     ahead = bool(acc.meta.get("read_ahead")) and not belady and admission.prompt and not admission.min_hits
     # runs of adjacent experts bound how many it reads (read_ahead.ahead_choice); traces before run reads: 1
     run_len = int(acc.meta.get("read_run_len", 1))
-    # the engine's prompt working set (read_ahead.prompt_slots); traces before it: none
-    prompt_cap = None if per_layer or belady else acc.meta.get("prompt_slots")
-    misses = _simulate(acc, pols, per_layer, admission if not belady else Admission(), ahead, run_len, prompt_cap)
+    # how far each step may grow the cache (ExpertCache.begin_step); traces before the rule: no limit
+    growth = None
+    if not (per_layer or belady) and "prompt_slots" in acc.meta and "decode_slots" in acc.meta:
+        growth = (int(acc.meta["prompt_slots"]), int(acc.meta["decode_slots"]))
+    misses = _simulate(acc, pols, per_layer, admission if not belady else Admission(), ahead, run_len, growth)
     sizes = np.diff(acc.starts)
     dec = acc.group_decode
     d_miss = misses[dec]
@@ -696,13 +698,13 @@ def _simulate(
     adm: Admission,
     ahead: bool = False,
     run_len: int = 1,
-    prompt_slots: int | None = None,
+    growth: tuple[int, int] | None = None,
 ) -> np.ndarray:
     """Misses per group. ahead: model the engine's prompt read-ahead (moestream.read_ahead): a prompt group
     asking for nearly all of a layer's experts also admits the next layer's first uncached experts, the
     next layer's resident keys pinned meanwhile; the next group's first access to such a key is a miss.
-    prompt_slots: a prompt grows the cache by at most this many keys beyond what it held when the prompt
-    began (read_ahead.prompt_slots); it evicts instead."""
+    growth: (per prompt step, per decode step): how many keys each step may add to the cache beyond the
+    limit so far (ExpertCache.begin_step); past it, a miss evicts instead."""
     keys = acc.keys.tolist()
     starts = acc.starts.tolist()
     decode = acc.group_decode.tolist()
@@ -713,13 +715,13 @@ def _simulate(
     out = np.zeros(acc.n_groups, np.int64)
     read_ahead: set[int] = set()  # keys admitted by the read-ahead, not accessed yet
     ahead_layer = -1
-    prompt_cap = NEVER
+    limit = NEVER if growth is None else 0
     for g in range(acc.n_groups):
         pol = pols[layer[g]] if per_layer else pols[0]
         pol.begin(g, step[g])
-        if prompt_slots is not None and not decode[g] and (g == 0 or decode[g - 1]):  # a prompt begins
-            prompt_cap = max(int(prompt_slots), len(pol))
-        limit = pol.capacity if decode[g] else min(pol.capacity, prompt_cap)
+        if growth is not None and (g == 0 or step[g] != step[g - 1]):  # a forward step begins
+            limit = min(pol.capacity, max(limit, len(pol)) + growth[0 if not decode[g] else 1])
+        limit = min(limit, pol.capacity)
         s, e = starts[g], starts[g + 1]
         prev = read_ahead if ahead_layer == layer[g] else set()
         read_ahead, ahead_layer = set(), -1

@@ -185,33 +185,33 @@ def test_read_ahead_buffers_are_budgeted_only_where_the_cache_can_read_ahead(tin
             eng.close()
 
 
-def test_a_prompt_grows_the_cache_only_by_its_working_set(tiny, baseline, tmp_path):
-    """A fresh cache's first prompt fills at most prompt_slots slots (committing the rest of a big cache while
-    a prompt runs slowed it most); output and replay are unchanged, later phases use the whole cache."""
+def test_while_generating_each_step_grows_the_cache_by_its_allowance(tiny, baseline, tmp_path):
+    """A fresh cache grows by at most prompt_slots per prompt micro-batch and decode_slots per token while the
+    model generates (committing the whole cache under a running model slowed it most); outside a generation
+    nothing limits it. Output and replay are unchanged."""
     path = str(tmp_path / "t.csv")
-    eng = Engine(tiny, n_slots=64, trace_path=path, prompt_working_slots=20)
+    eng = Engine(tiny, n_slots=64, trace_path=path, growth_slots=(20, 3), ubatch=64)
     try:
         cache = eng.cache
-        cache.phase = "prompt"
-        assert not cache._not_prompt.is_set()  # the prefault waits while a prompt runs
-        cache.phase = "decode"
-        assert cache._not_prompt.is_set()
-        eng.generate(PROMPT_A, 1, Sampler())  # the prompt only
+        with cache.generation():
+            assert not cache._idle.is_set()  # the prefault waits while the model runs
+        assert cache._idle.is_set()
+        eng.generate(PROMPT_A, 1, Sampler())  # one prompt step
         assert cache.used_slots == 20 and cache.stats.evictions > 0
         eng.reset()
         assert eng.generate(PROMPT_A, N, Sampler()).tokens == baseline
-        assert cache.used_slots > 20  # decode fills the rest
-        before = cache.used_slots
-        eng.reset()
-        eng.generate(PROMPT_B, 1, Sampler())  # a later prompt keeps what the cache holds
-        assert cache.used_slots >= before
+        # one more prompt step's and N - 1 decode steps' allowance (the tiny model has 64 experts in all)
+        assert 20 < cache.used_slots <= min(64, 20 + 20 + 3 * (N - 1))
+        eng.preload()  # outside a generation the cache fills up
+        assert cache.used_slots == 64
     finally:
         eng.close()
     meta, rows = read_trace(path)
-    assert int(meta["prompt_slots"]) == 20
+    assert (int(meta["prompt_slots"]), int(meta["decode_slots"])) == (20, 3)
     acc = accesses_from_trace(meta, rows)
     live = live_result(acc)
     got = replay(acc, "lru", int(meta["n_slots"]))
     assert (got.decode_hits, got.prompt_hits) == (live.decode_hits, live.prompt_hits)
-    old = replay(accesses_from_trace({k: v for k, v in meta.items() if k != "prompt_slots"}, rows), "lru", 64)
+    unruled = {k: v for k, v in meta.items() if k not in ("prompt_slots", "decode_slots")}
+    old = replay(accesses_from_trace(unruled, rows), "lru", 64)
     assert (old.decode_hits, old.prompt_hits) != (live.decode_hits, live.prompt_hits)  # the rule matters here
