@@ -164,17 +164,17 @@ def test_read_ahead_buffers_are_budgeted_only_where_the_cache_can_read_ahead(tin
         Engine(tiny, ram_budget_mb=64)
     least = int(re.search(r"use at least --ram-budget-mb (\d+)", str(refused.value)).group(1))
     roomy = budget_for_slots(tiny, 200)
-    for mb, kw in ((least + 1, {}), (roomy, {}), (roomy, {"run_reads": True}), (roomy, {"min_hits": 1})):
+    for mb, kw in ((least + 1, {}), (roomy, {"run_reads": False}), (roomy, {}), (roomy, {"min_hits": 1})):
         eng = Engine(tiny, ram_budget_mb=mb, **kw)
         try:
             top_k, E = eng.cfg.top_k, eng.cfg.n_experts
-            if eng.cache.read_ahead and kw.get("run_reads"):
+            if eng.cache.read_ahead and kw.get("run_reads", True):
                 assert eng.cache.n_slots >= AHEAD_MIN_LAYERS * E
                 assert eng.reader.n_buffers == max(3 * top_k, 8)
                 assert eng.reader.n_run_buffers == ahead_reads(E, eng.reader.run_len) + RUN_BUFFERS_PER_THREAD * 4
                 assert eng.reader.run_len > 1
             elif eng.cache.read_ahead:
-                assert eng.cache.n_slots >= AHEAD_MIN_LAYERS * E and not kw
+                assert eng.cache.n_slots >= AHEAD_MIN_LAYERS * E and kw == {"run_reads": False}
                 assert eng.reader.n_buffers == 3 * top_k + 3 * ahead_experts(E) and eng.reader.n_run_buffers == 0
             else:
                 assert eng.reader.n_buffers == max(3 * top_k, 8) and eng.reader.n_run_buffers == 0
