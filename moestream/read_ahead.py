@@ -5,11 +5,12 @@ layer's too, and reading that layer only once its routing is known leaves the di
 layer's attention and shared-expert compute (llama.cpp, streaming the file in order, does not). So such a
 fetch also starts reading the next layer's first uncached experts, each admitted at once.
 
-Only enough to keep the disk busy through that compute (a quarter of a layer's experts: ~55 ms of reads for
-Qwen3.6-35B's 256 experts, against ~55 ms of DeltaNet and shared-expert compute): the next layer may not ask
-for all of them, and the reader holds what it read ahead until the next layer packs it, in buffers the
-budget counts. Reading the whole next layer, packed by the reading threads, measured no faster (their packing
-took the cores from the compute, 12.3 vs 11.9 s for a 98-token prompt).
+Half a layer's experts: enough to keep the disk busy through that compute and the layer's own packing,
+not more, since the next layer may not ask for all of them and the reader holds what it read ahead until
+the next layer packs it, in buffers the budget counts. Under pressure, 3 pairs each: half a layer prefilled
+at 1.18x (1.11-1.27) of a quarter, and the whole layer at 0.87x (0.81-1.07) of half
+(bench/results/2026-11-30-ahead-half-ab-qwen36.json, -ahead-whole-); before the cache's memory commit was
+taken out of the prompt, half a layer measured no better than a quarter (14.5 vs 14.7 s).
 """
 
 # fraction of a layer's experts one fetch must ask for. At 0.5 a 30-token Qwen3.6 prompt (61% of each layer's
@@ -19,9 +20,8 @@ AHEAD_MIN_LAYERS = 4  # and the cache must hold at least this many layers' worth
 
 
 def ahead_experts(n_experts: int) -> int:
-    """At most this many experts of the next layer are read ahead (half a layer measured no better: a
-    98-token Qwen3.6 prompt in 14.5 vs 14.7 s, medians of 3, for twice the buffers)."""
-    return max(1, n_experts // 4)
+    """At most this many experts of the next layer are read ahead (half a layer: see the module's note)."""
+    return max(1, n_experts // 2)
 
 
 def prompt_slots(n_experts: int) -> int:
