@@ -672,8 +672,8 @@ class ExpertCache:
         A slot's first fill otherwise takes its page faults inside the pack: 0.8 ms instead of 0.18 ms per
         768x2048 matrix measured here, most of a cold cache's miss cost. Only worth it when the user gave the
         budget: the memory is promised to the cache anyway. In this VM it commits ~0.45 GB/s, so a 7 GB
-        cache is ready ~16 s after start; fills before that fault as usual. It waits while a prompt runs:
-        committing fresh memory slows the whole VM (begin_step: how the cache grows meanwhile).
+        cache is ready ~16 s after start; fills before that fault as usual. It waits while the model
+        generates: committing fresh memory slows the whole VM (begin_step: how the cache grows meanwhile).
         """
         libc = ctypes.CDLL(None, use_errno=True)
         base = self._arena_t.data_ptr()
