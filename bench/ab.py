@@ -97,11 +97,10 @@ def run_ab(args: argparse.Namespace, log: Any) -> dict[str, Any]:
 
 def markdown(doc: dict[str, Any]) -> str:
     meta, args = doc["meta"], doc["meta"]["args"]
-    flags = {
-        arm: (args[arm.lower()] or "(defaults)")
-        + (f" (from {args.get(arm.lower() + '_tree')})" if args.get(arm.lower() + "_tree") else "")
-        for arm in ("A", "B")
-    }
+    flags = {}
+    for arm in ("A", "B"):
+        tree = args.get(arm.lower() + "_tree")
+        flags[arm] = (args[arm.lower()] or "(defaults)") + (f" (from {tree})" if tree else "")
     cond = args["condition"] + (f", {args['leave_gb']:g} GiB left" if args["condition"] == "pressure" else "")
     lines = [
         f"### moestream A/B: {os.path.basename(meta['model'])}",

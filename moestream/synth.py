@@ -126,7 +126,7 @@ QUANTS: dict[str, T] = {
     "Q4_0": T.Q4_0,
     "Q8_0": T.Q8_0,
     "Q4_K": T.Q4_K,
-    "Q4_K_M": T.Q4_K,  # Q4_K with llama.cpp's Q4_K_M exceptions in Q6_K (see q4_k_m_type)
+    "Q4_K_M": T.Q4_K,  # Q4_K with llama.cpp's Q4_K_M exceptions in Q6_K and Q5_K (q4_k_m_type)
     "Q6_K": T.Q6_K,
     "F16": T.F16,
     "BF16": T.BF16,
