@@ -27,8 +27,8 @@ from compare import RESULTS_DIR, run_meta, save_results
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moestream.engine import Engine  # noqa: E402
-from moestream.expert_cache import MADV_POPULATE_WRITE  # noqa: E402
+from moestream.engine.engine import Engine  # noqa: E402
+from moestream.streaming.expert_cache import MADV_POPULATE_WRITE  # noqa: E402
 
 PROMPT = "Explain how a disk works."
 

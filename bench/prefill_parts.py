@@ -33,9 +33,9 @@ PARTS = ("prompt_s", "read_wait_s", "cpu_s", "linear_attention_s", "attention_s"
 
 def one(model: str, budget_mb: int, committed: bool, threads: int) -> dict:
     sys.path.insert(0, REPO)
-    from moestream import expert_cache
-    from moestream.engine import Engine
+    from moestream.engine.engine import Engine
     from moestream.models import qwen3moe, qwen35moe
+    from moestream.streaming import expert_cache
 
     spent: dict[str, float] = collections.defaultdict(float)
 

@@ -25,8 +25,8 @@ from compare import RESULTS_DIR, run_meta, save_results
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moestream.gguf_file import GGUFFile  # noqa: E402
-from moestream.reader import ExpertReader  # noqa: E402
+from moestream.formats.gguf_file import GGUFFile  # noqa: E402
+from moestream.streaming.reader import ExpertReader  # noqa: E402
 
 
 def expert_tensors(path: str) -> tuple[list[tuple[int, int]], int]:

@@ -13,7 +13,7 @@ profile is made from a separate sample of topic A (the "profiled workload"); the
 topics A, B, C in turn, each a prompt of --prompt tokens (micro-batches of --ubatch: one fetch per layer
 holding the union of its tokens' experts) followed by --decode tokens.
 
-Replay (moestream.replay, the engine's own cache semantics) gives per-topic decode hit rates and disk MB
+Replay (moestream.analysis.replay, the engine's own cache semantics) gives per-topic decode hit rates and disk MB
 per token for: `pin` (profile-only: every slot but top-k pinned from the profile), `pin+lru` (half the
 slots pinned, an LRU fed by decode misses for the rest), `lru`. And, for LRU and pin+LRU, prompt
 admission on (the prompt's misses enter the LRU) vs off (served from scratch slots: the decode LRU is
@@ -40,9 +40,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from moestream.profile import Profile, write_profile  # noqa: E402
-from moestream.replay import Accesses, accesses_from_groups, accesses_from_trace, replay  # noqa: E402
-from moestream.trace import TraceWriter, read_trace  # noqa: E402
+from moestream.analysis.profile import Profile, write_profile  # noqa: E402
+from moestream.analysis.replay import Accesses, accesses_from_groups, accesses_from_trace, replay  # noqa: E402
+from moestream.analysis.trace import TraceWriter, read_trace  # noqa: E402
 
 TOPICS = "ABC"
 
@@ -155,7 +155,7 @@ def write_route_trace(path: str, parts, n_layers: int, n_experts: int, top_k: in
 
 
 def live_part(args, parts, profile, n_layers: int, n_experts: int) -> dict:
-    from moestream.engine import budget_for_slots  # heavy import: only for live runs
+    from moestream.engine.engine import budget_for_slots  # heavy import: only for live runs
 
     tmp = Path(tempfile.mkdtemp(prefix="tiers-ab-"))
     routes_path = str(tmp / "routes.trace.csv")
@@ -237,7 +237,7 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.live:
-        from moestream.gguf_file import GGUFFile
+        from moestream.formats.gguf_file import GGUFFile
 
         f = GGUFFile(args.live)
         args.layers = int(f.arch_key("block_count"))

@@ -2,6 +2,6 @@
 
 import sys
 
-from moestream.cli import main
+from moestream.cli.main import main
 
 sys.exit(main())

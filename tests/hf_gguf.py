@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
-from moestream.ggufwrite import TensorSpec, array_tensor, write_gguf
+from moestream.formats.gguf_write import TensorSpec, array_tensor, write_gguf
 
 ARCH = "qwen3moe"
 
@@ -34,10 +34,10 @@ _FILE_TYPE = {
 
 def _quantizer() -> Callable[[np.ndarray, int], np.ndarray]:
     try:
-        from moestream.quants import quantize
+        from moestream.formats.quants import quantize
 
         return quantize
-    except ImportError:  # before moestream.quants existed; gguf has no K-quant encoder
+    except ImportError:  # before moestream.formats.quants existed; gguf has no K-quant encoder
         from gguf.quants import quantize as gq
 
         return lambda w, t: np.asarray(gq(w, T(t))).view(np.uint8)
@@ -45,7 +45,7 @@ def _quantizer() -> Callable[[np.ndarray, int], np.ndarray]:
 
 @functools.lru_cache(maxsize=1)
 def tiny_tokenizer_metadata() -> dict[str, Any]:
-    from moestream.tokenizer import build_tiny_bpe_metadata
+    from moestream.formats.tokenizer import build_tiny_bpe_metadata
 
     return build_tiny_bpe_metadata()
 

@@ -20,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
-from moestream.ggufwrite import TensorSpec, array_tensor, write_gguf
+from moestream.formats.gguf_write import TensorSpec, array_tensor, write_gguf
 from tests.hf_gguf import _FILE_TYPE, _experts, _f32, _quantizer, _rope_theta, tiny_tokenizer_metadata, tiny_vocab_size
 
 ARCH = "qwen35moe"

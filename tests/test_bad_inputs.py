@@ -7,8 +7,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFWriter
 
-from moestream.cli import main
-from moestream.synth import write_synth
+from moestream.analysis.synth import write_synth
+from moestream.cli.main import main
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from moestream import budget
-from moestream.budget import MB, UBATCH_CHOICES, choose_ubatch, plan_slots
-from moestream.engine import Engine
+from moestream.analysis.synth import write_synth
+from moestream.engine.engine import Engine
 from moestream.errors import BudgetError
 from moestream.models.qwen3moe import Qwen3Moe, Qwen3MoeConfig
-from moestream.synth import write_synth
+from moestream.streaming import budget
+from moestream.streaming.budget import MB, UBATCH_CHOICES, choose_ubatch, plan_slots
 
 SLOT = 3 * MB
 PLAN = dict(resident=300 * MB, compute=40 * MB, reader=10 * MB, slot_nbytes=SLOT, min_slots=8, max_slots=256)

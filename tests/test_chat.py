@@ -11,14 +11,14 @@ from typing import Any
 import pexpect
 import pytest
 
-from moestream.chat import ChatSession
-from moestream.engine import Generation
+from moestream.analysis.synth import write_synth
+from moestream.engine.engine import Generation
+from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
-from moestream.expert_cache import CacheStats
-from moestream.gguf_file import GGUFFile
-from moestream.sampling import Sampler
-from moestream.synth import write_synth
-from moestream.tokenizer import Tokenizer
+from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.tokenizer import Tokenizer
+from moestream.serving.chat import ChatSession
+from moestream.streaming.expert_cache import CacheStats
 
 PROMPT = "\r\n> "
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from transformers import Qwen2Tokenizer
 
-from moestream.chat_template import render_chat
 from moestream.errors import MoestreamError
-from moestream.tokenizer import TINY_CHAT_TEMPLATE
+from moestream.formats.chat_template import render_chat
+from moestream.formats.tokenizer import TINY_CHAT_TEMPLATE
 
 # Qwen3's chat template (Qwen/Qwen3-30B-A3B tokenizer_config.json), verbatim.
 QWEN3_TEMPLATE = r"""{%- if tools %}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from moestream.cli import main
+from moestream.cli.main import main
 
 
 def test_demo_runs_end_to_end_on_tiny(tmp_path, capsys):

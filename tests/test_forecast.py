@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from moestream import forecast as fc
+from moestream.analysis import forecast as fc
+from moestream.analysis.probe import ProbeResult, ProbeRow
 from moestream.errors import MoestreamError
-from moestream.probe import ProbeResult, ProbeRow
 
 SEG = 1_000_000
 
@@ -81,7 +81,7 @@ def test_read_stats(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from moestream.synth import write_synth
+    from moestream.analysis.synth import write_synth
 
     return write_synth("tiny", "Q4_0", tmp_path_factory.mktemp("m") / "tiny.gguf", progress=False)
 
@@ -101,8 +101,8 @@ def test_measure_compute(tiny):
 
 
 def test_forecast_cli_with_trace_and_measured(tiny, tmp_path, capsys):
-    from moestream.analysis_cli import add_analysis_commands
-    from moestream.trace import TraceWriter
+    from moestream.analysis.trace import TraceWriter
+    from moestream.cli.analysis import add_analysis_commands
 
     trace = tmp_path / "t.csv"
     with TraceWriter(

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from moestream.gguf_file import GGUFFile
+from moestream.formats.gguf_file import GGUFFile
 from tests.hf_gguf import tiny_qwen3moe_config, tiny_vocab_size, write_qwen3moe_from_hf
 
 transformers = pytest.importorskip("transformers")

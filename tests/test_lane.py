@@ -11,7 +11,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
-from moestream import linear, native, quants
+from moestream.compute import linear, native
+from moestream.formats import quants
 
 pytestmark = pytest.mark.skipif(not native.lane_ok(), reason="needs AVX-512 VNNI and the native library")
 LANE_TYPES = [T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0]
@@ -161,9 +162,9 @@ def test_packing_many_segments_at_once_equals_one_by_one(count):
 def test_q4_k_m_model_computes_its_q6_k_experts_in_lane_form(tmp_path):
     """llama.cpp's Q4_K_M keeps ffn_down in Q6_K on some layers: those experts take lane slots (not bf16 ones,
     over twice the bytes), and the output does not depend on the budget."""
-    from moestream.engine import Engine
-    from moestream.sampling import Sampler
-    from moestream.synth import use_more_bits, write_synth
+    from moestream.analysis.synth import use_more_bits, write_synth
+    from moestream.engine.engine import Engine
+    from moestream.engine.sampling import Sampler
 
     path = write_synth("tiny", "Q4_K_M", tmp_path / "m.gguf", progress=False)
     prompt = list(range(5, 45))

@@ -13,8 +13,9 @@ from gguf import quants as gq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moestream import linear, native, quants
+from moestream.compute import linear, native
 from moestream.errors import ModelFileError
+from moestream.formats import quants
 
 ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 

@@ -9,9 +9,9 @@ import textwrap
 import pytest
 import torch
 
-from moestream.engine import Engine
-from moestream.mlock import LockReport, fmt_bytes, resident_ranges, routed_nbytes
-from moestream.synth import write_synth
+from moestream.analysis.synth import write_synth
+from moestream.engine.engine import Engine
+from moestream.streaming.mlock import LockReport, fmt_bytes, resident_ranges, routed_nbytes
 
 # Run the CLI in a child whose RLIMIT_MEMLOCK is `limit` bytes and which has dropped CAP_IPC_LOCK (root
 # keeps the capability otherwise, and with it the kernel ignores the limit).
@@ -34,9 +34,9 @@ CHILD = textwrap.dedent(
     limit = int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, limit))
     if sys.argv[2] == "bypass-check":  # reach a real mlock() failure instead of the up-front refusal
-        import moestream.mlock
-        moestream.mlock._limit_allows = lambda need: None
-    from moestream.cli import main
+        import moestream.streaming.mlock
+        moestream.streaming.mlock._limit_allows = lambda need: None
+    from moestream.cli.main import main
     sys.exit(main(sys.argv[3:]))
     """
 )

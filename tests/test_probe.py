@@ -5,7 +5,7 @@ from collections import namedtuple
 
 import pytest
 
-from moestream import probe
+from moestream.analysis import probe
 from moestream.errors import MoestreamError
 
 FAST = dict(inflight=(1, 2), reads_per_row=4, seconds_per_row=0.5, progress=False)
@@ -38,7 +38,7 @@ def test_probe_small_file_is_not_representative(small_file):
 
 
 def test_probe_reads_the_models_own_segment_size(tmp_path):
-    from moestream.synth import write_synth
+    from moestream.analysis.synth import write_synth
 
     model = write_synth("tiny", "Q4_0", tmp_path / "tiny.gguf", progress=False)
     seg, expert, (lo, hi) = probe.expert_geometry(model)
@@ -93,7 +93,7 @@ def test_parse_size():
 
 
 def test_probe_cli(small_file, tmp_path, capsys):
-    from moestream.analysis_cli import add_analysis_commands
+    from moestream.cli.analysis import add_analysis_commands
 
     parser = argparse.ArgumentParser()
     add_analysis_commands(parser.add_subparsers(dest="command", required=True))
@@ -124,7 +124,7 @@ def test_probe_cli(small_file, tmp_path, capsys):
 
 
 def test_probe_cli_sizes(small_file, capsys):
-    from moestream.analysis_cli import add_analysis_commands
+    from moestream.cli.analysis import add_analysis_commands
 
     parser = argparse.ArgumentParser()
     add_analysis_commands(parser.add_subparsers(dest="command", required=True))

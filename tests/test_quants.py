@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from moestream import quants
 from moestream.errors import ModelFileError
+from moestream.formats import quants
 
 BLOCK_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 ALL_TYPES = [T.F32, T.F16, T.BF16, *BLOCK_TYPES]

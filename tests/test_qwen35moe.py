@@ -6,11 +6,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from moestream import native
-from moestream.engine import Engine
-from moestream.gguf_file import GGUFFile
+from moestream.compute import native
+from moestream.engine.engine import Engine
+from moestream.engine.sampling import Sampler
+from moestream.formats.gguf_file import GGUFFile
 from moestream.models.qwen35moe import CHUNK, Qwen35MoeConfig, Weights, chunk_delta_rule, delta_rule_step
-from moestream.sampling import Sampler
 from tests.hf_gguf_qwen35 import tiny_qwen35moe_config, write_qwen35moe_from_hf
 
 transformers = pytest.importorskip("transformers")
@@ -239,7 +239,7 @@ def test_route_trace_replaces_the_routers_choice(tiny):
     path, toks, _, _ = tiny
     eng = _engine(path)
 
-    class Fixed:  # what moestream.routes.RouteTrace answers: ids [T, k] for a layer's tokens
+    class Fixed:  # what moestream.analysis.routes.RouteTrace answers: ids [T, k] for a layer's tokens
         def ids(self, layer: int, pos: int, n: int) -> torch.Tensor:
             return torch.tensor([[layer % 8, 7]] * n)
 

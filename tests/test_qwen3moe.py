@@ -9,8 +9,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-from moestream.engine import Engine
-from moestream.sampling import Sampler
+from moestream.engine.engine import Engine
+from moestream.engine.sampling import Sampler
 from tests.hf_gguf import tiny_qwen3moe_config, write_qwen3moe_from_hf
 
 transformers = pytest.importorskip("transformers")

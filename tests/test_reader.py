@@ -7,7 +7,7 @@ import os
 import pytest
 
 from moestream.errors import MoestreamError
-from moestream.reader import ExpertReader
+from moestream.streaming.reader import ExpertReader
 
 PART = 5000  # not a multiple of the page size: parts start anywhere in the buffer
 

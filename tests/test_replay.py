@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moestream import replay as rp
+from moestream.analysis import replay as rp
+from moestream.analysis.trace import TraceWriter, read_trace
 from moestream.errors import MoestreamError
-from moestream.trace import TraceWriter, read_trace
 
 OTHERS = ("lru", "fifo", "lfu-decay", "s3fifo", "pin", "pin+lru")
 
@@ -21,7 +21,7 @@ OTHERS = ("lru", "fifo", "lfu-decay", "s3fifo", "pin", "pin+lru")
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from moestream.synth import write_synth
+    from moestream.analysis.synth import write_synth
 
     return write_synth("tiny", "Q4_0", tmp_path_factory.mktemp("model") / "tiny.gguf", progress=False)
 
@@ -31,10 +31,10 @@ def _drive_cache(
 ):
     """Run the real ExpertCache over a skewed random routing (prompt micro-batches, then decode), tracing
     it as the engine does; returns the cache's own stats."""
-    from moestream.expert_cache import ExpertCache
-    from moestream.expert_store import ExpertStore
-    from moestream.gguf_file import GGUFFile
-    from moestream.reader import ExpertReader
+    from moestream.formats.gguf_file import GGUFFile
+    from moestream.streaming.expert_cache import ExpertCache
+    from moestream.streaming.expert_store import ExpertStore
+    from moestream.streaming.reader import ExpertReader
 
     layers, experts, top_k, ubatch = 4, 16, 4, 6
     f = GGUFFile(model)
@@ -125,7 +125,7 @@ def test_replay_reproduces_live_cache_with_prompt_read_ahead(tiny_model, tmp_pat
 
 
 def test_replay_reproduces_engine_run(tiny_model, tmp_path):
-    from moestream.engine import Engine
+    from moestream.engine.engine import Engine
 
     if "trace_path" not in inspect.signature(Engine).parameters:
         pytest.skip("this Engine does not write traces yet")
@@ -368,7 +368,7 @@ def test_parse_slots():
 
 
 def _cli(argv):
-    from moestream.analysis_cli import add_analysis_commands
+    from moestream.cli.analysis import add_analysis_commands
 
     parser = argparse.ArgumentParser(prog="moestream")
     add_analysis_commands(parser.add_subparsers(dest="command", required=True))

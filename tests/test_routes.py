@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moestream.engine import Engine
+from moestream.analysis.routes import RouteTrace
+from moestream.analysis.synth import write_synth
+from moestream.analysis.trace import DECODE, read_trace
+from moestream.engine.engine import Engine
+from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
-from moestream.routes import RouteTrace
-from moestream.sampling import Sampler
-from moestream.synth import write_synth
-from moestream.trace import DECODE, read_trace
 
 
 @pytest.fixture(scope="module")

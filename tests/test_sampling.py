@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moestream.sampling import Sampler
+from moestream.engine.sampling import Sampler
 
 
 def random_logits(v: int = 1000, seed: int = 0) -> torch.Tensor:

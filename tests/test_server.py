@@ -25,11 +25,12 @@ import openai
 import pytest
 import uvicorn
 
-from moestream.chat_template import render_chat
-from moestream.engine import Generation
-from moestream.expert_cache import CacheStats
-from moestream.gguf_file import GGUFFile
-from moestream.server import (
+from moestream.analysis.synth import write_synth
+from moestream.engine.engine import Generation
+from moestream.formats.chat_template import render_chat
+from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.tokenizer import Tokenizer
+from moestream.serving.server import (
     Message,
     StopText,
     ToolCallParser,
@@ -37,8 +38,7 @@ from moestream.server import (
     create_app,
     parse_tool_calls,
 )
-from moestream.synth import write_synth
-from moestream.tokenizer import Tokenizer
+from moestream.streaming.expert_cache import CacheStats
 
 CTX = 2048
 MODEL = "tiny"

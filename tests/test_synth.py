@@ -16,10 +16,10 @@ from gguf import GGUFReader
 from gguf import GGUFValueType as V
 from gguf.quants import dequantize
 
-from moestream import synth
-from moestream.gguf_file import GGUFFile
-from moestream.ggufwrite import TensorSpec, array_tensor, write_gguf
-from moestream.synth import SHAPES, random_blocks, synth_nbytes, write_synth
+from moestream.analysis import synth
+from moestream.analysis.synth import SHAPES, random_blocks, synth_nbytes, write_synth
+from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.gguf_write import TensorSpec, array_tensor, write_gguf
 
 
 def _expected_shapes(s: synth.SynthShape, vocab: int) -> dict[str, tuple[int, ...]]:
@@ -309,8 +309,8 @@ def test_qwen36_shape_is_the_real_architecture():
 
 def test_qwen36_layers_load_and_generate(tmp_path):
     """Four full-size layers (three DeltaNet, one attention) load and decode into distinct tokens."""
-    from moestream.engine import Engine
-    from moestream.sampling import Sampler
+    from moestream.engine.engine import Engine
+    from moestream.engine.sampling import Sampler
 
     path = write_synth("qwen3.6-35b-a3b", "Q4_0", tmp_path / "q36.gguf", layers=4, progress=False)
     threads = torch.get_num_threads()
@@ -337,7 +337,7 @@ def test_qwen36_architecture_reads_the_same_in_llama_cpp(tmp_path, monkeypatch):
     The architecture at a small width (a full-width file is 1.9 GB for four layers).
     """
     llama_cpp = pytest.importorskip("llama_cpp")
-    from moestream.engine import Engine
+    from moestream.engine.engine import Engine
 
     small = replace(
         SHAPES["qwen3.6-35b-a3b"], hidden=256, n_heads=4, head_dim=64, n_experts=16, top_k=4, expert_ffn=256,

@@ -7,13 +7,13 @@ import re
 
 import pytest
 
-from moestream.elastic import ElasticWatcher
-from moestream.engine import Engine
+from moestream.analysis.replay import Admission, accesses_from_trace, live_result, replay
+from moestream.analysis.synth import write_synth
+from moestream.analysis.trace import read_trace
+from moestream.engine.engine import Engine
+from moestream.engine.sampling import Sampler
 from moestream.errors import BudgetError
-from moestream.replay import Admission, accesses_from_trace, live_result, replay
-from moestream.sampling import Sampler
-from moestream.synth import write_synth
-from moestream.trace import read_trace
+from moestream.streaming.elastic import ElasticWatcher
 
 PROMPT_A = list(range(5, 45))
 PROMPT_B = list(range(300, 340))
@@ -71,7 +71,7 @@ def test_pinned_profile_part_is_loaded_and_serves_hits(tiny, tmp_path, baseline)
     eng = Engine(tiny, n_slots=64, trace_path=trace)
     eng.generate(PROMPT_A, N, Sampler())
     eng.close()
-    from moestream.profile import build_profile, write_profile
+    from moestream.analysis.profile import build_profile, write_profile
 
     meta, rows = read_trace(trace)
     profile = str(tmp_path / "p.txt")
@@ -156,8 +156,8 @@ def test_prompt_read_ahead_reads_the_next_layer_and_changes_no_output(tiny, base
 
 
 def test_read_ahead_buffers_are_budgeted_only_where_the_cache_can_read_ahead(tiny):
-    from moestream.engine import RUN_BUFFERS_PER_THREAD, budget_for_slots
-    from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_experts, ahead_reads
+    from moestream.engine.engine import RUN_BUFFERS_PER_THREAD, budget_for_slots
+    from moestream.streaming.read_ahead import AHEAD_MIN_LAYERS, ahead_experts, ahead_reads
 
     # the smallest budget the engine takes (its own refusal names it) and a roomy one
     with pytest.raises(BudgetError) as refused:

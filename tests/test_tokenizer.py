@@ -15,8 +15,8 @@ from tokenizers import AddedToken
 from transformers import Qwen2Tokenizer, Qwen3_5Tokenizer
 
 from moestream.errors import ModelFileError
-from moestream.gguf_file import GGUFFile
-from moestream.tokenizer import (
+from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.tokenizer import (
     BYTE_TO_UNICODE,
     CONTROL,
     GPT2_SPLIT,

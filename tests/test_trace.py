@@ -3,8 +3,7 @@ import time
 import numpy as np
 import pytest
 
-from moestream.errors import MoestreamError
-from moestream.trace import (
+from moestream.analysis.trace import (
     COLUMNS,
     DECODE,
     DISK,
@@ -16,6 +15,7 @@ from moestream.trace import (
     read_meta,
     read_trace,
 )
+from moestream.errors import MoestreamError
 
 
 def test_roundtrip_rows_and_meta(tmp_path):

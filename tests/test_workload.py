@@ -4,10 +4,10 @@ import json
 import numpy as np
 import pytest
 
+from moestream.analysis.profile import Profile, build_profile, load_profile, write_profile
+from moestream.analysis.trace import TraceWriter, read_trace
+from moestream.analysis.workload import format_report, workload_stats
 from moestream.errors import MoestreamError
-from moestream.profile import Profile, build_profile, load_profile, write_profile
-from moestream.trace import TraceWriter, read_trace
-from moestream.workload import format_report, workload_stats
 
 
 def _write(path, decode_tokens, prompt=(), meta=None, hits=frozenset()):
@@ -118,7 +118,7 @@ def test_profile_per_layer_and_errors(tmp_path):
 
 
 def test_stats_and_profile_cli(tmp_path, capsys):
-    from moestream.analysis_cli import add_analysis_commands
+    from moestream.cli.analysis import add_analysis_commands
 
     parser = argparse.ArgumentParser()
     add_analysis_commands(parser.add_subparsers(dest="command", required=True))

@@ -10,8 +10,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from moestream import native
-from moestream.linear import QLinear
+from moestream.compute import native
+from moestream.compute.linear import QLinear
 
 SMALL_OP = 1 << 16  # elements up to which a float32 op goes to the native helpers
 # torch's threads for the few big torch ops (a prompt's attention) when the engine otherwise keeps torch at

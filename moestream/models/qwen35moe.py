@@ -28,10 +28,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moestream import linear, quants
+from moestream.analysis.routes import RouteTrace
+from moestream.compute import linear
+from moestream.compute.linear import QLinear
 from moestream.errors import ModelFileError
-from moestream.gguf_file import GGUFFile
-from moestream.linear import QLinear
+from moestream.formats import quants
+from moestream.formats.gguf_file import GGUFFile
 from moestream.models.common import (
     ExpertProvider,
     KVCache,
@@ -42,7 +44,6 @@ from moestream.models.common import (
     wide_torch,
 )
 from moestream.models.qwen3moe import run_experts
-from moestream.routes import RouteTrace
 
 CHUNK = 64  # DeltaNet prompt chunk (as transformers' torch_chunk_gated_delta_rule)
 N_CHECKPOINTS = 3  # saved recurrent states per sequence: ~63 MB each for the 35B-A3B, so few

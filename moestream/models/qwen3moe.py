@@ -16,9 +16,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moestream import linear, native, quants
+from moestream.analysis.routes import RouteTrace
+from moestream.compute import linear, native
 from moestream.errors import ModelFileError
-from moestream.gguf_file import GGUFFile
+from moestream.formats import quants
+from moestream.formats.gguf_file import GGUFFile
 from moestream.models.common import (
     ExpertProvider,
     KVCache,
@@ -28,7 +30,6 @@ from moestream.models.common import (
     route_topk,
     wide_torch,
 )
-from moestream.routes import RouteTrace
 
 
 @dataclass

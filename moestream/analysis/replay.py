@@ -52,9 +52,9 @@ from typing import Any
 
 import numpy as np
 
+from moestream.analysis.trace import DECODE, DISK, VRAM
 from moestream.errors import MoestreamError
-from moestream.read_ahead import ahead_choice, reads_ahead
-from moestream.trace import DECODE, DISK, VRAM
+from moestream.streaming.read_ahead import ahead_choice, reads_ahead
 
 POLICIES = ("lru", "fifo", "lfu-decay", "s3fifo", "pin", "pin+lru", "belady")
 NEVER = 1 << 62  # next use of a key never used again
@@ -700,7 +700,7 @@ def _simulate(
     run_len: int = 1,
     growth: tuple[int, int] | None = None,
 ) -> np.ndarray:
-    """Misses per group. ahead: model the engine's prompt read-ahead (moestream.read_ahead): a prompt group
+    """Misses per group. ahead: model the engine's prompt read-ahead (moestream.streaming.read_ahead): a prompt group
     asking for nearly all of a layer's experts also admits the next layer's first uncached experts, the
     next layer's resident keys pinned meanwhile; the next group's first access to such a key is a miss.
     growth: (per prompt step, per decode step): how many keys each step may add to the cache beyond the

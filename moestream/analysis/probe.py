@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from moestream.errors import MoestreamError
-from moestream.reader import open_direct
+from moestream.streaming.reader import open_direct
 
 ALIGN = 4096
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -90,7 +90,7 @@ def load_probe(path: str | os.PathLike[str]) -> ProbeResult:
 
 def expert_geometry(path: str) -> tuple[int, int, tuple[int, int]]:
     """(segment bytes, expert bytes, (start, end) byte span of the expert tensors) of a GGUF model."""
-    from moestream.gguf_file import GGUFFile
+    from moestream.formats.gguf_file import GGUFFile
 
     f = GGUFFile(path)
     try:

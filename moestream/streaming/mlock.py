@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from moestream.gguf_file import GGUFFile
+from moestream.formats.gguf_file import GGUFFile
 
 PAGE = mmap.PAGESIZE
 CAP_IPC_LOCK = 14  # with it the kernel ignores RLIMIT_MEMLOCK
@@ -114,7 +114,7 @@ def resident_ranges(model: object) -> list[tuple[int, int]]:
 
 def _is_model_part(obj: object) -> bool:
     mod = type(obj).__module__
-    return mod.startswith("moestream.models") or mod == "moestream.linear"
+    return mod.startswith("moestream.models") or mod == "moestream.compute.linear"
 
 
 def _attributes(obj: object) -> list[object]:

@@ -1,7 +1,7 @@
 """GGUF weight formats: block layouts, numpy decoders and the few encoders we need.
 
 Every decoder works on a whole array of blocks at once (no Python loop over blocks). They are the
-reference for the C decoders in `moestream.native` and the path for small things (a handful of
+reference for the C decoders in `moestream.compute.native` and the path for small things (a handful of
 embedding rows); the hot paths (experts, big dense weights) go through C.
 
 Block layouts (llama.cpp ggml-common.h), one block = `BLOCK_SIZE` weights in `TYPE_SIZE` bytes:

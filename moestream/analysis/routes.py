@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from moestream.analysis.trace import DECODE, read_trace
 from moestream.errors import MoestreamError
-from moestream.trace import DECODE, read_trace
 
 
 class RouteTrace:

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from moestream import native, quants
+from moestream.compute import native
+from moestream.formats import quants
 
 GROUP = 32  # int4 group size along K: one Q4_0 block or one Q4_K sub-block
 INT4_BLOCK_N = 64  # rows per block of torch's CPU int4 layout

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from moestream.errors import MoestreamError
-from moestream.gguf_file import drop_page_cache
+from moestream.formats.gguf_file import drop_page_cache
 
 ALIGN = 4096
 # With --run-reads a prompt reads runs of adjacent experts' matrices (consecutive ids sit next to each other in

@@ -26,7 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
-from moestream.ggufwrite import TensorSpec, write_gguf
+from moestream.formats.gguf_write import TensorSpec, write_gguf
 
 ARCH = "qwen3moe"
 CHUNK_BYTES = 32 << 20  # per producer chunk: big enough to amortize numpy calls, small enough to queue
@@ -269,7 +269,7 @@ def _random_floats(ggml_type: T, n_elems: int, std: float, rng: np.random.Genera
 
 
 def tiny_bpe_metadata() -> dict[str, Any]:
-    from moestream.tokenizer import build_tiny_bpe_metadata
+    from moestream.formats.tokenizer import build_tiny_bpe_metadata
 
     return build_tiny_bpe_metadata()
 

@@ -31,10 +31,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moestream.budget import rss_bytes
-from moestream.chat_template import render_chat
+from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
-from moestream.sampling import Sampler
+from moestream.formats.chat_template import render_chat
+from moestream.streaming.budget import rss_bytes
 
 MAX_BODY_BYTES = 32 << 20  # a request bigger than this is refused (413) before it is parsed
 DISCONNECT_POLL_S = 0.1
@@ -926,7 +926,7 @@ def default_model_name(path: str) -> str:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from moestream.cli import open_engine
+    from moestream.cli.main import open_engine
 
     if not 0 <= args.port < 65536:
         raise MoestreamError(f"--port must be between 0 and 65535, got {args.port}")
@@ -963,8 +963,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def add_serve_commands(sub: argparse._SubParsersAction) -> None:
     """`moestream serve` and `moestream chat`."""
-    from moestream.chat import add_chat_command
-    from moestream.cli import _add_engine_args
+    from moestream.cli.main import _add_engine_args
+    from moestream.serving.chat import add_chat_command
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
     _add_engine_args(p)

@@ -25,8 +25,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from moestream.analysis.probe import ProbeResult
 from moestream.errors import MoestreamError
-from moestream.probe import ProbeResult
 
 ENGINE_IO_THREADS = 4  # the engine's default --io-threads
 
@@ -45,7 +45,7 @@ class Geometry:
 
 
 def geometry_from_gguf(path: str) -> Geometry:
-    from moestream.gguf_file import GGUFFile
+    from moestream.formats.gguf_file import GGUFFile
 
     f = GGUFFile(path)
     try:
@@ -252,10 +252,10 @@ def measure_pack_ms(model_path: str, repeats: int = 9) -> float:
 
     import torch
 
-    from moestream import linear
-    from moestream.expert_store import ExpertStore
-    from moestream.gguf_file import GGUFFile
+    from moestream.compute import linear
+    from moestream.formats.gguf_file import GGUFFile
     from moestream.models import ARCHITECTURES
+    from moestream.streaming.expert_store import ExpertStore
 
     f = GGUFFile(model_path)
     try:
@@ -283,10 +283,10 @@ def measure_compute_ms(model_path: str, tokens: int = 16, threads: int | None = 
     then again with the same prompt (greedy, so the same experts) and time it without the read waits."""
     import psutil
 
-    from moestream.engine import Engine
-    from moestream.expert_store import ExpertStore
-    from moestream.gguf_file import GGUFFile
+    from moestream.engine.engine import Engine
+    from moestream.formats.gguf_file import GGUFFile
     from moestream.models import ARCHITECTURES
+    from moestream.streaming.expert_store import ExpertStore
 
     f = GGUFFile(model_path)
     try:

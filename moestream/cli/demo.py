@@ -13,8 +13,8 @@ import shutil
 import sys
 import time
 
-from moestream.budget import MB
 from moestream.errors import MoestreamError
+from moestream.streaming.budget import MB
 
 DEFAULT_SHAPE = "qwen3-30b-a3b"
 DEFAULT_LAYERS = 8
@@ -31,7 +31,7 @@ def data_dir() -> str:
 
 def ensure_model(shape: str, quant: str, layers: int | None, directory: str) -> str:
     """Path of the demo model, written first if it is not there yet (fewer layers if the disk is short)."""
-    from moestream.synth import SHAPES, synth_nbytes, write_synth
+    from moestream.analysis.synth import SHAPES, synth_nbytes, write_synth
 
     if shape not in SHAPES:
         raise MoestreamError(f"unknown shape {shape!r}; choose one of: {', '.join(SHAPES)}")
@@ -65,15 +65,15 @@ def ensure_model(shape: str, quant: str, layers: int | None, directory: str) -> 
 def cmd_demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from moestream.engine import Engine, budget_for_slots
-    from moestream.sampling import Sampler
+    from moestream.engine.engine import Engine, budget_for_slots
+    from moestream.engine.sampling import Sampler
 
     path = ensure_model(args.shape, args.quant, args.layers, args.data_dir or data_dir())
     file_bytes = os.path.getsize(path)
     budget_mb = args.ram_budget_mb
     if budget_mb is None:
         # Dense weights and buffers, plus a third of the experts: the model does not fit, by design.
-        from moestream.gguf_file import GGUFFile
+        from moestream.formats.gguf_file import GGUFFile
         from moestream.models import ARCHITECTURES
 
         f = GGUFFile(path)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from moestream.trace import DECODE, DISK, PROMPT
+from moestream.analysis.trace import DECODE, DISK, PROMPT
 
 REUSE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # upper bounds, in decode tokens
 

@@ -102,7 +102,7 @@ def _positive(name: str, value: int | None) -> None:
 
 
 def open_engine(args: argparse.Namespace):
-    from moestream.engine import Engine
+    from moestream.engine.engine import Engine
 
     _positive("--ram-budget-mb", args.ram_budget_mb)
     _positive("--ctx", args.ctx)
@@ -136,7 +136,7 @@ def open_engine(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from moestream.sampling import Sampler
+    from moestream.engine.sampling import Sampler
 
     _positive("-n", args.n)
     engine = open_engine(args)
@@ -145,7 +145,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         tok = engine.tokenizer
         prompt = args.prompt
         if args.chat:
-            from moestream.chat_template import render_chat
+            from moestream.formats.chat_template import render_chat
 
             if not tok.chat_template:
                 raise MoestreamError("this model has no chat template; drop --chat")
@@ -218,7 +218,7 @@ def write_stats_json(path: str, engine, gen) -> None:
 def cmd_synth(args: argparse.Namespace) -> int:
     import shutil
 
-    from moestream.synth import SHAPES, synth_nbytes, write_synth
+    from moestream.analysis.synth import SHAPES, synth_nbytes, write_synth
 
     if args.shape not in SHAPES:
         raise MoestreamError(f"unknown shape {args.shape!r}; choose one of: {', '.join(SHAPES)}")
@@ -274,15 +274,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_synth)
 
-    from moestream.demo import add_demo_command
+    from moestream.cli.demo import add_demo_command
 
     add_demo_command(sub)
 
-    from moestream.server import add_serve_commands
+    from moestream.serving.server import add_serve_commands
 
     add_serve_commands(sub)  # serve, chat
 
-    from moestream.analysis_cli import add_analysis_commands
+    from moestream.cli.analysis import add_analysis_commands
 
     add_analysis_commands(sub)  # probe, replay, stats, profile, forecast
     return parser

@@ -15,10 +15,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from moestream.budget import MB, peak_rss_bytes, rss_bytes
-from moestream.chat_template import render_chat
+from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
-from moestream.sampling import Sampler
+from moestream.formats.chat_template import render_chat
+from moestream.streaming.budget import MB, peak_rss_bytes, rss_bytes
 
 HELP = (
     "/reset clears the conversation, /stats shows speed and cache use, /exit quits (or Ctrl-D); Ctrl-C stops an answer"
@@ -201,7 +201,7 @@ def repl(session: ChatSession, inp: Callable[[str], str] = input, out: TextIO = 
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from moestream.cli import _positive, open_engine
+    from moestream.cli.main import _positive, open_engine
 
     _positive("-n", args.n)
     try:
@@ -224,7 +224,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def add_chat_command(sub: argparse._SubParsersAction) -> None:
-    from moestream.cli import _add_engine_args, _add_sampling_args
+    from moestream.cli.main import _add_engine_args, _add_sampling_args
 
     p = sub.add_parser("chat", help="interactive chat in the terminal")
     _add_engine_args(p)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moestream import linear
+from moestream.compute import linear
 from moestream.errors import ModelFileError
-from moestream.gguf_file import GGUFFile
+from moestream.formats.gguf_file import GGUFFile
 
 
 @dataclass(frozen=True)

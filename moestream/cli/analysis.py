@@ -38,7 +38,7 @@ def _rate(text: str) -> float:
 
 
 def _load_trace(path: str):
-    from moestream.trace import read_trace
+    from moestream.analysis.trace import read_trace
 
     meta, rows = read_trace(path)
     if not len(rows):
@@ -55,7 +55,7 @@ def _print_json(obj: object) -> None:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from moestream import probe
+    from moestream.analysis import probe
 
     if bool(args.file) == bool(args.dir):
         raise MoestreamError("give the model to probe with --file MODEL.gguf, or a directory with --dir DIR")
@@ -93,7 +93,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from moestream import replay as rp
+    from moestream.analysis import replay as rp
 
     meta, rows = _load_trace(args.trace)
     acc = rp.accesses_from_trace(meta, rows, phases=args.phases)
@@ -105,7 +105,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     admission = rp.Admission.parse(args.admission, meta)
     profile = None
     if args.profile:
-        from moestream.profile import load_profile
+        from moestream.analysis.profile import load_profile
 
         profile = load_profile(args.profile).ranked()
     if args.half_life <= 0 or not 0 <= args.pin_fraction <= 1:
@@ -163,7 +163,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from moestream.workload import format_report, workload_stats
+    from moestream.analysis.workload import format_report, workload_stats
 
     meta, rows = _load_trace(args.trace)
     top = _ints(args.top, "--top") if args.top else None
@@ -181,7 +181,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from moestream.profile import build_profile, write_profile
+    from moestream.analysis.profile import build_profile, write_profile
 
     meta, rows = _load_trace(args.trace)
     prof = build_profile(meta, rows, phases=args.phases, source=os.path.basename(args.trace))
@@ -199,8 +199,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_forecast(args: argparse.Namespace) -> int:
-    from moestream import forecast as fc
-    from moestream import probe as pr
+    from moestream.analysis import forecast as fc
+    from moestream.analysis import probe as pr
 
     meta, rows = _load_trace(args.trace) if args.trace else ({}, None)
     if args.layers or args.top_k or args.expert_bytes:
@@ -262,7 +262,7 @@ def cmd_forecast(args: argparse.Namespace) -> int:
         ("no cache hits", fc.forecast(probe, geom, compute_ms, hit_rate=0.0, **kw)),
     ]
     if rows is not None:
-        from moestream import replay as rp
+        from moestream.analysis import replay as rp
 
         acc = rp.accesses_from_trace(meta, rows)
         slots = args.slots or int(meta.get("n_slots") or 0)
@@ -294,7 +294,7 @@ def cmd_forecast(args: argparse.Namespace) -> int:
 
 
 def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
-    from moestream.replay import POLICIES
+    from moestream.analysis.replay import POLICIES
 
     p = sub.add_parser("probe", help="measure the disk: random reads of the model's expert size, cold")
     p.add_argument("--file", help="a GGUF model (reads its own expert segment size) or any large file")

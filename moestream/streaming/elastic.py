@@ -13,8 +13,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from moestream.budget import MB, available_bytes
-from moestream.expert_cache import ExpertCache
+from moestream.streaming.budget import MB, available_bytes
+from moestream.streaming.expert_cache import ExpertCache
 
 GROW_STEP_MB = 256  # Strata grows a GiB at a time on 64 GB machines; our users have 8-32 GB
 

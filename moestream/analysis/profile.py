@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from moestream.analysis.trace import DECODE, VRAM, parse_meta_line
 from moestream.errors import MoestreamError
-from moestream.trace import DECODE, VRAM, parse_meta_line
 
 VERSION = 1
 HEADER = "layer expert count"

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from moestream import linear, native
+from moestream.compute import linear, native
 from moestream.errors import BudgetError
-from moestream.expert_store import ExpertStore
-from moestream.read_ahead import ahead_choice, consecutive_runs, reads_ahead
-from moestream.reader import ExpertReader, Lease
+from moestream.streaming.expert_store import ExpertStore
+from moestream.streaming.read_ahead import ahead_choice, consecutive_runs, reads_ahead
+from moestream.streaming.reader import ExpertReader, Lease
 
 Expert = tuple[linear.QLinear, linear.QLinear, linear.QLinear]  # gate, up, down
 

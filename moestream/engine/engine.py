@@ -9,8 +9,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moestream import linear, native, quants
-from moestream.budget import (
+from moestream.compute import linear, native
+from moestream.engine.sampling import Sampler
+from moestream.errors import BudgetError, ContextError, ModelFileError
+from moestream.formats import quants
+from moestream.formats.gguf_file import GGUFFile
+from moestream.models import ARCHITECTURES, common
+from moestream.streaming.budget import (
     MB,
     UBATCH_CHOICES,
     BudgetPlan,
@@ -20,15 +25,11 @@ from moestream.budget import (
     release_free_heap,
     rss_bytes,
 )
-from moestream.errors import BudgetError, ContextError, ModelFileError
-from moestream.expert_cache import ExpertCache
-from moestream.expert_store import ExpertStore
-from moestream.gguf_file import GGUFFile
-from moestream.mlock import LockReport, lock_dense, routed_nbytes
-from moestream.models import ARCHITECTURES, common
-from moestream.read_ahead import AHEAD_MIN_LAYERS, ahead_experts, ahead_reads, decode_slots, prompt_slots
-from moestream.reader import ALIGN, ExpertReader, run_length
-from moestream.sampling import Sampler
+from moestream.streaming.expert_cache import ExpertCache
+from moestream.streaming.expert_store import ExpertStore
+from moestream.streaming.mlock import LockReport, lock_dense, routed_nbytes
+from moestream.streaming.read_ahead import AHEAD_MIN_LAYERS, ahead_experts, ahead_reads, decode_slots, prompt_slots
+from moestream.streaming.reader import ALIGN, ExpertReader, run_length
 
 DEFAULT_UBATCH = 128  # SDQ seed 5.1: small micro-batches keep compute buffers and the expert union small
 # What the runtime itself grows by while loading (kernels and the C library initialised on first use, heap
@@ -210,7 +211,7 @@ class Engine:
         self.cache = ExpertCache(self.store, self.reader, n_slots, scratch_slots=scratch)
         self.model.experts = self.cache
         if route_trace is not None:
-            from moestream.routes import RouteTrace
+            from moestream.analysis.routes import RouteTrace
 
             self.model.routes = RouteTrace(route_trace, self.cfg.n_experts, self.cfg.top_k)
         if ram_budget_mb is not None:
@@ -227,7 +228,7 @@ class Engine:
             self._pin_from_profile(pin_profile, pin_mb, progress)
         self.elastic = None
         if keep_free_mb is not None:
-            from moestream.elastic import ElasticWatcher
+            from moestream.streaming.elastic import ElasticWatcher
 
             self.elastic = ElasticWatcher(self.cache, keep_free_mb).start()
 
@@ -237,7 +238,7 @@ class Engine:
         self._token = 0  # session index of the first token of the current forward call
         self._trace = None
         if trace_path is not None:
-            from moestream.trace import TraceWriter
+            from moestream.analysis.trace import TraceWriter
 
             self._trace = TraceWriter(
                 trace_path,
@@ -278,7 +279,7 @@ class Engine:
 
     def _pin_from_profile(self, path: str, pin_mb: int | None, progress: bool) -> None:
         """The profile part of the RAM tier: the hottest experts of a profile, loaded now, never evicted."""
-        from moestream.profile import load_profile
+        from moestream.analysis.profile import load_profile
 
         keys = [(int(layer), int(e)) for layer, e in load_profile(path).ranked()]
         keys = [k for k in keys if k[0] < self.cfg.n_layers and k[1] < self.cfg.n_experts]
@@ -318,7 +319,7 @@ class Engine:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from moestream.tokenizer import Tokenizer
+            from moestream.formats.tokenizer import Tokenizer
 
             self._tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         return self._tokenizer
@@ -469,7 +470,7 @@ def budget_for_slots(
     model_path: str, n_slots: int, *, ctx: int | None = None, io_threads: int = 4, ubatch: int = DEFAULT_UBATCH
 ) -> int:
     """Estimated --ram-budget-mb that buys `n_slots` expert slots for this model (from the header alone)."""
-    from moestream.budget import DEFAULT_RESERVE_MB
+    from moestream.streaming.budget import DEFAULT_RESERVE_MB
 
     f = GGUFFile(model_path)
     try:
@@ -498,7 +499,7 @@ def budget_for_slots(
 def _tokenizer_if_any(f: GGUFFile):
     """The file's tokenizer, or None when it has none (the `tokenizer` property then says why, if asked)."""
     from moestream.errors import MoestreamError
-    from moestream.tokenizer import Tokenizer
+    from moestream.formats.tokenizer import Tokenizer
 
     if "tokenizer.ggml.model" not in f.metadata:
         return None

@@ -1,0 +1,1 @@
+"""Workload analysis: access traces, replay, profiles, statistics, disk probe, forecast, synthetic models."""

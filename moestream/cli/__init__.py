@@ -1,0 +1,1 @@
+"""The `moestream` command line."""

@@ -1,0 +1,1 @@
+"""Compute: quantized linear layers and the native kernels behind them."""

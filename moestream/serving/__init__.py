@@ -1,0 +1,1 @@
+"""Front-ends that hold a conversation: the OpenAI-compatible HTTP server and the terminal chat."""
