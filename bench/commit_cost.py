@@ -28,6 +28,7 @@ from compare import RESULTS_DIR, run_meta, save_results
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moestream.engine.engine import Engine  # noqa: E402
+from moestream.engine.options import EngineOptions
 from moestream.streaming.expert_cache import MADV_POPULATE_WRITE  # noqa: E402
 
 PROMPT = "Explain how a disk works."
@@ -58,7 +59,7 @@ def main() -> int:
     ap.add_argument("--results-dir", default=RESULTS_DIR)
     ap.add_argument("--markdown", default=None, help="also write the table to this file")
     args = ap.parse_args()
-    eng = Engine(args.model, ram_budget_mb=args.budget_mb, threads=args.threads)
+    eng = Engine(args.model, EngineOptions(ram_budget_mb=args.budget_mb, threads=args.threads))
     if eng.cache._prefault_thread is not None:
         eng.cache._prefault_thread.join()
     prompt = eng.tokenizer.encode(PROMPT)

@@ -34,6 +34,7 @@ PARTS = ("prompt_s", "read_wait_s", "cpu_s", "linear_attention_s", "attention_s"
 def one(model: str, budget_mb: int, committed: bool, threads: int) -> dict:
     sys.path.insert(0, REPO)
     from moestream.engine.engine import Engine
+    from moestream.engine.options import EngineOptions
     from moestream.models import qwen3moe, qwen35moe
     from moestream.streaming import expert_cache
 
@@ -58,7 +59,7 @@ def one(model: str, budget_mb: int, committed: bool, threads: int) -> dict:
     timed(qwen3moe.MoE, "__call__", "moe_s")
     timed(expert_cache, "_pack_lanes", "pack_s")
     os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
-    eng = Engine(model, ram_budget_mb=budget_mb, threads=threads)
+    eng = Engine(model, EngineOptions(ram_budget_mb=budget_mb, threads=threads))
     t = time.perf_counter()
     if committed and eng.cache._prefault_thread is not None:
         eng.cache._prefault_thread.join()

@@ -11,6 +11,7 @@ import pytest
 
 from moestream.analysis.synth import write_synth
 from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
 from moestream.errors import BudgetError
 from moestream.models.qwen3moe import Qwen3Moe, Qwen3MoeConfig
 from moestream.streaming import budget
@@ -71,21 +72,21 @@ def test_compute_estimate_grows_with_the_micro_batch_not_with_a_score_matrix():
 
 def test_engine_picks_the_micro_batch_the_budget_fits(tiny):
     with pytest.raises(BudgetError) as err:
-        Engine(tiny, ram_budget_mb=64, ctx=512)
+        Engine(tiny, EngineOptions(ram_budget_mb=64, ctx=512))
     least = int(re.search(r"at least --ram-budget-mb (\d+)", str(err.value)).group(1))
     # A few MB over: in one process, the refused attempt leaves some heap behind that the next one measures.
-    eng = Engine(tiny, ram_budget_mb=least + 8, ctx=512)
+    eng = Engine(tiny, EngineOptions(ram_budget_mb=least + 8, ctx=512))
     try:
         assert eng.ubatch in UBATCH_CHOICES and eng.plan.n_slots >= eng.cfg.top_k
         assert eng.plan.compute == Qwen3Moe.compute_nbytes(eng.cfg, eng.ubatch, 512)
     finally:
         eng.close()
-    eng = Engine(tiny, ram_budget_mb=least + 200, ctx=512)
+    eng = Engine(tiny, EngineOptions(ram_budget_mb=least + 200, ctx=512))
     try:
         assert eng.ubatch == 128
     finally:
         eng.close()
-    eng = Engine(tiny, ram_budget_mb=least + 200, ctx=512, ubatch=64)  # the user's choice stands
+    eng = Engine(tiny, EngineOptions(ram_budget_mb=least + 200, ctx=512, ubatch=64))  # the user's choice stands
     try:
         assert eng.ubatch == 64
     finally:

@@ -164,13 +164,14 @@ def test_q4_k_m_model_computes_its_q6_k_experts_in_lane_form(tmp_path):
     over twice the bytes), and the output does not depend on the budget."""
     from moestream.analysis.synth import use_more_bits, write_synth
     from moestream.engine.engine import Engine
+    from moestream.engine.options import EngineOptions
     from moestream.engine.sampling import Sampler
 
     path = write_synth("tiny", "Q4_K_M", tmp_path / "m.gguf", progress=False)
     prompt = list(range(5, 45))
     outs = []
     for n_slots in (64, 8):
-        eng = Engine(path, n_slots=n_slots)
+        eng = Engine(path, EngineOptions(n_slots=n_slots))
         try:
             outs.append(eng.generate(prompt, 8, Sampler()).tokens)
             n_layers = eng.cfg.n_layers

@@ -11,6 +11,7 @@ import torch
 
 from moestream.analysis.synth import write_synth
 from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
 from moestream.streaming.mlock import LockReport, fmt_bytes, resident_ranges, routed_nbytes
 
 # Run the CLI in a child whose RLIMIT_MEMLOCK is `limit` bytes and which has dropped CAP_IPC_LOCK (root
@@ -69,7 +70,7 @@ def test_line_reads_like_the_summary():
 
 
 def test_every_dense_tensor_is_found_and_no_expert(tiny):
-    eng = Engine(tiny, n_slots=8)
+    eng = Engine(tiny, EngineOptions(n_slots=8))
     try:
         ranges = resident_ranges(eng.model)
         total = sum(n for _, n in ranges)
@@ -85,7 +86,7 @@ def test_every_dense_tensor_is_found_and_no_expert(tiny):
 
 def test_engine_locks_and_close_unlocks(tiny):
     before = _vm_lck()
-    eng = Engine(tiny, n_slots=8)
+    eng = Engine(tiny, EngineOptions(n_slots=8))
     report = eng.lock_report
     if report.error:  # a machine where even these few MB may not be locked: the line must say why
         assert "ulimit -l" in report.error and report.locked_bytes == 0
@@ -98,7 +99,7 @@ def test_engine_locks_and_close_unlocks(tiny):
 
 
 def test_no_mlock_locks_nothing(tiny):
-    eng = Engine(tiny, n_slots=8, mlock=False)
+    eng = Engine(tiny, EngineOptions(n_slots=8, mlock=False))
     try:
         assert eng.lock_report.locked_bytes == 0 and "mlock: off" in eng.lock_report.line()
     finally:

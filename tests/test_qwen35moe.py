@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType as T
 
 from moestream.compute import native
 from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
 from moestream.models.qwen35moe import CHUNK, Qwen35MoeConfig, Weights, chunk_delta_rule, delta_rule_step
@@ -58,7 +59,7 @@ def tiny(tmp_path_factory):
 
 
 def _engine(path: str, **kw) -> Engine:
-    return Engine(path, n_slots=kw.pop("n_slots", 32), **kw)
+    return Engine(path, EngineOptions(n_slots=kw.pop("n_slots", 32), **kw))
 
 
 def test_config_from_gguf(tiny):
@@ -177,7 +178,7 @@ def test_streaming_never_changes_greedy_output(tmp_path, dense_type, expert_type
     prompt = _tokens(40, cfg.vocab_size, seed=2)
     outputs, hit_rates = [], []
     for slots in (cfg.num_experts_per_tok, cfg.num_experts_per_tok + 3, cfg.num_hidden_layers * cfg.num_experts):
-        eng = Engine(path, n_slots=slots, ubatch=16)
+        eng = Engine(path, EngineOptions(n_slots=slots, ubatch=16))
         try:
             gen = eng.generate(prompt, 10, Sampler())
             outputs.append(gen.tokens)

@@ -10,6 +10,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from tests.hf_gguf import tiny_qwen3moe_config, write_qwen3moe_from_hf
 
@@ -70,7 +71,7 @@ def test_float_logits_match_transformers(tmp_path, dtype):
     if dtype != T.F32:
         _load_gguf_into_hf(model, path)  # the reference computes from the same (rounded) weights
     ref = _hf_logits(model, PROMPT)
-    eng = Engine(path, n_slots=4)
+    eng = Engine(path, EngineOptions(n_slots=4))
     try:
         with torch.inference_mode():
             ours = eng.model.forward(PROMPT, eng.kv, 0, all_logits=True)
@@ -91,7 +92,7 @@ def test_quantized_logits_match_gguf_reference(tmp_path, expert_type):
     write_qwen3moe_from_hf(model, path, dense_type=expert_type, expert_type=expert_type)
     _load_gguf_into_hf(model, path)
     ref = _hf_logits(model, PROMPT)[-1]
-    eng = Engine(path, n_slots=64)
+    eng = Engine(path, EngineOptions(n_slots=64))
     try:
         with torch.inference_mode():
             ours = eng.model.forward(PROMPT, eng.kv, 0)
@@ -111,7 +112,7 @@ def test_streaming_never_changes_greedy_output(tmp_path, expert_type):
     all_experts = cfg.num_hidden_layers * cfg.num_experts
     outputs, hit_rates = [], []
     for slots in (cfg.num_experts_per_tok, cfg.num_experts_per_tok + 3, all_experts):
-        eng = Engine(path, n_slots=slots, ubatch=5)
+        eng = Engine(path, EngineOptions(n_slots=slots, ubatch=5))
         try:
             gen = eng.generate(PROMPT, 24, Sampler())
             outputs.append(gen.tokens)
@@ -127,7 +128,7 @@ def test_prompt_reuse_gives_same_tokens(tmp_path):
     model = _hf_model(seed=3)
     path = str(tmp_path / "r.gguf")
     write_qwen3moe_from_hf(model, path)
-    eng = Engine(path, n_slots=8)
+    eng = Engine(path, EngineOptions(n_slots=8))
     try:
         first = eng.generate(PROMPT, 6, Sampler())
         follow = PROMPT + first.tokens + [9, 10]

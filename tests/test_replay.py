@@ -126,11 +126,12 @@ def test_replay_reproduces_live_cache_with_prompt_read_ahead(tiny_model, tmp_pat
 
 def test_replay_reproduces_engine_run(tiny_model, tmp_path):
     from moestream.engine.engine import Engine
+    from moestream.engine.options import EngineOptions
 
     if "trace_path" not in inspect.signature(Engine).parameters:
         pytest.skip("this Engine does not write traces yet")
     path = tmp_path / "run.csv"
-    engine = Engine(tiny_model, n_slots=40, trace_path=str(path))
+    engine = Engine(tiny_model, EngineOptions(n_slots=40, trace_path=str(path)))
     try:
         gen = engine.generate(list(range(1, 30)), 12)
         gen2 = engine.generate(list(range(5, 25)), 8)  # a second request on the same warm cache

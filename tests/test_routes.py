@@ -9,6 +9,7 @@ from moestream.analysis.routes import RouteTrace
 from moestream.analysis.synth import write_synth
 from moestream.analysis.trace import DECODE, read_trace
 from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
 
@@ -22,11 +23,11 @@ def tiny(tmp_path_factory) -> str:
 
 def test_route_trace_drives_the_router(tiny, tmp_path):
     recorded = str(tmp_path / "rec.csv")
-    eng = Engine(tiny, n_slots=16, trace_path=recorded)
+    eng = Engine(tiny, EngineOptions(n_slots=16, trace_path=recorded))
     eng.generate([1, 2, 3, 4], 10, Sampler())
     eng.close()
     replayed = str(tmp_path / "replayed.csv")
-    eng = Engine(tiny, n_slots=16, trace_path=replayed, route_trace=recorded)
+    eng = Engine(tiny, EngineOptions(n_slots=16, trace_path=replayed, route_trace=recorded))
     k = eng.cfg.top_k
     routes = RouteTrace(recorded, eng.cfg.n_experts, k).routes
     eng.generate([7, 8, 9], 12, Sampler(temperature=1.0, seed=3))
@@ -45,7 +46,7 @@ def test_route_trace_drives_the_router(tiny, tmp_path):
 
 def test_route_trace_with_wrong_top_k_is_refused(tiny, tmp_path):
     recorded = str(tmp_path / "rec.csv")
-    eng = Engine(tiny, n_slots=16, trace_path=recorded)
+    eng = Engine(tiny, EngineOptions(n_slots=16, trace_path=recorded))
     eng.generate([1, 2, 3], 3, Sampler())
     eng.close()
     with pytest.raises(MoestreamError, match="top-k"):

@@ -310,12 +310,14 @@ def test_qwen36_shape_is_the_real_architecture():
 def test_qwen36_layers_load_and_generate(tmp_path):
     """Four full-size layers (three DeltaNet, one attention) load and decode into distinct tokens."""
     from moestream.engine.engine import Engine
+    from moestream.engine.options import EngineOptions
     from moestream.engine.sampling import Sampler
 
     path = write_synth("qwen3.6-35b-a3b", "Q4_0", tmp_path / "q36.gguf", layers=4, progress=False)
     threads = torch.get_num_threads()
     try:
-        eng = Engine(path, n_slots=64, ubatch=4, threads=1)  # one thread: steadier on a busy 2-core machine
+        # one thread: steadier on a busy 2-core machine
+        eng = Engine(path, EngineOptions(n_slots=64, ubatch=4, threads=1))
         try:
             assert eng.model.arch == "qwen35moe" and eng.cfg.recurrent == [True, True, True, False]
             assert (eng.cfg.n_v_heads, eng.cfg.v_head_dim, eng.cfg.rot_dim) == (32, 128, 64)
@@ -338,6 +340,7 @@ def test_qwen36_architecture_reads_the_same_in_llama_cpp(tmp_path, monkeypatch):
     """
     llama_cpp = pytest.importorskip("llama_cpp")
     from moestream.engine.engine import Engine
+    from moestream.engine.options import EngineOptions
 
     small = replace(
         SHAPES["qwen3.6-35b-a3b"], hidden=256, n_heads=4, head_dim=64, n_experts=16, top_k=4, expert_ffn=256,
@@ -347,7 +350,7 @@ def test_qwen36_architecture_reads_the_same_in_llama_cpp(tmp_path, monkeypatch):
     path = str(write_synth("qwen3.6-small", "Q8_0", tmp_path / "s.gguf", layers=4, progress=False))
     prompt = list(range(20, 40))
     threads = torch.get_num_threads()
-    eng = Engine(path, n_slots=64, threads=1)
+    eng = Engine(path, EngineOptions(n_slots=64, threads=1))
     try:
         with torch.inference_mode():
             ours = eng.model.forward(prompt, eng.kv, 0, all_logits=True)

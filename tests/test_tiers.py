@@ -11,6 +11,7 @@ from moestream.analysis.replay import Admission, accesses_from_trace, live_resul
 from moestream.analysis.synth import write_synth
 from moestream.analysis.trace import read_trace
 from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.errors import BudgetError
 from moestream.streaming.elastic import ElasticWatcher
@@ -29,7 +30,7 @@ def tiny(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def baseline(tiny) -> list[int]:
-    eng = Engine(tiny, n_slots=64)
+    eng = Engine(tiny, EngineOptions(n_slots=64))
     try:
         return eng.generate(PROMPT_A, N, Sampler()).tokens
     finally:
@@ -38,7 +39,7 @@ def baseline(tiny) -> list[int]:
 
 @pytest.mark.parametrize("admit_prompt", [False, True])
 def test_prompt_path_leaves_decode_lru_alone_when_not_admitting(tiny, admit_prompt):
-    eng = Engine(tiny, n_slots=12, admit_prompt=admit_prompt, ubatch=8)
+    eng = Engine(tiny, EngineOptions(n_slots=12, admit_prompt=admit_prompt, ubatch=8))
     try:
         eng.generate(PROMPT_A, N, Sampler())
         before = eng.cache.cached_keys()
@@ -52,7 +53,8 @@ def test_prompt_path_leaves_decode_lru_alone_when_not_admitting(tiny, admit_prom
 @pytest.mark.parametrize("admit_prompt,min_hits", [(False, 0), (True, 2), (False, 1)])
 def test_replay_reproduces_live_hits_under_admission_rules(tiny, tmp_path, admit_prompt, min_hits):
     path = str(tmp_path / "t.csv")
-    eng = Engine(tiny, n_slots=24, admit_prompt=admit_prompt, min_hits=min_hits, trace_path=path, ubatch=8)
+    opts = EngineOptions(n_slots=24, admit_prompt=admit_prompt, min_hits=min_hits, trace_path=path, ubatch=8)
+    eng = Engine(tiny, opts)
     eng.generate(PROMPT_A, N, Sampler())
     eng.generate(PROMPT_B, N, Sampler())
     eng.close()
@@ -68,7 +70,7 @@ def test_replay_reproduces_live_hits_under_admission_rules(tiny, tmp_path, admit
 
 def test_pinned_profile_part_is_loaded_and_serves_hits(tiny, tmp_path, baseline):
     trace = str(tmp_path / "t.csv")
-    eng = Engine(tiny, n_slots=64, trace_path=trace)
+    eng = Engine(tiny, EngineOptions(n_slots=64, trace_path=trace))
     eng.generate(PROMPT_A, N, Sampler())
     eng.close()
     from moestream.analysis.profile import build_profile, write_profile
@@ -76,7 +78,7 @@ def test_pinned_profile_part_is_loaded_and_serves_hits(tiny, tmp_path, baseline)
     meta, rows = read_trace(trace)
     profile = str(tmp_path / "p.txt")
     write_profile(build_profile(meta, rows), profile)
-    eng = Engine(tiny, n_slots=24, pin_profile=profile, pin_mb=1)
+    eng = Engine(tiny, EngineOptions(n_slots=24, pin_profile=profile, pin_mb=1))
     try:
         pinned = eng.cache.pinned_slots
         assert 0 < pinned <= 24 - eng.cfg.top_k
@@ -90,7 +92,7 @@ def test_pinned_profile_part_is_loaded_and_serves_hits(tiny, tmp_path, baseline)
 
 def test_elastic_cache_shrinks_below_the_floor_and_grows_back(tiny, baseline):
     avail = [10 << 30]
-    eng = Engine(tiny, n_slots=48)
+    eng = Engine(tiny, EngineOptions(n_slots=48))
     try:
         eng.generate(PROMPT_A, N, Sampler())
         w = ElasticWatcher(
@@ -121,7 +123,7 @@ def test_elastic_cache_shrinks_below_the_floor_and_grows_back(tiny, baseline):
 
 @pytest.mark.parametrize("kw", [dict(admit_prompt=False), dict(min_hits=2), dict(keep_free_mb=1)])
 def test_output_identical_across_tier_configurations(tiny, baseline, kw):
-    eng = Engine(tiny, n_slots=10, **kw)
+    eng = Engine(tiny, EngineOptions(n_slots=10, **kw))
     try:
         assert eng.generate(PROMPT_A, N, Sampler()).tokens == baseline
     finally:
@@ -132,7 +134,7 @@ def test_output_identical_across_tier_configurations(tiny, baseline, kw):
 def test_prompt_read_ahead_reads_the_next_layer_and_changes_no_output(tiny, baseline, tmp_path, run_reads):
     path = str(tmp_path / "t.csv")
     # 4 layers of 16 experts: the rule allows it
-    eng = Engine(tiny, n_slots=64, ubatch=64, trace_path=path, run_reads=run_reads)
+    eng = Engine(tiny, EngineOptions(n_slots=64, ubatch=64, trace_path=path, run_reads=run_reads))
     try:
         assert (eng.reader.run_len > 1) == run_reads
         assert eng.generate(PROMPT_A, N, Sampler()).tokens == baseline
@@ -147,7 +149,7 @@ def test_prompt_read_ahead_reads_the_next_layer_and_changes_no_output(tiny, base
     live = live_result(acc)
     got = replay(acc, "lru", int(meta["n_slots"]))
     assert (got.decode_hits, got.prompt_hits) == (live.decode_hits, live.prompt_hits)
-    off = Engine(tiny, n_slots=64, ubatch=64, read_ahead=False)
+    off = Engine(tiny, EngineOptions(n_slots=64, ubatch=64, read_ahead=False))
     try:
         assert off.generate(PROMPT_A, N, Sampler()).tokens == baseline
         assert off.cache.stats.ahead_reads == 0
@@ -161,11 +163,11 @@ def test_read_ahead_buffers_are_budgeted_only_where_the_cache_can_read_ahead(tin
 
     # the smallest budget the engine takes (its own refusal names it) and a roomy one
     with pytest.raises(BudgetError) as refused:
-        Engine(tiny, ram_budget_mb=64)
+        Engine(tiny, EngineOptions(ram_budget_mb=64))
     least = int(re.search(r"use at least --ram-budget-mb (\d+)", str(refused.value)).group(1))
     roomy = budget_for_slots(tiny, 200)
     for mb, kw in ((least + 1, {}), (roomy, {"run_reads": False}), (roomy, {}), (roomy, {"min_hits": 1})):
-        eng = Engine(tiny, ram_budget_mb=mb, **kw)
+        eng = Engine(tiny, EngineOptions(ram_budget_mb=mb, **kw))
         try:
             top_k, E = eng.cfg.top_k, eng.cfg.n_experts
             if eng.cache.read_ahead and kw.get("run_reads", True):
@@ -190,7 +192,7 @@ def test_while_generating_each_step_grows_the_cache_by_its_allowance(tiny, basel
     model generates (committing the whole cache under a running model slowed it most); outside a generation
     nothing limits it. Output and replay are unchanged."""
     path = str(tmp_path / "t.csv")
-    eng = Engine(tiny, n_slots=64, trace_path=path, growth_slots=(20, 3), ubatch=64)
+    eng = Engine(tiny, EngineOptions(n_slots=64, trace_path=path, growth_slots=(20, 3), ubatch=64))
     try:
         cache = eng.cache
         with cache.generation():

@@ -284,6 +284,7 @@ def measure_compute_ms(model_path: str, tokens: int = 16, threads: int | None = 
     import psutil
 
     from moestream.engine.engine import Engine
+    from moestream.engine.options import EngineOptions
     from moestream.formats.gguf_file import GGUFFile
     from moestream.models import ARCHITECTURES
     from moestream.streaming.expert_store import ExpertStore
@@ -300,7 +301,7 @@ def measure_compute_ms(model_path: str, tokens: int = 16, threads: int | None = 
             f"caching every expert takes {need / 1e9:.1f} GB, more than this machine has free; give the "
             "compute time with --compute-ms, or --compute-from the stats JSON of a run with a large budget"
         )
-    engine = Engine(model_path, n_slots=cfg.n_layers * cfg.n_experts, threads=threads)
+    engine = Engine(model_path, EngineOptions(n_slots=cfg.n_layers * cfg.n_experts, threads=threads))
     try:
         prompt = list(range(1, 9))
         engine.generate(prompt, tokens)

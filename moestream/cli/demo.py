@@ -66,6 +66,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from moestream.engine.engine import Engine, budget_for_slots
+    from moestream.engine.options import EngineOptions
     from moestream.engine.sampling import Sampler
 
     path = ensure_model(args.shape, args.quant, args.layers, args.data_dir or data_dir())
@@ -80,7 +81,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         cfg = ARCHITECTURES[f.arch].config_from_gguf(f)
         f.close()
         budget_mb = budget_for_slots(path, int(CACHE_SHARE * cfg.n_layers * cfg.n_experts))
-    engine = Engine(path, ram_budget_mb=budget_mb, threads=args.threads)
+    engine = Engine(path, EngineOptions(ram_budget_mb=budget_mb, threads=args.threads))
     try:
         tok = engine.tokenizer
         prompt = tok.encode(args.prompt)

@@ -103,6 +103,7 @@ def _positive(name: str, value: int | None) -> None:
 
 def open_engine(args: argparse.Namespace):
     from moestream.engine.engine import Engine
+    from moestream.engine.options import EngineOptions
 
     _positive("--ram-budget-mb", args.ram_budget_mb)
     _positive("--ctx", args.ctx)
@@ -115,6 +116,7 @@ def open_engine(args: argparse.Namespace):
         raise MoestreamError(f"--admit-min-hits must be 0 or more, got {args.admit_min_hits}")
     return Engine(
         args.model,
+        EngineOptions(
         ram_budget_mb=args.ram_budget_mb,
         ctx=args.ctx,
         threads=args.threads,
@@ -132,6 +134,7 @@ def open_engine(args: argparse.Namespace):
         pin_mb=args.pin_mb,
         keep_free_mb=args.keep_free_mb,
         progress=True,
+        ),
     )
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moestream.compute import linear, native
+from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.errors import BudgetError, ContextError, ModelFileError
 from moestream.formats import quants
@@ -103,32 +104,13 @@ def _check_types(f: GGUFFile) -> None:
 
 
 class Engine:
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        ram_budget_mb: int | None = None,
-        ctx: int | None = None,
-        threads: int | None = None,
-        io_threads: int = 4,
-        direct: bool | None = None,
-        exact: bool | None = None,
-        ubatch: int | None = None,  # None: the largest of UBATCH_CHOICES the budget fits
-        n_slots: int | None = None,
-        reserve_mb: int | None = None,
-        trace_path: str | None = None,
-        route_trace: str | None = None,
-        admit_prompt: bool = True,
-        read_ahead: bool = True,
-        run_reads: bool = True,  # prompts read runs of adjacent experts: prefill 1.13x here (README)
-        min_hits: int = 0,
-        growth_slots: tuple[int, int] | None = None,  # LRU growth per prompt micro-batch, per token
-        pin_profile: str | None = None,
-        pin_mb: int | None = None,
-        keep_free_mb: int | None = None,
-        progress: bool = False,
-        mlock: bool | None = None,  # None: lock the dense weights where the limit allows
-    ):
+    def __init__(self, model_path: str, options: EngineOptions | None = None):
+        o = self.options = options or EngineOptions()
+        ram_budget_mb, ctx, threads, io_threads = o.ram_budget_mb, o.ctx, o.threads, o.io_threads
+        direct, exact, ubatch, n_slots, reserve_mb = o.direct, o.exact, o.ubatch, o.n_slots, o.reserve_mb
+        trace_path, route_trace, admit_prompt, read_ahead = o.trace_path, o.route_trace, o.admit_prompt, o.read_ahead
+        run_reads, min_hits, growth_slots, pin_profile = o.run_reads, o.min_hits, o.growth_slots, o.pin_profile
+        pin_mb, keep_free_mb, progress, mlock = o.pin_mb, o.keep_free_mb, o.progress, o.mlock
         if threads:
             torch.set_num_threads(threads)
         self.threads = threads or torch.get_num_threads()

@@ -1,0 +1,35 @@
+"""Everything that configures an engine, in one frozen object: built once by a front-end, recorded in traces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    # memory
+    ram_budget_mb: int | None = None  # None: what the machine has available, minus a margin
+    n_slots: int | None = None  # a fixed number of expert slots instead of a budget (tests, benchmarks)
+    reserve_mb: int | None = None  # the plan's reserve for what no estimate names (None: the default)
+    keep_free_mb: int | None = None  # elastic cache: give slots back when available RAM falls below this
+    mlock: bool | None = None  # None: lock the dense weights where RLIMIT_MEMLOCK allows
+    # compute
+    ctx: int | None = None  # None: min(the model's, 4096)
+    threads: int | None = None  # None: all cores
+    exact: bool | None = None  # None: float32 compute for float files, the quantized kernels otherwise
+    ubatch: int | None = None  # None: the largest micro-batch of UBATCH_CHOICES the budget fits
+    # reads
+    io_threads: int = 4
+    direct: bool | None = None  # None: O_DIRECT where the file system allows
+    read_ahead: bool = True
+    run_reads: bool = True
+    # cache policy
+    admit_prompt: bool = True
+    min_hits: int = 0
+    growth_slots: tuple[int, int] | None = None  # LRU growth per prompt micro-batch, per token (None: default)
+    pin_profile: str | None = None
+    pin_mb: int | None = None
+    # observation and experiments
+    trace_path: str | None = None
+    route_trace: str | None = None
+    progress: bool = False
