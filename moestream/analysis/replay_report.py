@@ -11,6 +11,7 @@ from matplotlib import ticker
 from matplotlib.figure import Figure
 
 from moestream.analysis.accesses import Accesses, ReplayResult
+from moestream.analysis.workload import slot_ladder
 from moestream.errors import MoestreamError
 
 
@@ -114,13 +115,4 @@ def default_slots(acc: Accesses) -> list[int]:
     """Powers of two from one token's experts to every expert, plus the engine's own size."""
     total = acc.n_layers * acc.n_experts
     top_k = int(acc.meta.get("top_k") or max(1, round(len(acc.keys) / max(acc.n_groups, 1))))
-    lo = 1 << max(0, math.ceil(math.log2(max(1, acc.n_layers * top_k))))
-    out = []
-    n = lo
-    while n < total:
-        out.append(n)
-        n *= 2
-    out.append(total)
-    if acc.meta.get("n_slots"):
-        out.append(int(acc.meta["n_slots"]))
-    return sorted(set(out))
+    return slot_ladder(1 << max(0, math.ceil(math.log2(max(1, acc.n_layers * top_k)))), total, acc.meta)
