@@ -27,14 +27,7 @@ import sys
 import time
 from typing import Any
 
-
-def proc_io() -> dict[str, int]:
-    out: dict[str, int] = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            key, value = line.split(":")
-            out[key] = int(value)
-    return out
+from harness import proc_io
 
 
 def proc_status() -> dict[str, int]:
