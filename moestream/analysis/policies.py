@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -30,6 +30,27 @@ from moestream.analysis.accesses import Accesses, next_uses
 from moestream.errors import MoestreamError
 
 POLICIES = ("lru", "fifo", "lfu-decay", "s3fifo", "pin", "pin+lru", "belady")
+
+
+def pop_unpinned(heap: list[tuple], current: Callable[[tuple], bool], pinned: set[int]) -> tuple | None:
+    """Pop the smallest entry of a lazily updated heap whose key (entry[2]) is not pinned.
+
+    Entries that `current` rejects are stale (the key was updated or evicted since) and are dropped;
+    pinned ones go back on the heap. None if every current entry is pinned."""
+    stash = []
+    found = None
+    while heap:
+        entry = heapq.heappop(heap)
+        if not current(entry):
+            continue
+        if entry[2] in pinned:
+            stash.append(entry)
+            continue
+        found = entry
+        break
+    for entry in stash:
+        heapq.heappush(heap, entry)
+    return found
 
 
 class Policy:
@@ -155,22 +176,16 @@ class LFUDecay(Policy):
         self.resident[key] = self.seq
         self._push((self.score[key], self.seq, key))
 
+    def _current(self, entry: tuple[float, int, int]) -> bool:
+        s, seq, key = entry
+        return self.resident.get(key) == seq and self.score.get(key) == s
+
     def evict(self, pinned: set[int]) -> int | None:
-        stash = []
-        victim = None
-        while self.heap:
-            s, seq, key = heapq.heappop(self.heap)
-            if self.resident.get(key) != seq or self.score.get(key) != s:
-                continue  # stale entry
-            if key in pinned:
-                stash.append((s, seq, key))
-                continue
-            victim = key
-            del self.resident[key]
-            break
-        for e in stash:
-            heapq.heappush(self.heap, e)
-        return victim
+        entry = pop_unpinned(self.heap, self._current, pinned)
+        if entry is None:
+            return None
+        del self.resident[entry[2]]
+        return entry[2]
 
 
 class S3FIFO(Policy):
@@ -314,29 +329,21 @@ class Belady(Policy):
         """
         if len(self.nu) < self.capacity:
             return True
-        while self.heap and self.nu.get(self.heap[0][2]) != (-self.heap[0][0], -self.heap[0][1]):
+        while self.heap and not self._current(self.heap[0]):
             heapq.heappop(self.heap)
         if not self.heap:
             return True
         return (int(self.next_dec[i]), int(self.next_any[i])) < (-self.heap[0][0], -self.heap[0][1])
 
+    def _current(self, entry: tuple[int, int, int]) -> bool:
+        return self.nu.get(entry[2]) == (-entry[0], -entry[1])
+
     def evict(self, pinned: set[int]) -> int | None:
-        stash = []
-        victim = None
-        while self.heap:
-            e = heapq.heappop(self.heap)
-            key = e[2]
-            if self.nu.get(key) != (-e[0], -e[1]):
-                continue
-            if key in pinned:
-                stash.append(e)
-                continue
-            victim = key
-            del self.nu[key]
-            break
-        for e in stash:
-            heapq.heappush(self.heap, e)
-        return victim
+        entry = pop_unpinned(self.heap, self._current, pinned)
+        if entry is None:
+            return None
+        del self.nu[entry[2]]
+        return entry[2]
 
 
 # ---- building them --------------------------------------------------------------------------------
