@@ -27,6 +27,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 from harness import proc_io
 
 
@@ -88,7 +89,6 @@ def load_llama(model: str, *, threads: int, ctx: int, mmap: bool, repack: bool) 
 
 def generate(model: str, prompt: str, n: int, *, threads: int, ctx: int, mmap: bool, repack: bool) -> dict[str, Any]:
     import llama_cpp.llama_cpp as lib
-    import numpy as np
 
     meter = Meter()
     start_io = meter.io
