@@ -26,21 +26,8 @@ from dataclasses import asdict
 from typing import Any
 
 from balloon import BalloonError
-from compare import (
-    DEFAULT_PROMPT,
-    RESULTS_DIR,
-    RunResult,
-    cell,
-    condition_context,
-    pair_ratios,
-    prepare,
-    run_meta,
-    run_moestream,
-    save_results,
-    short,
-    summarize,
-    to_result,
-)
+from engine_runs import RunResult, condition_context, pair_ratios, prepare, run_moestream, short, summarize, to_result
+from harness import DEFAULT_PROMPT, add_results_args, cell, log, run_meta, save_results
 
 AB_CONDITIONS = ("cold", "pagecache", "pressure", "asis")
 COLUMNS = (
@@ -55,7 +42,7 @@ COLUMNS = (
 RATIO_METRICS = ("decode_tps", "prompt_tps", "hit_rate", "engine_mb_per_token")
 
 
-def run_ab(args: argparse.Namespace, log: Any) -> dict[str, Any]:
+def run_ab(args: argparse.Namespace) -> dict[str, Any]:
     arms = {"A": shlex.split(args.a), "B": shlex.split(args.b)}
     trees = {"A": args.a_tree, "B": args.b_tree}
     runs: list[RunResult] = []
@@ -160,9 +147,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--leave-gb", type=float, default=8.0, help="with --condition pressure")
     ap.add_argument("--timeout-s", type=float, default=1800)
-    ap.add_argument("--name", default=None, help="results file name (default ab-<model>)")
-    ap.add_argument("--results-dir", default=RESULTS_DIR)
-    ap.add_argument("--markdown", default=None)
+    add_results_args(ap, None, "results file name (default ab-<model>)")
     args = ap.parse_args(argv)
     if not os.path.isfile(args.model):
         ap.error(f"no such model file: {args.model}")
@@ -182,13 +167,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
     doc: dict[str, Any] = {"meta": run_meta(args)}
-    doc |= run_ab(args, log)
-    save_results(doc, markdown(doc), args, "ab", log)
+    doc |= run_ab(args)
+    save_results(doc, markdown(doc), args, "ab")
     return 0
 
 

@@ -9,8 +9,8 @@ machine others' use drifts, so `b.relevel()` (SIGUSR1 to the process) grows or s
 to N GB available; the harness calls it before every run.
 
 The balloon sets its own oom_score_adj to about 300 (less when it holds most of RAM: see
-`balloon_oom_score_adj`); the processes under test should get 1000 (`make_oom_victim` as a Popen
-preexec_fn, or `set_oom_score_adj(pid, 1000)`), so that when memory runs out the kernel kills the
+`balloon_oom_score_adj`); the processes under test should get 1000 (harness.py's `make_oom_victim` as
+a Popen preexec_fn, or `set_oom_score_adj(pid, 1000)`), so that when memory runs out the kernel kills the
 process under test first, then the balloon, and a bystander last.
 
 Locked memory cannot be reclaimed, swapped or taken by the guest's DAMON reclaim, so the N GB left is
@@ -31,12 +31,11 @@ import sys
 import time
 from types import TracebackType
 
-GIB = 1 << 30
-MIB = 1 << 20
+from harness import GIB, MIB, VICTIM_OOM_SCORE_ADJ, meminfo, set_oom_score_adj
+
 CAP_IPC_LOCK = 14
 PR_SET_PDEATHSIG = 1
 BALLOON_OOM_SCORE_ADJ = 300
-VICTIM_OOM_SCORE_ADJ = 1000
 
 PROT_READ, PROT_WRITE = 0x1, 0x2
 MAP_PRIVATE, MAP_ANONYMOUS = 0x02, 0x20
@@ -45,23 +44,6 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 
 class BalloonError(RuntimeError):
     """The balloon cannot hold what was asked (not enough RAM, mlock not allowed, it died)."""
-
-
-def meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes."""
-    out: dict[str, int] = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, rest = line.split(":", 1)
-            parts = rest.split()
-            out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
-    return out
-
-
-def set_oom_score_adj(pid: int | str, value: int) -> None:
-    """Write /proc/PID/oom_score_adj (-1000..1000; lowering it needs root)."""
-    with open(f"/proc/{pid}/oom_score_adj", "w") as f:
-        f.write(str(value))
 
 
 def balloon_oom_score_adj(locked_bytes: int) -> int:
@@ -73,11 +55,6 @@ def balloon_oom_score_adj(locked_bytes: int) -> int:
     total = meminfo()["MemTotal"]
     room = 1000 * (total - locked_bytes) // total - 50
     return max(0, min(BALLOON_OOM_SCORE_ADJ, room))
-
-
-def make_oom_victim() -> None:
-    """Popen preexec_fn: the child is the first the OOM killer picks."""
-    set_oom_score_adj("self", VICTIM_OOM_SCORE_ADJ)
 
 
 def has_cap_ipc_lock() -> bool:

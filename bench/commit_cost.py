@@ -18,14 +18,11 @@ import argparse
 import ctypes
 import mmap
 import os
-import statistics
 import sys
 import threading
 import time
 
-from compare import RESULTS_DIR, run_meta, save_results
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import add_results_args, median_range, save_rows
 
 from moestream.engine.engine import Engine  # noqa: E402
 from moestream.engine.options import EngineOptions
@@ -55,9 +52,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--name", default="commit-cost")
-    ap.add_argument("--results-dir", default=RESULTS_DIR)
-    ap.add_argument("--markdown", default=None, help="also write the table to this file")
+    add_results_args(ap, "commit-cost")
     args = ap.parse_args()
     eng = Engine(args.model, EngineOptions(ram_budget_mb=args.budget_mb, threads=args.threads))
     if eng.cache._prefault_thread is not None:
@@ -89,25 +84,21 @@ def main() -> int:
         eng.close()
     alone = {r["repeat"]: r["decode_tps"] for r in rows if r["arm"] == "alone"}
     with_c = [r for r in rows if r["arm"] == "commit"]
-
-    def cell(xs: list[float]) -> str:
-        return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
-
     ratios = [r["decode_tps"] / alone[r["repeat"]] for r in with_c]
-    text = "\n".join(
+    save_rows(
+        args,
+        rows,
         [
             f"### Decode with a concurrent commit: {os.path.basename(args.model)}, {args.threads} threads",
             "",
             "| arm | decode tok/s | commit GB/s |",
             "|---|---|---|",
-            f"| alone | {cell(list(alone.values()))} | |",
-            f"| while {args.gib:g} GiB are committed | {cell([r['decode_tps'] for r in with_c])} "
-            f"| {cell([r['commit_gb_s'] for r in with_c])} |",
-            f"| **ratio** | **{cell(ratios)}x** | |",
-        ]
+            f"| alone | {median_range(list(alone.values()))} | |",
+            f"| while {args.gib:g} GiB are committed | {median_range([r['decode_tps'] for r in with_c])} "
+            f"| {median_range([r['commit_gb_s'] for r in with_c])} |",
+            f"| **ratio** | **{median_range(ratios)}x** | |",
+        ],
     )
-    doc = {"meta": run_meta(args), "rows": rows, "markdown": text}
-    save_results(doc, text, args, args.name, lambda msg: print(msg, file=sys.stderr))
     return 0
 
 

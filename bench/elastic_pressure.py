@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+from harness import RESULTS_DIR, meminfo
+
 HOG = r"""
 import mmap, sys, time
 step, top, hold = 1 << 30, int(float(sys.argv[1]) * (1 << 30)), float(sys.argv[2])
@@ -39,15 +41,6 @@ time.sleep(hold)
 """
 
 
-def meminfo() -> dict[str, int]:
-    out = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            k, v = line.split(":")
-            out[k] = int(v.split()[0]) * 1024
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -58,7 +51,7 @@ def main() -> int:
     ap.add_argument("--hog-delay-s", type=float, default=15.0, help="let the cache fill before the hog starts")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--results-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--results-dir", default=RESULTS_DIR)
     args = ap.parse_args()
 
     stats_path = f"/tmp/elastic-{os.getpid()}.json"

@@ -27,14 +27,8 @@ import sys
 import time
 from typing import Any
 
-
-def proc_io() -> dict[str, int]:
-    out: dict[str, int] = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            key, value = line.split(":")
-            out[key] = int(value)
-    return out
+import numpy as np
+from harness import proc_io
 
 
 def proc_status() -> dict[str, int]:
@@ -95,7 +89,6 @@ def load_llama(model: str, *, threads: int, ctx: int, mmap: bool, repack: bool) 
 
 def generate(model: str, prompt: str, n: int, *, threads: int, ctx: int, mmap: bool, repack: bool) -> dict[str, Any]:
     import llama_cpp.llama_cpp as lib
-    import numpy as np
 
     meter = Meter()
     start_io = meter.io

@@ -33,21 +33,11 @@ import time
 from contextlib import nullcontext
 from typing import Any
 
-from balloon import GIB, Balloon, make_oom_victim, meminfo
+from balloon import Balloon
+from harness import GIB, REPO_DIR, RESULTS_DIR, make_oom_victim, meminfo, vmstat
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(BENCH_DIR)
 ARMS = ("mlock", "no-mlock")
 DEFAULT_PROMPT = "Explain, step by step, how a cache that streams experts from disk decides what to keep. " * 4
-
-
-def vmstat() -> dict[str, int]:
-    out: dict[str, int] = {}
-    with open("/proc/vmstat") as f:
-        for line in f:
-            key, value = line.split()
-            out[key] = int(value)
-    return out
 
 
 def run_once(args: argparse.Namespace, arm: str) -> dict[str, Any]:
@@ -171,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "summary": summary,
     }
-    out = args.out or os.path.join(BENCH_DIR, "results", f"{dt.date.today().isoformat()}-mlock-ab.json")
+    out = args.out or os.path.join(RESULTS_DIR, f"{dt.date.today().isoformat()}-mlock-ab.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)

@@ -20,19 +20,16 @@ import argparse
 import collections
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 
-from compare import DEFAULT_PROMPT, RESULTS_DIR, run_meta, save_results
+from harness import DEFAULT_PROMPT, REPO_DIR, add_results_args, drop_caches, log, median_range, save_rows
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("prompt_s", "read_wait_s", "cpu_s", "linear_attention_s", "attention_s", "moe_s", "pack_s", "commit_wait_s")
 
 
 def one(model: str, budget_mb: int, committed: bool, threads: int) -> dict:
-    sys.path.insert(0, REPO)
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
     from moestream.models import qwen3moe, qwen35moe
@@ -58,7 +55,7 @@ def one(model: str, budget_mb: int, committed: bool, threads: int) -> dict:
     timed(qwen3moe.Attention, "__call__", "attention_s")
     timed(qwen3moe.MoE, "__call__", "moe_s")
     timed(expert_cache, "_pack_lanes", "pack_s")
-    os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
+    drop_caches()
     eng = Engine(model, EngineOptions(ram_budget_mb=budget_mb, threads=threads))
     t = time.perf_counter()
     if committed and eng.cache._prefault_thread is not None:
@@ -90,9 +87,7 @@ def main() -> int:
     ap.add_argument("--budget-mb", type=int, default=7168)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--name", default="prefill-parts")
-    ap.add_argument("--results-dir", default=RESULTS_DIR)
-    ap.add_argument("--markdown", default=None, help="also write the table to this file")
+    add_results_args(ap, "prefill-parts")
     ap.add_argument("--one", choices=("committed", "fresh"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -103,13 +98,13 @@ def main() -> int:
         for arm in ("committed", "fresh") if rep % 2 == 0 else ("fresh", "committed"):
             cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--budget-mb", str(args.budget_mb)]
             cmd += ["--threads", str(args.threads), "--one", arm]
-            res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+            res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_DIR)
             if res.returncode != 0:
                 sys.exit(f"error: the {arm} run failed:\n{res.stderr[-2000:]}")
             row = json.loads(res.stdout.strip().splitlines()[-1])
             row["repeat"] = rep
             rows.append(row)
-            print(f"repeat {rep + 1}/{args.repeat} {arm}: prompt {row['prompt_s']:.1f} s", file=sys.stderr)
+            log(f"repeat {rep + 1}/{args.repeat} {arm}: prompt {row['prompt_s']:.1f} s")
     md = [
         f"### Where a prompt's time goes: {os.path.basename(args.model)}, {args.budget_mb} MB, "
         f"{rows[0]['prompt_tokens']} tokens",
@@ -119,14 +114,9 @@ def main() -> int:
     ]
     for arm in ("committed", "fresh"):
         mine = [r for r in rows if r["arm"] == arm]
-        cells = []
-        for p in PARTS:
-            xs = [r.get(p, 0.0) for r in mine]
-            cells.append(f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})")
+        cells = [median_range([r.get(p, 0.0) for r in mine], 1) for p in PARTS]
         md.append(f"| {arm} | " + " | ".join(cells) + " |")
-    text = "\n".join(md)
-    doc = {"meta": run_meta(args), "rows": rows, "markdown": text}
-    save_results(doc, text, args, args.name, lambda msg: print(msg, file=sys.stderr))
+    save_rows(args, rows, md)
     return 0
 
 

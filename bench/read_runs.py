@@ -21,12 +21,10 @@ import statistics
 import sys
 import time
 
-from compare import RESULTS_DIR, run_meta, save_results
+from harness import add_results_args, drop_caches, log, median_range, save_rows
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from moestream.formats.gguf_file import GGUFFile  # noqa: E402
-from moestream.streaming.reader import ExpertReader  # noqa: E402
+from moestream.formats.gguf_file import GGUFFile
+from moestream.streaming.reader import ExpertReader
 
 
 def expert_tensors(path: str) -> tuple[list[tuple[int, int]], int]:
@@ -54,7 +52,7 @@ def one_row(path: str, tensors: list[tuple[int, int]], n_exp: int, run: int, nby
             break
         picked.append(r)
         total += r[1] * r[2]
-    os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
+    drop_caches()
     t0, c0 = time.perf_counter(), time.process_time()
     window: list = []
     for off, s, count in picked:
@@ -77,9 +75,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--gib", type=float, default=3.0, help="GiB read per row (default 3)")
     ap.add_argument("--threads", type=int, default=4, help="reads in flight (default 4, the engine's)")
-    ap.add_argument("--name", default="read-runs")
-    ap.add_argument("--results-dir", default=RESULTS_DIR)
-    ap.add_argument("--markdown", default=None, help="also write the table to this file")
+    add_results_args(ap, "read-runs")
     args = ap.parse_args()
     runs = [int(x) for x in args.runs.split(",")]
     tensors, n_exp = expert_tensors(args.model)
@@ -91,7 +87,7 @@ def main() -> int:
             row = one_row(args.model, tensors, n_exp, run, int(args.gib * 2**30), args.threads, seed=rep)
             row["repeat"] = rep
             rows.append(row)
-            print(f"repeat {rep + 1}/{args.repeat} run {run}: {row['gb_s']:.2f} GB/s", file=sys.stderr)
+            log(f"repeat {rep + 1}/{args.repeat} run {run}: {row['gb_s']:.2f} GB/s")
     seg = max(s for _, s in tensors)
     md = [
         f"### Read size: {os.path.basename(args.model)}, {args.threads} reads in flight, O_DIRECT",
@@ -102,16 +98,14 @@ def main() -> int:
     base = {r["repeat"]: r["gb_s"] for r in rows if r["run"] == runs[0]}
     for run in runs:
         mine = [r for r in rows if r["run"] == run]
-        gbs = [r["gb_s"] for r in mine]
-        cpu = [r["cpu_s_per_gb"] for r in mine]
+        gbs = median_range([r["gb_s"] for r in mine])
+        cpu = statistics.median(r["cpu_s_per_gb"] for r in mine)
         ratio = [r["gb_s"] / base[r["repeat"]] for r in mine]
         md.append(
-            f"| {run} | {run * seg / 2**20:.2f} MiB | {statistics.median(gbs):.2f} ({min(gbs):.2f}-{max(gbs):.2f}) "
-            f"| {statistics.median(cpu):.3f} | {statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f}) |"
+            f"| {run} | {run * seg / 2**20:.2f} MiB | {gbs} | {cpu:.3f} "
+            f"| {statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f}) |"
         )
-    text = "\n".join(md)
-    doc = {"meta": run_meta(args), "rows": rows, "markdown": text}
-    save_results(doc, text, args, args.name, lambda msg: print(msg, file=sys.stderr))
+    save_rows(args, rows, md)
     return 0
 
 

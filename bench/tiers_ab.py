@@ -37,12 +37,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+from harness import RESULTS_DIR
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from moestream.analysis.profile import Profile, write_profile  # noqa: E402
-from moestream.analysis.replay import Accesses, accesses_from_groups, accesses_from_trace, replay  # noqa: E402
-from moestream.analysis.trace import TraceWriter, read_trace  # noqa: E402
+from moestream.analysis.profile import Profile, write_profile
+from moestream.analysis.replay import Accesses, accesses_from_groups, accesses_from_trace, replay
+from moestream.analysis.trace import TraceWriter, read_trace
+from moestream.formats.gguf_file import GGUFFile
 
 TOPICS = "ABC"
 
@@ -233,12 +233,10 @@ def main() -> None:
     ap.add_argument("--live", help="GGUF to run the session on (its layers/experts/top-k replace the shape args)")
     ap.add_argument("--live-budget-mb", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--results-dir", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--results-dir", default=RESULTS_DIR)
     args = ap.parse_args()
 
     if args.live:
-        from moestream.formats.gguf_file import GGUFFile
-
         f = GGUFFile(args.live)
         args.layers = int(f.arch_key("block_count"))
         args.experts = int(f.arch_key("expert_count"))

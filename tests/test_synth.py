@@ -136,7 +136,7 @@ def test_q4_k_m_uses_llama_cpps_exception_types(tmp_path):
     f.close()
     # qwen35moe's DeltaNet input projection (attn_qkv) is Q5_K in a Q4_K_M file (specs only: nothing written)
     s = replace(SHAPES["qwen3.6-35b-a3b"], n_layers=8)
-    vocab = len(synth.tiny_bpe_metadata()["tokenizer.ggml.tokens"])
+    vocab = len(synth.build_tiny_bpe_metadata()["tokenizer.ggml.tokens"])
     specs = synth.synth_tensors(s, T.Q4_K, T.Q4_K, vocab, 0, k_m=True)
     _check_q4_k_m_types(specs, 8)
     assert sum(t.ggml_type == T.Q5_K for t in specs) == 6  # the 6 DeltaNet layers of 8
@@ -290,7 +290,7 @@ def _expected_qwen35_shapes(s: synth.SynthShape, vocab: int) -> dict[str, tuple[
 
 def test_qwen36_shape_is_the_real_architecture():
     s = SHAPES["qwen3.6-35b-a3b"]
-    vocab = len(synth.tiny_bpe_metadata()["tokenizer.ggml.tokens"])
+    vocab = len(synth.build_tiny_bpe_metadata()["tokenizer.ggml.tokens"])
     specs = synth.synth_tensors(replace(s, n_layers=8), T.Q4_K, T.Q4_K, vocab, 0)  # specs only: nothing written
     assert {t.name: t.shape for t in specs} == _expected_qwen35_shapes(replace(s, n_layers=8), vocab)
     for t in specs:

@@ -26,8 +26,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import psutil
+from tqdm import tqdm
 
 from moestream.errors import MoestreamError
+from moestream.formats.gguf_file import GGUFFile
 from moestream.streaming.reader import open_direct
 
 ALIGN = 4096
@@ -90,8 +93,6 @@ def load_probe(path: str | os.PathLike[str]) -> ProbeResult:
 
 def expert_geometry(path: str) -> tuple[int, int, tuple[int, int]]:
     """(segment bytes, expert bytes, (start, end) byte span of the expert tensors) of a GGUF model."""
-    from moestream.formats.gguf_file import GGUFFile
-
     f = GGUFFile(path)
     try:
         segs, experts, lo, hi = [], [], None, 0
@@ -227,9 +228,6 @@ def probe_file(
     progress: bool = True,
 ) -> ProbeResult:
     """Probe random reads of an existing file (a GGUF model: its own expert segment size and region)."""
-    import psutil
-    from tqdm import tqdm
-
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise MoestreamError(f"no such file: {path}; pass a model file with --file or a directory with --dir")
@@ -298,8 +296,6 @@ def probe_file(
 
 def probe_dir(directory: str, size_bytes: int = 4 * GIB, *, progress: bool = True, **kw: Any) -> ProbeResult:
     """Write a temporary test file of random bytes in `directory`, probe it, delete it."""
-    from tqdm import tqdm
-
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise MoestreamError(f"no such directory: {directory}")

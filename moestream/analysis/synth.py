@@ -27,6 +27,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
 from moestream.formats.gguf_write import TensorSpec, write_gguf
+from moestream.formats.tokenizer import build_tiny_bpe_metadata
 
 ARCH = "qwen3moe"
 CHUNK_BYTES = 32 << 20  # per producer chunk: big enough to amortize numpy calls, small enough to queue
@@ -268,12 +269,6 @@ def _random_floats(ggml_type: T, n_elems: int, std: float, rng: np.random.Genera
 # ---- the model -----------------------------------------------------------------------------------
 
 
-def tiny_bpe_metadata() -> dict[str, Any]:
-    from moestream.formats.tokenizer import build_tiny_bpe_metadata
-
-    return build_tiny_bpe_metadata()
-
-
 def shape_metadata(s: SynthShape, name: str, file_type: int) -> dict[str, Any]:
     """The general.* and <arch>.* keys llama.cpp's converter writes for this shape."""
     a = s.arch
@@ -433,7 +428,7 @@ def _resolve(shape: str, layers: int | None) -> SynthShape:
 def synth_nbytes(shape: str, quant: str, layers: int | None = None, *, dense: str | None = None) -> int:
     """Bytes of tensor data write_synth would write (plus a header under 1 MB): for a disk-space check."""
     s = _resolve(shape, layers)
-    vocab = s.vocab or len(tiny_bpe_metadata()["tokenizer.ggml.tokens"])
+    vocab = s.vocab or len(build_tiny_bpe_metadata()["tokenizer.ggml.tokens"])
     specs = synth_tensors(s, _quant_type(quant), _quant_type(dense or quant), vocab, 0, quant.upper() == "Q4_K_M")
     return sum(t.nbytes for t in specs)
 
@@ -459,7 +454,7 @@ def write_synth(
     s = _resolve(shape, layers)
     expert_type = _quant_type(quant)
     dense_type = _quant_type(dense or quant)
-    tok_md = tiny_bpe_metadata()
+    tok_md = build_tiny_bpe_metadata()
     vocab = s.vocab or len(tok_md["tokenizer.ggml.tokens"])
     if vocab != len(tok_md["tokenizer.ggml.tokens"]):
         raise ValueError(f"{shape} wants vocab {vocab} but the tokenizer has {len(tok_md['tokenizer.ggml.tokens'])}")

@@ -23,6 +23,20 @@ from moestream.analysis.trace import DECODE, DISK, PROMPT
 REUSE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # upper bounds, in decode tokens
 
 
+def slot_ladder(lowest: int, total: int, meta: dict[str, Any]) -> list[int]:
+    """Cache sizes worth a look: powers of two from `lowest` up to `total` experts, `total`, and the size the
+    trace was recorded at (its n_slots), if any."""
+    out = []
+    n = lowest
+    while n < total:
+        out.append(n)
+        n *= 2
+    out.append(total)
+    if meta.get("n_slots"):
+        out.append(int(meta["n_slots"]))
+    return sorted(set(out))
+
+
 def _decode_view(meta: dict[str, Any], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Decode rows as (token index 0.., key), and the number of experts per layer and of decode tokens."""
     dec = rows[rows["phase"] == DECODE]
@@ -129,15 +143,7 @@ def workload_stats(
     top_k = int(meta.get("top_k") or (round(len(dec) / max(1, n_tokens * n_layers)) if n_tokens else 0))
     total_keys = n_layers * n_experts
     if top_n is None:
-        top_n = []
-        n = 1 << max(0, int(np.log2(max(1, top_k * n_layers))))
-        while n < total_keys:
-            top_n.append(n)
-            n *= 2
-        top_n.append(total_keys)
-        if meta.get("n_slots"):
-            top_n.append(int(meta["n_slots"]))
-        top_n = sorted(set(top_n))
+        top_n = slot_ladder(1 << max(0, int(np.log2(max(1, top_k * n_layers)))), total_keys, meta)
     expert_bytes = int(meta.get("expert_bytes") or (dec["bytes"].max() if len(dec) else 0))
     u = u_of_k(tok, keys, n_tokens, n_experts, ks)
     for row in u:
