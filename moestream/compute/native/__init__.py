@@ -7,6 +7,9 @@ GIL for the duration of each call: that is what lets reader threads convert expe
 
 If there is no compiler, or the build fails, `lib()` returns None, callers use their torch/numpy
 path, and we warn once. Set MOESTREAM_NO_NATIVE=1 to force that path.
+
+Every entry point checks its sizes, counts and pointers and returns a negative code when one is out of
+range; the ctypes declarations raise ComputeError for it (errcheck), so no caller can overlook a refusal.
 """
 
 from __future__ import annotations

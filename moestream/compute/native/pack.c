@@ -3,7 +3,7 @@
  * Loaded with ctypes (no Python API), so every call runs without the GIL and reader threads convert
  * experts in parallel. All output goes to caller-provided memory; nothing here allocates.
  *
- * Built by moestream/native/__init__.py with `cc -O3 -march=native -ffp-contract=off -fPIC -shared`.
+ * Built by moestream/compute/native/__init__.py with `cc -O3 -march=native -ffp-contract=off -fPIC -shared`.
  * fp-contract is off so the float32 decoders round exactly like the numpy reference (no fused a*b-c).
  * Define MS_SCALAR to build without SIMD intrinsics (tests compare both builds).
  */
