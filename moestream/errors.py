@@ -15,3 +15,11 @@ class BudgetError(MoestreamError):
 
 class ContextError(MoestreamError):
     """The prompt (plus the tokens asked for) does not fit in the context."""
+
+
+class ComputeError(MoestreamError):
+    """A native kernel refused its arguments (a size, count or pointer out of range); `code` is its return code."""
+
+    def __init__(self, message: str, code: int = 0):
+        super().__init__(message)
+        self.code = code

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
 from moestream.compute import linear, native
+from moestream.errors import ComputeError
 from moestream.formats import quants
 
 pytestmark = pytest.mark.skipif(not native.lane_ok(), reason="needs AVX-512 VNNI and the native library")
@@ -122,16 +123,21 @@ def test_scalar_build_reports_no_lane_kernels():
     y = np.zeros(4, np.float32)
     x = np.zeros(256, np.float32)
     w = np.zeros(4 * 144, np.uint8)
-    rc = lib.ms_qmm(2, w.ctypes.data, 4, 256, x.ctypes.data, 1, 256, y.ctypes.data, 4)
-    assert rc < 0  # the caller falls back to the torch forms
+    with pytest.raises(ComputeError, match="no AVX-512 VNNI"):  # callers check lane_ok() first
+        lib.ms_qmm(2, w.ctypes.data, 4, 256, x.ctypes.data, 1, 256, y.ctypes.data, 4)
 
 
 def test_bad_shapes_are_refused():
     lib = native.lib()
-    assert lib.ms_lane_row_bytes(int(T.Q4_0), 96) < 0
-    assert lib.ms_lane_row_bytes(int(T.Q5_0), 256) < 0
-    assert lib.ms_lane_row_bytes(int(T.Q6_K), 384) < 0
-    assert lib.ms_lane_pack(int(T.Q5_0), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0)) < 0
+    for t, k in ((T.Q4_0, 96), (T.Q5_0, 256), (T.Q6_K, 384), (T.Q4_K, 0), (T.Q4_K, -256)):
+        with pytest.raises(ComputeError, match="ms_lane_row_bytes"):
+            lib.ms_lane_row_bytes(int(t), k)
+    with pytest.raises(ComputeError, match="unsupported weight type"):
+        lib.ms_lane_pack(int(T.Q5_0), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0))
+    with pytest.raises(ComputeError, match="null or misaligned"):
+        lib.ms_lane_pack(int(T.Q4_K), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0))
+    with pytest.raises(ComputeError, match="sizes or counts"):
+        lib.ms_lane_pack(int(T.Q4_K), ctypes.c_void_p(0), 0, 256, ctypes.c_void_p(0))
 
 
 @pytest.mark.parametrize("count", [1, 2, 5])
@@ -156,7 +162,9 @@ def test_packing_many_segments_at_once_equals_one_by_one(count):
     for a, b in zip(one, many, strict=True):
         np.testing.assert_array_equal(a, b)
     arrays[0][0] = int(T.Q5_0)  # no lane form: refused before anything is written
-    assert lib.ms_lane_pack_many(count, *(a.ctypes.data for a in arrays)) != 0
+    with pytest.raises(ComputeError, match="ms_lane_pack_many"):
+        lib.ms_lane_pack_many(count, *(a.ctypes.data for a in arrays))
+    assert lib.ms_lane_pack_many(0, *(a.ctypes.data for a in arrays)) == 0  # nothing to do
 
 
 def test_q4_k_m_model_computes_its_q6_k_experts_in_lane_form(tmp_path):

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moestream.compute import linear, native
-from moestream.errors import ModelFileError
+from moestream.errors import ComputeError, ModelFileError
 from moestream.formats import quants
 
 ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -182,10 +182,21 @@ def test_dequant_native_equals_numpy(ggml_type, scalar):
 def test_dequant_rejects_bad_input():
     lib = native.lib()
     buf = np.zeros(1024, np.uint8)
-    assert lib.ms_dequant(int(T.IQ2_XXS), buf.ctypes.data, 256, buf.ctypes.data, 0) < 0
-    assert lib.ms_dequant(int(T.Q4_K), buf.ctypes.data, 100, buf.ctypes.data, 0) < 0
-    assert lib.ms_pack_int4(int(T.Q4_0), buf.ctypes.data, 32, 32, buf.ctypes.data, buf.ctypes.data) < 0
-    assert lib.ms_pack_int4(int(T.Q8_0), buf.ctypes.data, 64, 32, buf.ctypes.data, buf.ctypes.data) < 0
+    p = buf.ctypes.data
+    with pytest.raises(ComputeError, match=r"ms_dequant\(.*unsupported weight type \(code -1\)"):
+        lib.ms_dequant(int(T.IQ2_XXS), p, 256, p, 0)
+    with pytest.raises(ComputeError, match="sizes or counts"):
+        lib.ms_dequant(int(T.Q4_K), p, 100, p, 0)
+    with pytest.raises(ComputeError, match="sizes or counts"):
+        lib.ms_dequant(int(T.Q8_0), p, 0, p, 0)
+    with pytest.raises(ComputeError, match="null or misaligned"):
+        lib.ms_dequant(int(T.F32), p + 1, 4, p, 0)
+    with pytest.raises(ComputeError, match="sizes or counts"):
+        lib.ms_pack_int4(int(T.Q4_0), p, 32, 32, p, p)
+    with pytest.raises(ComputeError, match="unsupported weight type"):
+        lib.ms_pack_int4(int(T.Q8_0), p, 64, 32, p, p)
+    with pytest.raises(ComputeError, match="null or misaligned"):
+        lib.ms_pack_int4(int(T.Q4_0), None, 64, 32, p, p)
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K, T.BF16], ids=lambda t: t.name)
@@ -239,8 +250,10 @@ def test_int4_expansion_equals_kernel(no_lane, scalar):
     part = torch.empty(64, k, dtype=torch.bfloat16)
     lin._expand(lib, 64, 128, part)
     assert torch.equal(part, full[64:128])
-    bad = lib.ms_int4_to_bf16(lin.weight.data_ptr(), lin.scales_zeros.data_ptr(), n, k, 32, 96, part.data_ptr())
-    assert bad < 0
+    with pytest.raises(ComputeError, match="ms_int4_to_bf16"):
+        lib.ms_int4_to_bf16(lin.weight.data_ptr(), lin.scales_zeros.data_ptr(), n, k, 32, 96, part.data_ptr())
+    with pytest.raises(ComputeError, match="ms_int4_to_bf16"):
+        lib.ms_int4_to_bf16(lin.weight.data_ptr(), lin.scales_zeros.data_ptr(), n, k, 64, 256, part.data_ptr())
 
 
 @needs_native
@@ -270,7 +283,7 @@ def test_build_is_atomic_under_concurrency(tmp_path):
 
     def build() -> None:
         try:
-            paths.append(native._build(cc, flags, tmp_path))
+            paths.append(native.build_library(flags, tmp_path, cc))
         except Exception as exc:  # collected and asserted below
             errors.append(exc)
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from moestream.compute import native
+from moestream.errors import ComputeError
 from moestream.formats import quants
 
 GROUP = 32  # int4 group size along K: one Q4_0 block or one Q4_K sub-block
@@ -90,9 +91,7 @@ class QLinear:
         """Rows [r0, r1) of the int4 form -> bf16 `out` [r1 - r0, K] (contiguous)."""
         n, k = self.out_features, self.in_features
         assert out.is_contiguous() and out.dtype == torch.bfloat16 and out.shape == (r1 - r0, k)
-        rc = lib.ms_int4_to_bf16(self.weight.data_ptr(), self.scales_zeros.data_ptr(), n, k, r0, r1, out.data_ptr())
-        if rc != 0:
-            raise RuntimeError(f"ms_int4_to_bf16 failed ({rc}) for rows {r0}:{r1} of [{n}, {k}]")
+        lib.ms_int4_to_bf16(self.weight.data_ptr(), self.scales_zeros.data_ptr(), n, k, r0, r1, out.data_ptr())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -103,13 +102,13 @@ class QLinear:
         """x2 [M, K] already in `self.dtype` -> [M, N] in `self.dtype`: no conversions, for hot loops."""
         if self.kind == "lane":
             x2 = x2.contiguous()
+            if not _rows_ok(x2, self.in_features):
+                raise ComputeError(f"a lane matmul of {tuple(self.shape)} got an input {_desc(x2)}")
             y = torch.empty(x2.shape[0], self.out_features)
-            rc = native.lib().ms_qmm(
+            native.lib().ms_qmm(
                 self.ggml_type, self.weight.data_ptr(), self.out_features, self.in_features,
                 x2.data_ptr(), x2.shape[0], self.in_features, y.data_ptr(), self.out_features,
             )  # fmt: skip
-            if rc != 0:
-                raise RuntimeError(f"ms_qmm failed ({rc}) for {quants.type_name(self.ggml_type)} {tuple(self.shape)}")
             return y
         if self.kind == "int4":
             if x2.shape[0] >= INT4_GEMM_MIN_ROWS and (lib := _int4_expander()) is not None:
@@ -228,6 +227,15 @@ def _check_out(out: torch.Tensor, nbytes: int) -> None:
         raise ValueError(f"out must start on a {ALIGN}-byte boundary")
 
 
+def _rows_ok(t: torch.Tensor, width: int) -> bool:
+    """What the lane kernels read or write as raw memory: float32 [rows, width], contiguous."""
+    return t.dtype == torch.float32 and t.dim() == 2 and t.shape[1] == width and t.is_contiguous()
+
+
+def _desc(t: torch.Tensor) -> str:
+    return f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}"
+
+
 def _int4_expander():
     """The C library when it can expand our int4 form (its layout checked against torch), else None."""
     lib = native.lib()
@@ -287,9 +295,7 @@ def pack_into(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, out:
     lib = native.lib()
     if kind == "lane":
         w = out[:nbytes].view(n, nbytes // n)
-        rc = lib.ms_lane_pack(ggml_type, src.ctypes.data, n, k, w.data_ptr())
-        if rc != 0:
-            raise RuntimeError(f"ms_lane_pack failed ({rc}) for {quants.type_name(ggml_type)} [{n}, {k}]")
+        lib.ms_lane_pack(ggml_type, src.ctypes.data, n, k, w.data_ptr())
         return QLinear(n, k, kind, w, ggml_type=ggml_type)
     if kind == "int4":
         n_packed, n_sz = _int4_sizes(n, k)
@@ -300,9 +306,7 @@ def pack_into(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, out:
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
     w = out[:nbytes].view(dtype).view(n, k)
     if lib is not None:
-        rc = lib.ms_dequant(ggml_type, src.ctypes.data, n * k, w.data_ptr(), int(kind == "bf16"))
-        if rc != 0:
-            raise RuntimeError(f"ms_dequant failed ({rc}) for {quants.type_name(ggml_type)} [{n}, {k}]")
+        lib.ms_dequant(ggml_type, src.ctypes.data, n * k, w.data_ptr(), int(kind == "bf16"))
     else:
         _dequant_torch(src, ggml_type, n, k, w)
     return QLinear(n, k, kind, w)
@@ -331,9 +335,7 @@ def _pack_int4(src: np.ndarray, ggml_type: int, n: int, k: int, packed: torch.Te
     """GGUF Q4_0/Q4_K bytes -> torch's int4 layout in `packed` and bf16 scales/zeros in `sz` (C, else torch)."""
     lib = native.lib()
     if lib is not None and native.int4_layout_ok():
-        rc = lib.ms_pack_int4(ggml_type, src.ctypes.data, n, k, packed.data_ptr(), sz.data_ptr())
-        if rc != 0:
-            raise RuntimeError(f"ms_pack_int4 failed ({rc}) for {quants.type_name(ggml_type)} [{n}, {k}]")
+        lib.ms_pack_int4(ggml_type, src.ctypes.data, n, k, packed.data_ptr(), sz.data_ptr())
     else:
         _pack_int4_torch(src, ggml_type, n, k, packed, sz)
 
@@ -393,7 +395,12 @@ def lane_swiglu(experts: list[tuple], xs: list[torch.Tensor], outs: list[torch.T
             j += 1
         c = j - i
         group = experts[i:j]
-        rc = lib.ms_moe_ffn(
+        for (gate_up, _, down), x, o in zip(group, xs[i:j], outs[i:j], strict=True):
+            if gate_up.shape != (2 * ffn, hidden) or down.shape != (hidden, ffn):
+                raise ComputeError(f"experts {gate_up.shape} and {down.shape} for hidden {hidden}, ffn {ffn}")
+            if not _rows_ok(x, hidden) or not _rows_ok(o, hidden) or o.shape[0] != x.shape[0]:
+                raise ComputeError(f"lane_swiglu: input {_desc(x)} and output {_desc(o)} for hidden size {hidden}")
+        lib.ms_moe_ffn(
             c,
             (ctypes.c_int * c)(*(e[0].ggml_type for e in group)),
             (ctypes.c_void_p * c)(*(e[0].weight.data_ptr() for e in group)),
@@ -405,8 +412,6 @@ def lane_swiglu(experts: list[tuple], xs: list[torch.Tensor], outs: list[torch.T
             (ctypes.c_int64 * c)(*(x.shape[0] for x in xs[i:j])),
             (ctypes.c_void_p * c)(*(o.data_ptr() for o in outs[i:j])),
         )
-        if rc != 0:
-            raise RuntimeError(f"ms_moe_ffn failed ({rc}) for {c} experts [{ffn}, {hidden}]")
         i = j
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from moestream.compute import native
 from moestream.compute.linear import QLinear
+from moestream.errors import ComputeError, ModelFileError
 
 SMALL_OP = 1 << 16  # elements up to which a float32 op goes to the native helpers
 # torch's threads for the few big torch ops (a prompt's attention) when the engine otherwise keeps torch at
@@ -46,6 +47,11 @@ class ExpertProvider(Protocol):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim. Small float32 inputs (a decode step) go to the native helper: torch takes
     ~10-30 us of dispatch per call here, the C loop ~1 us, and a 48-layer model makes ~200 calls a token."""
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or x.shape[-1] == 0:
+        raise ModelFileError(
+            f"a norm weight of shape {tuple(weight.shape)} for rows of {x.shape[-1]} values; "
+            "the model file is broken (its tensor shapes do not match its hyperparameters)"
+        )
     lib = native.lib()
     if lib is not None and x.dtype == torch.float32 and x.numel() <= SMALL_OP and weight.dtype == torch.float32:
         x = x.contiguous()
@@ -56,21 +62,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def route_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(
+    logits: torch.Tensor, k: int, norm: bool, layer: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax router over logits [T, E]: the k most probable experts per token and their weights (renormalised
-    over the k when norm), largest first. One native call for a decode step instead of four torch ops."""
+    over the k when norm), largest first. One native call for a decode step instead of four torch ops.
+
+    A NaN/inf logit raises ModelFileError naming `layer`: finite weights and inputs never produce one."""
+    where = "" if layer is None else f"layer {layer}: "
+    if not 1 <= k <= logits.shape[-1]:
+        raise ModelFileError(f"{where}{k} experts per token of {logits.shape[-1]}; the model file is broken")
     lib = native.lib()
     if lib is not None and logits.dtype == torch.float32 and logits.numel() <= SMALL_OP:
         logits = logits.contiguous()
         ids = torch.empty(logits.shape[0], k, dtype=torch.int64)
         weights = torch.empty(logits.shape[0], k)
-        lib.ms_route_topk(logits.data_ptr(), logits.shape[0], logits.shape[1], k, int(norm), ids.data_ptr(),
-                          weights.data_ptr())  # fmt: skip
+        try:
+            lib.ms_route_topk(logits.data_ptr(), logits.shape[0], logits.shape[1], k, int(norm), ids.data_ptr(),
+                              weights.data_ptr())  # fmt: skip
+            return weights, ids
+        except ComputeError as exc:
+            if exc.code != native.NOT_FINITE:
+                raise
+    elif torch.isfinite(logits).all():
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        if norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
-    weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
-    if norm:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    raise ModelFileError(
+        f"{where}the router's output is not finite (NaN/inf); "
+        "the model file is broken (corrupted weights or hyperparameters)"
+    )
 
 
 def f32_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

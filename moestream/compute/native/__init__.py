@@ -7,6 +7,9 @@ GIL for the duration of each call: that is what lets reader threads convert expe
 
 If there is no compiler, or the build fails, `lib()` returns None, callers use their torch/numpy
 path, and we warn once. Set MOESTREAM_NO_NATIVE=1 to force that path.
+
+Every entry point checks its sizes, counts and pointers and returns a negative code when one is out of
+range; the ctypes declarations raise ComputeError for it (errcheck), so no caller can overlook a refusal.
 """
 
 from __future__ import annotations
@@ -22,9 +25,13 @@ import sys
 import tempfile
 import threading
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from moestream.errors import ComputeError
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +71,16 @@ def _compiler() -> str | None:
     return shutil.which(cc)
 
 
-def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> Path:
+def build_library(flags: Sequence[str], out_dir: Path, cc: str | None = None) -> Path:
+    """Compile pack.c and qmm.c with exactly `flags` into out_dir and return the shared library's path.
+
+    The file name is a hash of the sources, flags, compiler and CPU, so an existing build is reused. Tests
+    use this for variant builds (a sanitized one). Raises RuntimeError without a compiler or on a failed build.
+    """
+    cc = cc or _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC or install gcc/clang)")
+    flags = tuple(flags)
     src = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     key = hashlib.sha256(
         b"\0".join([src, " ".join(flags).encode(), cc.encode(), _cpu_fingerprint().encode(), sys.platform.encode()])
@@ -88,54 +104,74 @@ def _build(cc: str, flags: tuple[str, ...], out_dir: Path) -> Path:
     return target
 
 
+def load_library(path: Path) -> ctypes.CDLL:
+    """Load a library made by build_library, its entry points declared (every return code checked)."""
+    library = ctypes.CDLL(str(path))
+    _declare(library)
+    if library.ms_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path}: ABI {library.ms_abi_version()} != {ABI_VERSION}")
+    return library
+
+
+# Return codes of the entry points (enum in blocks.h)
+BAD_TYPE, BAD_SHAPE, NO_SIMD, NO_MEM, BAD_PTR, NOT_FINITE = -1, -2, -3, -4, -5, -6
+_REASONS = {
+    BAD_TYPE: "unsupported weight type",
+    BAD_SHAPE: "sizes or counts out of range or inconsistent",
+    NO_SIMD: "this build has no AVX-512 VNNI kernels",
+    NO_MEM: "out of memory",
+    BAD_PTR: "a null or misaligned buffer",
+    NOT_FINITE: "non-finite values (NaN/inf) in its input",
+}
+
+
+def _check(result: int, func: Any, args: tuple) -> int:
+    """ctypes errcheck of each entry point that returns a status or a size: a negative result raises."""
+    if result >= 0:
+        return result
+    shown = ", ".join("*" if t is ctypes.c_void_p else repr(a) for t, a in zip(func.argtypes, args, strict=False))
+    reason = _REASONS.get(result, "unknown error")
+    raise ComputeError(f"native kernel {func.__name__}({shown}) refused: {reason} (code {result})", result)
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    vp, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ms_dequant.argtypes = [c_int, vp, i64, vp, c_int]
-    lib.ms_dequant.restype = c_int
-    lib.ms_pack_int4.argtypes = [c_int, vp, i64, i64, vp, vp]
-    lib.ms_pack_int4.restype = c_int
-    lib.ms_int4_to_bf16.argtypes = [vp, vp, i64, i64, i64, i64, vp]
-    lib.ms_int4_to_bf16.restype = c_int
-    lib.ms_abi_version.argtypes = []
-    lib.ms_abi_version.restype = c_int
-    lib.ms_has_simd.argtypes = []
-    lib.ms_has_simd.restype = c_int
-    lib.ms_lane_supported.argtypes = []
-    lib.ms_lane_supported.restype = c_int
-    lib.ms_lane_row_bytes.argtypes = [c_int, i64]
-    lib.ms_lane_row_bytes.restype = i64
-    lib.ms_lane_pack.argtypes = [c_int, vp, i64, i64, vp]
-    lib.ms_lane_pack.restype = c_int
-    lib.ms_lane_pack_many.argtypes = [c_int, vp, vp, vp, vp, vp]
-    lib.ms_lane_pack_many.restype = c_int
-    lib.ms_lane_unpack.argtypes = [c_int, vp, i64, i64, vp]
-    lib.ms_lane_unpack.restype = c_int
-    lib.ms_set_threads.argtypes = [c_int]
-    lib.ms_set_threads.restype = c_int
-    lib.ms_set_spin_us.argtypes = [ctypes.c_double]
-    lib.ms_set_spin_us.restype = None
-    lib.ms_qmm.argtypes = [c_int, vp, i64, i64, vp, i64, i64, vp, i64]
-    lib.ms_qmm.restype = c_int
-    lib.ms_qmm_scratch_bytes.argtypes = [i64, i64]
-    lib.ms_qmm_scratch_bytes.restype = i64
-    lib.ms_moe_scratch_bytes.argtypes = [i64, i64, i64]
-    lib.ms_moe_scratch_bytes.restype = i64
-    lib.ms_moe_ffn.argtypes = [c_int, vp, vp, vp, vp, i64, i64, vp, vp, vp]
-    lib.ms_moe_ffn.restype = c_int
-    lib.ms_rms_norm.argtypes = [vp, vp, i64, i64, ctypes.c_float, vp]
-    lib.ms_rms_norm.restype = c_int
-    lib.ms_gemv_f32.argtypes = [vp, i64, i64, vp, i64, vp]
-    lib.ms_gemv_f32.restype = c_int
-    lib.ms_rope_neox.argtypes = [vp, i64, i64, i64, i64, vp, vp]
-    lib.ms_rope_neox.restype = c_int
-    lib.ms_attn_decode.argtypes = [vp, vp, vp, i64, i64, i64, i64, c_int, ctypes.c_float, vp]
-    lib.ms_attn_decode.restype = c_int
-    lib.ms_route_topk.argtypes = [vp, i64, i64, i64, c_int, vp, vp]
-    lib.ms_route_topk.restype = c_int
-    f32 = ctypes.c_float
-    lib.ms_attn_block_decode.argtypes = [vp, vp, i64, f32, c_int, vp, vp, vp, i64, i64, i64, vp, vp, i64,
-                                         vp, vp, c_int, i64, c_int, vp, vp]  # fmt: skip
-    lib.ms_attn_block_decode.restype = c_int
+    vp, i64, c_int, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    checked = {  # these return 0 (or a size) and a negative code on error: ctypes raises through _check
+        "ms_dequant": ([c_int, vp, i64, vp, c_int], c_int),
+        "ms_pack_int4": ([c_int, vp, i64, i64, vp, vp], c_int),
+        "ms_int4_to_bf16": ([vp, vp, i64, i64, i64, i64, vp], c_int),
+        "ms_lane_row_bytes": ([c_int, i64], i64),
+        "ms_lane_pack": ([c_int, vp, i64, i64, vp], c_int),
+        "ms_lane_pack_many": ([c_int, vp, vp, vp, vp, vp], c_int),
+        "ms_lane_unpack": ([c_int, vp, i64, i64, vp], c_int),
+        "ms_qmm": ([c_int, vp, i64, i64, vp, i64, i64, vp, i64], c_int),
+        "ms_qmm_scratch_bytes": ([i64, i64], i64),
+        "ms_moe_scratch_bytes": ([i64, i64, i64], i64),
+        "ms_moe_ffn": ([c_int, vp, vp, vp, vp, i64, i64, vp, vp, vp], c_int),
+        "ms_rms_norm": ([vp, vp, i64, i64, f32, vp], c_int),
+        "ms_gemv_f32": ([vp, i64, i64, vp, i64, vp], c_int),
+        "ms_rope_neox": ([vp, i64, i64, i64, i64, vp, vp], c_int),
+        "ms_attn_decode": ([vp, vp, vp, i64, i64, i64, i64, c_int, f32, vp], c_int),
+        "ms_route_topk": ([vp, i64, i64, i64, c_int, vp, vp], c_int),
+        "ms_attn_block_decode": (
+            [vp, vp, i64, f32, c_int, vp, vp, vp, i64, i64, i64, vp, vp, i64, vp, vp, c_int, i64, c_int, vp, vp],
+            c_int,
+        ),
+    }
+    plain = {  # queries and settings that cannot fail
+        "ms_abi_version": ([], c_int),
+        "ms_has_simd": ([], c_int),
+        "ms_lane_supported": ([], c_int),
+        "ms_set_threads": ([c_int], c_int),
+        "ms_set_spin_us": ([ctypes.c_double], None),
+    }
+    for table, errcheck in ((checked, _check), (plain, None)):
+        for name, (argtypes, restype) in table.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = restype
+            if errcheck is not None:
+                fn.errcheck = errcheck
 
 
 def _load(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
@@ -147,13 +183,10 @@ def _load(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
         flags = (*BASE_FLAGS, *march, *extra_flags)
         for out_dir in (cache_dir(), Path(tempfile.gettempdir()) / f"moestream-{os.getuid()}"):
             try:
-                path = _build(cc, flags, out_dir)
-                lib = ctypes.CDLL(str(path))
-                _declare(lib)
-                if lib.ms_abi_version() != ABI_VERSION:
-                    raise RuntimeError(f"{path}: ABI {lib.ms_abi_version()} != {ABI_VERSION}")
+                path = build_library(flags, out_dir, cc)
+                library = load_library(path)
                 log.debug("loaded %s", path)
-                return lib
+                return library
             except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
                 errors.append(str(exc))
     raise RuntimeError("; ".join(errors))

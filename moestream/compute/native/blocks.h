@@ -9,6 +9,20 @@
 #include <immintrin.h>
 #endif
 
+/* Return codes of every entry point; the Python side raises ComputeError for each negative one. */
+enum { MS_OK = 0, MS_BAD_TYPE = -1, MS_BAD_SHAPE = -2, MS_NO_SIMD = -3, MS_NO_MEM = -4, MS_BAD_PTR = -5, MS_NOT_FINITE = -6 };
+
+/* Sizes an entry point accepts: each dimension in [1, 2^31] and a matrix at most 2^40 elements, so that no
+ * size or offset computed from them can overflow int64. */
+#define MS_MAX_DIM ((int64_t)1 << 31)
+#define MS_MAX_ELEMS ((int64_t)1 << 40)
+
+static inline int dim_ok(int64_t x) { return x >= 1 && x <= MS_MAX_DIM; }
+static inline int count_ok(int64_t x) { return x >= 0 && x <= MS_MAX_DIM; } /* may be zero */
+static inline int dims_ok(int64_t n, int64_t k) { return dim_ok(n) && dim_ok(k) && n * k <= MS_MAX_ELEMS; }
+/* a * b <= MS_MAX_ELEMS for counts a, b >= 0, without overflowing */
+static inline int prod_ok(int64_t a, int64_t b) { return a >= 0 && b >= 0 && (b == 0 || a <= MS_MAX_ELEMS / b); }
+
 static inline float fp16_to_fp32(uint16_t h) {
 #if defined(__F16C__) && !defined(MS_SCALAR)
     return _cvtsh_ss(h);

@@ -3,7 +3,7 @@
  * Loaded with ctypes (no Python API), so every call runs without the GIL and reader threads convert
  * experts in parallel. All output goes to caller-provided memory; nothing here allocates.
  *
- * Built by moestream/native/__init__.py with `cc -O3 -march=native -ffp-contract=off -fPIC -shared`.
+ * Built by moestream/compute/native/__init__.py with `cc -O3 -march=native -ffp-contract=off -fPIC -shared`.
  * fp-contract is off so the float32 decoders round exactly like the numpy reference (no fused a*b-c).
  * Define MS_SCALAR to build without SIMD intrinsics (tests compare both builds).
  */
@@ -22,8 +22,6 @@
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
 };
-
-enum { MS_OK = 0, MS_BAD_TYPE = -1, MS_BAD_SHAPE = -2 };
 
 #define QK_K 256
 
@@ -166,6 +164,11 @@ static void f32_to_bf16_n(const float *x, uint16_t *y, int64_t n) {
 
 /* Decode n_elems weights of `type` into dst: float32 if out_bf16 == 0, else bfloat16 (uint16 bits). */
 int ms_dequant(int type, const uint8_t *src, int64_t n_elems, void *dst, int out_bf16) {
+    if (!src || !dst) return MS_BAD_PTR;
+    if (n_elems < 1 || n_elems > MS_MAX_ELEMS) return MS_BAD_SHAPE;
+    /* F32/F16/BF16 are read and written as arrays of their type: they must be naturally aligned */
+    const uintptr_t align = type == T_F32 ? 4 : type == T_F16 || type == T_BF16 ? 2 : 1;
+    if ((uintptr_t)src % align || (uintptr_t)dst % (out_bf16 ? 2 : 4)) return MS_BAD_PTR;
     float *yf = (float *)dst;
     uint16_t *yb = (uint16_t *)dst;
     switch (type) {
@@ -294,7 +297,8 @@ static void pack_tile(const uint8_t *base, int64_t stride, const int off[2], con
 /* W [n, k] as GGUF Q4_0 or Q4_K rows -> packed [n, k/2] uint8 and scales_and_zeros [k/32, n, 2] bf16
  * such that w = (q - 8) * scale + zero. n must be a multiple of 64, k of the block size. */
 int ms_pack_int4(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *packed, uint16_t *sz) {
-    if (n % 64 || k % 32) return MS_BAD_SHAPE;
+    if (!src || !packed || !sz || (uintptr_t)sz % 2) return MS_BAD_PTR;
+    if (!dims_ok(n, k) || n % 64 || k % 32) return MS_BAD_SHAPE;
     if (type == T_Q4_0) {
         const int64_t stride = k / 32 * 18, ng = k / 32;
         const int off[2] = {2, 2}, sel[2] = {0, 1};
@@ -348,7 +352,9 @@ int ms_pack_int4(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *pa
  * the row range lets callers expand a big matrix a slice at a time. row0, row1: multiples of 64. */
 int ms_int4_to_bf16(const uint8_t *packed, const uint16_t *sz, int64_t n, int64_t k, int64_t row0,
                     int64_t row1, uint16_t *out) {
-    if (n % 64 || k % 32 || row0 % 64 || row1 % 64 || row0 < 0 || row1 > n || row0 > row1) return MS_BAD_SHAPE;
+    if (!packed || !sz || !out || (uintptr_t)sz % 2 || (uintptr_t)out % 2) return MS_BAD_PTR;
+    if (!dims_ok(n, k) || n % 64 || k % 32 || row0 % 64 || row1 % 64 || row0 < 0 || row1 > n || row0 > row1)
+        return MS_BAD_SHAPE;
     uint8_t c[32][32]; /* [d][column]: low nibble row d, high nibble row d + 32 */
     for (int64_t nb = row0 / 64; nb < row1 / 64; nb++) {
         for (int64_t g = 0; g < k / 32; g++) {

@@ -42,6 +42,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -64,7 +65,6 @@
 #define PF_HINT _MM_HINT_T1
 
 enum { QT_Q4_0 = 2, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
-enum { QM_OK = 0, QM_BAD_TYPE = -1, QM_BAD_SHAPE = -2, QM_NO_SIMD = -3, QM_NO_MEM = -4 };
 
 /* ---------------------------------------------------------------------------------------------------- */
 /* layout sizes */
@@ -92,8 +92,8 @@ static int64_t super_bytes(int type) { /* bytes per 256 weights (8 lanes) of a r
 }
 
 int64_t ms_lane_row_bytes(int type, int64_t k) {
-    if (super_bytes(type) < 0) return QM_BAD_TYPE;
-    if (k % 256) return QM_BAD_SHAPE;
+    if (super_bytes(type) < 0) return MS_BAD_TYPE;
+    if (!dim_ok(k) || k % 256) return MS_BAD_SHAPE;
     return super_bytes(type) * (k / 256);
 }
 
@@ -323,6 +323,8 @@ static const int64_t gguf_block_elems[] = {[QT_Q4_0] = 32, [QT_Q8_0] = 32, [QT_Q
 int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
     int64_t rb = ms_lane_row_bytes(type, k);
     if (rb < 0) return (int)rb;
+    if (!dims_ok(n, k)) return MS_BAD_SHAPE;
+    if (!src || !dst) return MS_BAD_PTR;
     int64_t sb = k / gguf_block_elems[type] * gguf_block_bytes[type];
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *s = src + r * sb;
@@ -332,13 +334,15 @@ int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *ds
         else if (type == QT_Q4_K || type == QT_Q5_K) pack_row_k(s, k, d, type == QT_Q5_K);
         else pack_row_q6_k(s, k, d);
     }
-    return QM_OK;
+    return MS_OK;
 }
 
 /* The float weights of the lane layout, row by row (tests and the bf16 expansion for long prompts). */
 int ms_lane_unpack(int type, const uint8_t *w, int64_t n, int64_t k, float *out) {
     int64_t rb = ms_lane_row_bytes(type, k);
     if (rb < 0) return (int)rb;
+    if (!dims_ok(n, k)) return MS_BAD_SHAPE;
+    if (!w || !out || (uintptr_t)out % 4) return MS_BAD_PTR;
     int64_t nsub = k / 32;
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *g = w + r * rb;
@@ -378,7 +382,7 @@ int ms_lane_unpack(int type, const uint8_t *w, int64_t n, int64_t k, float *out)
             g += group_bytes(type, L);
         }
     }
-    return QM_OK;
+    return MS_OK;
 }
 
 /* ---------------------------------------------------------------------------------------------------- */
@@ -417,7 +421,7 @@ static inline void cpu_relax(void) {
  * the cores between calls (reader threads packing a prompt's misses). */
 static _Atomic double spin_s = 2e-3;
 
-void ms_set_spin_us(double us) { atomic_store(&spin_s, us * 1e-6); }
+void ms_set_spin_us(double us) { atomic_store(&spin_s, us >= 0 && us <= 1e6 ? us * 1e-6 : us > 1e6 ? 1.0 : 0.0); }
 
 static void run_tasks(void) {
     int64_t t;
@@ -511,15 +515,22 @@ static void pack_many_task(void *c, int64_t t) {
     int64_t rb = ms_lane_row_bytes(type, k);
     int64_t sb = k / gguf_block_elems[type] * gguf_block_bytes[type];
     int rc = ms_lane_pack(type, x->srcs[s] + r0 * sb, r1 - r0, k, x->dsts[s] + r0 * rb);
-    if (rc != QM_OK) atomic_store(&x->rc, rc);
+    if (rc != MS_OK) atomic_store(&x->rc, rc);
 }
 
 int ms_lane_pack_many(int count, const int *types, const uint8_t *const *srcs, const int64_t *ns, const int64_t *ks,
                       uint8_t *const *dsts) {
-    for (int i = 0; i < count; i++)
-        if (ms_lane_row_bytes(types[i], ks[i]) < 0) return (int)ms_lane_row_bytes(types[i], ks[i]);
+    if (count < 0) return MS_BAD_SHAPE;
+    if (count == 0) return MS_OK;
+    if (!types || !srcs || !ns || !ks || !dsts) return MS_BAD_PTR;
+    for (int i = 0; i < count; i++) {
+        int64_t rb = ms_lane_row_bytes(types[i], ks[i]);
+        if (rb < 0) return (int)rb;
+        if (!dims_ok(ns[i], ks[i])) return MS_BAD_SHAPE;
+        if (!srcs[i] || !dsts[i]) return MS_BAD_PTR;
+    }
     int threads = P.n + 1;
-    pack_many_ctx x = {types, srcs, ns, ks, dsts, count >= 2 * threads ? 1 : (2 * threads + count - 1) / count, QM_OK};
+    pack_many_ctx x = {types, srcs, ns, ks, dsts, count >= 2 * threads ? 1 : (2 * threads + count - 1) / count, MS_OK};
     dispatch(pack_many_task, &x, count * x.parts);
     return atomic_load(&x.rc);
 }
@@ -554,6 +565,15 @@ static xprep xprep_from(const xprep *x, int64_t r, int64_t k) {
     return (xprep){x->q + r * k, x->dx + ns, x->dxsx + ns, x->n8sx + ns, x->n32lo + ns, x->n32hi + ns};
 }
 
+/* A block's scale d and its inverse id. A block of subnormals (127 / amax overflows) quantizes to zeros. A
+ * block holding NaN/inf is made zeros with a NaN scale by the caller: the product comes out NaN (reported
+ * by the router check upstream) and the integer sums never overflow. */
+static inline void block_scale(float amax, float *d, float *id) {
+    *d = amax / 127.0f;
+    *id = amax > 0 ? 127.0f / amax : 0.0f;
+    if (*id > FLT_MAX) *d = *id = 0.0f;
+}
+
 /* one row of x (K floats) -> int8 in lane step order */
 #ifdef MS_VNNI
 static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row) {
@@ -567,9 +587,16 @@ static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row)
             const float *v = x + (s0 + j) * 32;
             __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
             float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
-            float d = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
+            float d, id;
+            block_scale(amax, &d, &id);
             __m512 idv = _mm512_set1_ps(id);
             __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+            /* NaN/inf converts to INT32_MIN, which no finite input reaches (|v * id| <= 127) */
+            const __m512i nan_i = _mm512_set1_epi32(INT32_MIN);
+            if (_mm512_cmpeq_epi32_mask(i0, nan_i) | _mm512_cmpeq_epi32_mask(i1, nan_i)) {
+                i0 = i1 = _mm512_setzero_si512();
+                d = NAN;
+            }
             int lo_sum = _mm512_reduce_add_epi32(i0), hi_sum = _mm512_reduce_add_epi32(i1), sum = lo_sum + hi_sum;
             __m128i lo = _mm512_cvtepi32_epi8(i0), hi = _mm512_cvtepi32_epi8(i1);
             int32_t *o = (int32_t *)q;
@@ -601,11 +628,17 @@ static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row)
             const float *v = x + (s0 + j) * 32;
             float amax = 0;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
-            float d = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
-            int half[2] = {0, 0};
+            float d, id;
+            block_scale(amax, &d, &id);
+            int half[2] = {0, 0}, finite = 1;
             int8_t qq[32];
+            for (int i = 0; i < 32; i++) finite &= fabsf(v[i] * id) <= 127.5f;
+            if (!finite) { /* as the SIMD version: NaN/inf quantizes to zeros with a NaN scale */
+                id = 0;
+                d = NAN;
+            }
             for (int i = 0; i < 32; i++) {
-                int v8 = (int)lrintf(v[i] * id);
+                int v8 = finite ? (int)lrintf(v[i] * id) : 0;
                 qq[i] = (int8_t)v8;
                 half[i >= 16] += v8;
             }
@@ -645,6 +678,13 @@ static void qmm_rows(const qmm_job *J, int64_t r0, int64_t r1);
 /* One token, two rows at a time: the activation loads are shared and the two rows' dot products are
  * independent chains (decode is this case: its speed is the speed of the engine). `T` is a constant at
  * every call site, so each type gets its own copy of the loop. */
+/* 4 bytes at any alignment (a row of the lane layout need not start on a multiple of 4) */
+static inline int32_t rd_i32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 static inline __attribute__((always_inline)) void group_scales(int T, const uint8_t *g, int L, __mmask16 mf,
                                                                __m512 *scale, __m512 *mins) {
     if (T == QT_Q8_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 32 * L));
@@ -653,7 +693,7 @@ static inline __attribute__((always_inline)) void group_scales(int T, const uint
         const uint8_t *sc = g + 24 * L, *dd = sc + 2 * L;
         __m512 dv;
         if (L == 16) {
-            __m512 d2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(*(const int32_t *)dd)));
+            __m512 d2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(rd_i32(dd))));
             dv = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), d2);
         } else {
             dv = _mm512_set1_ps(rd_fp16((dd)));
@@ -664,8 +704,8 @@ static inline __attribute__((always_inline)) void group_scales(int T, const uint
         const uint8_t *sc = g + (T == QT_Q5_K ? 20 : 16) * L, *mn = sc + L, *dd = mn + L, *dm = dd + L / 4;
         __m512 dv, mv;
         if (L == 16) {
-            __m512 d2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(*(const int32_t *)dd)));
-            __m512 m2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(*(const int32_t *)dm)));
+            __m512 d2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(rd_i32(dd))));
+            __m512 m2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(rd_i32(dm))));
             const __m512i sel = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
             dv = _mm512_permutexvar_ps(sel, d2);
             mv = _mm512_permutexvar_ps(sel, m2);
@@ -959,27 +999,31 @@ static void *scratch_get(size_t n) {
 }
 
 /* Bytes of scratch a call with m rows of k (and for ms_moe_ffn, ffn f) holds while it runs. */
-int64_t ms_qmm_scratch_bytes(int64_t m, int64_t k) { return (int64_t)xprep_bytes(m, k); }
+int64_t ms_qmm_scratch_bytes(int64_t m, int64_t k) {
+    if (!count_ok(m) || !dim_ok(k) || !prod_ok(m, k)) return MS_BAD_SHAPE;
+    return (int64_t)xprep_bytes(m, k);
+}
 
 /* y[m, n] = x[m, k] @ W.T for W in the lane layout. x rows are ldx floats apart, y rows ldy. */
 int ms_qmm(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, int64_t ldx, float *y,
            int64_t ldy) {
 #ifndef MS_VNNI
     (void)type; (void)w; (void)n; (void)k; (void)x; (void)m; (void)ldx; (void)y; (void)ldy;
-    return QM_NO_SIMD;
+    return MS_NO_SIMD;
 #else
-    if (super_bytes(type) < 0) return QM_BAD_TYPE;
-    if (k % 256 || m < 0) return QM_BAD_SHAPE;
-    if (m == 0) return QM_OK;
+    if (super_bytes(type) < 0) return MS_BAD_TYPE;
+    if (!dims_ok(n, k) || k % 256 || !count_ok(m) || !prod_ok(m, ldx) || ldx < k || ldy < n) return MS_BAD_SHAPE;
+    if (m == 0) return MS_OK;
+    if (!w || !x || !y) return MS_BAD_PTR;
     void *mem = scratch_get(xprep_bytes(m, k));
-    if (!mem) return QM_NO_MEM;
+    if (!mem) return MS_NO_MEM;
     xprep xp;
     xprep_bind(&xp, mem, m, k);
     quant_ctx qc = {x, k, ldx, &xp};
     dispatch(quant_task, &qc, m);
     qmm_job job = {type, w, n, k, &xp, m, y, ldy};
     run_jobs(&job, 1);
-    return QM_OK;
+    return MS_OK;
 #endif
 }
 
@@ -1005,6 +1049,7 @@ static void swiglu_task(void *vctx, int64_t t) {
 }
 
 int64_t ms_moe_scratch_bytes(int64_t rows, int64_t h, int64_t f) {
+    if (!count_ok(rows) || !dim_ok(h) || !dim_ok(f) || !prod_ok(rows, 2 * (h > f ? h : f))) return MS_BAD_SHAPE;
     return (int64_t)(xprep_bytes(rows, h) + xprep_bytes(rows, f) + (size_t)rows * 2 * f * 4 + 256);
 }
 
@@ -1030,20 +1075,24 @@ int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const 
                int64_t h, int64_t f, const float *const *x, const int64_t *m, float *const *out) {
 #ifndef MS_VNNI
     (void)n_exp; (void)type_gu; (void)w_gu; (void)type_d; (void)w_d; (void)h; (void)f; (void)x; (void)m; (void)out;
-    return QM_NO_SIMD;
+    return MS_NO_SIMD;
 #else
-    if (h % 256 || f % 256) return QM_BAD_SHAPE;
-    if (n_exp < 1 || n_exp > 1024) return QM_BAD_SHAPE;
+    if (!dim_ok(h) || !dim_ok(f) || h % 256 || f % 256) return MS_BAD_SHAPE;
+    if (n_exp < 1 || n_exp > 1024) return MS_BAD_SHAPE;
+    if (!type_gu || !w_gu || !type_d || !w_d || !x || !m || !out) return MS_BAD_PTR;
     int64_t rows = 0, row0[n_exp + 1];
     for (int e = 0; e < n_exp; e++) {
-        if (super_bytes(type_gu[e]) < 0 || super_bytes(type_d[e]) < 0) return QM_BAD_TYPE;
+        if (super_bytes(type_gu[e]) < 0 || super_bytes(type_d[e]) < 0) return MS_BAD_TYPE;
+        if (!count_ok(m[e])) return MS_BAD_SHAPE;
+        if (m[e] && (!w_gu[e] || !w_d[e] || !x[e] || !out[e])) return MS_BAD_PTR;
         row0[e] = rows;
         rows += m[e];
     }
     row0[n_exp] = rows;
-    if (rows < 1) return QM_OK;
+    if (rows < 1) return MS_OK;
+    if (!prod_ok(rows, 2 * (h > f ? h : f))) return MS_BAD_SHAPE;
     uint8_t *mem = scratch_get(ms_moe_scratch_bytes(rows, h, f));
-    if (!mem) return QM_NO_MEM;
+    if (!mem) return MS_NO_MEM;
     xprep xin, xact;
     xprep_bind(&xin, mem, rows, h);
     mem += (xprep_bytes(rows, h) + 63) / 64 * 64;
@@ -1076,7 +1125,7 @@ int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const 
         jobs[nj++] = (qmm_job){type_d[e], w_d[e], h, f, &xacts[e], m[e], out[e], h};
     }
     run_jobs(jobs, nj);
-    return QM_OK;
+    return MS_OK;
 #endif
 }
 
@@ -1085,6 +1134,8 @@ int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const 
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of `dim` floats (out may be x) */
 int ms_rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, float eps, float *out) {
+    if (!dim_ok(dim) || !count_ok(rows) || !prod_ok(rows, dim)) return MS_BAD_SHAPE;
+    if (rows && (!x || !w || !out)) return MS_BAD_PTR;
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         float *o = out + r * dim;
@@ -1102,7 +1153,7 @@ int ms_rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, float
         float scale = 1.0f / sqrtf((float)(ss / dim) + eps);
         for (i = 0; i < dim; i++) o[i] = xr[i] * scale * w[i];
     }
-    return QM_OK;
+    return MS_OK;
 }
 
 typedef struct {
@@ -1138,14 +1189,20 @@ static void gemv_task(void *vctx, int64_t t) {
 
 /* y[m, n] = x[m, k] @ W.T for a float32 W [n, k], on the pool (routers: exact weights, read once per token) */
 int ms_gemv_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t m, float *y) {
+    if (!dims_ok(n, k) || !count_ok(m) || !prod_ok(m, k) || !prod_ok(m, n)) return MS_BAD_SHAPE;
+    if (m == 0) return MS_OK;
+    if (!w || !x || !y) return MS_BAD_PTR;
     gemv_ctx c = {w, x, n, k, m, y};
     dispatch(gemv_task, &c, (n + GEMV_ROWS - 1) / GEMV_ROWS);
-    return QM_OK;
+    return MS_OK;
 }
 
 /* NeoX rotary embedding in place: x [T][H][D] float32, the first rot dims rotated as two halves, with
  * cos/sin tables [T][rot/2] for the T positions. */
 int ms_rope_neox(float *x, int64_t t, int64_t h, int64_t d, int64_t rot, const float *cosv, const float *sinv) {
+    if (!count_ok(t) || !count_ok(h) || !dim_ok(d) || rot < 0 || rot > d || rot % 2) return MS_BAD_SHAPE;
+    if (!prod_ok(t, h) || !prod_ok(t * h, d) || !prod_ok(t, rot)) return MS_BAD_SHAPE;
+    if (t && h && (!x || !cosv || !sinv)) return MS_BAD_PTR;
     const int64_t half = rot / 2;
     for (int64_t i = 0; i < t; i++) {
         const float *c = cosv + i * half, *s = sinv + i * half;
@@ -1158,7 +1215,7 @@ int ms_rope_neox(float *x, int64_t t, int64_t h, int64_t d, int64_t rot, const f
             }
         }
     }
-    return QM_OK;
+    return MS_OK;
 }
 
 /* Attention of one new token: q [H][D] float32 over keys/values [S][Hkv][D] (bf16 when kv_bf16, else
@@ -1170,6 +1227,7 @@ typedef struct {
     int bf16;
     float scale;
     float *out;
+    _Atomic int rc;
 } attn_ctx;
 
 static inline float kv_at(const void *p, int bf16, int64_t i) {
@@ -1194,7 +1252,10 @@ static inline __m512 kv16(const void *p, int bf16, int64_t i) {
 static void attn_task_simd(attn_ctx *c, int64_t g) {
     const int64_t rep = c->h / c->hkv, d = c->d, s = c->s, stride = c->hkv * d, nv = d / 16;
     float *sc = malloc(sizeof(float) * (size_t)(rep * s));
-    if (!sc) return;
+    if (!sc) {
+        atomic_store(&c->rc, MS_NO_MEM);
+        return;
+    }
     __m512 row[16];
     for (int64_t t = 0; t < s; t++) {
         for (int64_t e = 0; e < nv; e++) row[e] = kv16(c->k, c->bf16, t * stride + g * d + 16 * e);
@@ -1235,7 +1296,10 @@ static void attn_task(void *vctx, int64_t g) {
 #endif
     const int64_t rep = c->h / c->hkv, d = c->d, s = c->s, stride = c->hkv * d;
     float *sc = malloc(sizeof(float) * (size_t)(rep * s + d));
-    if (!sc) return;
+    if (!sc) {
+        atomic_store(&c->rc, MS_NO_MEM);
+        return;
+    }
     float *row = sc + rep * s;
     for (int64_t t = 0; t < s; t++) { /* scores */
         for (int64_t e = 0; e < d; e++) row[e] = kv_at(c->k, c->bf16, t * stride + g * d + e);
@@ -1266,30 +1330,47 @@ static void attn_task(void *vctx, int64_t g) {
 
 int ms_attn_decode(const float *q, const void *k, const void *v, int64_t s, int64_t h, int64_t hkv, int64_t d,
                    int kv_bf16, float scale, float *out) {
-    if (hkv < 1 || h % hkv || s < 1) return QM_BAD_SHAPE;
-    attn_ctx c = {q, k, v, s, h, hkv, d, kv_bf16, scale, out};
+    if (!dim_ok(s) || !dim_ok(h) || !dim_ok(hkv) || !dim_ok(d) || h % hkv) return MS_BAD_SHAPE;
+    if (!prod_ok(s, hkv) || !prod_ok(s * hkv, d) || !prod_ok(h, d) || !prod_ok(s, h / hkv)) return MS_BAD_SHAPE;
+    if (!q || !k || !v || !out) return MS_BAD_PTR;
+    attn_ctx c = {q, k, v, s, h, hkv, d, kv_bf16, scale, out, MS_OK};
     dispatch(attn_task, &c, hkv);
-    return QM_OK;
+    return atomic_load(&c.rc);
 }
 
 /* Router: per row of logits [T][E], softmax, the k largest (ties: lower id first), weights renormalised to
- * sum to 1 when norm. ids [T][k] int64 and weights [T][k] float32, largest first. */
+ * sum to 1 when norm. ids [T][k] int64 and weights [T][k] float32, largest first.
+ * A row with a NaN/inf logit has no meaningful choice: it gets ids 0..k-1 and weights 0 (in bounds, the same
+ * every time) and the call returns MS_NOT_FINITE, which the caller reports as a broken model file. */
 int ms_route_topk(const float *logits, int64_t t, int64_t e, int64_t k, int norm, int64_t *ids, float *w) {
-    if (k < 1 || k > e) return QM_BAD_SHAPE;
+    if (!dim_ok(e) || k < 1 || k > e || !count_ok(t) || !prod_ok(t, e)) return MS_BAD_SHAPE;
+    if (t == 0) return MS_OK;
+    if (!logits || !ids || !w) return MS_BAD_PTR;
     float *p = malloc(sizeof(float) * (size_t)e);
-    if (!p) return QM_NO_MEM;
+    if (!p) return MS_NO_MEM;
+    int rc = MS_OK;
     for (int64_t i = 0; i < t; i++) {
         const float *l = logits + i * e;
-        float mx = -INFINITY, sum = 0;
-        for (int64_t j = 0; j < e; j++) mx = fmaxf(mx, l[j]);
+        int64_t *id = ids + i * k;
+        float *wi = w + i * k, mx = -INFINITY, sum = 0, tot = 0;
+        int finite = 1;
+        for (int64_t j = 0; j < e; j++) {
+            finite &= isfinite(l[j]) != 0;
+            mx = fmaxf(mx, l[j]);
+        }
+        if (!finite) {
+            for (int64_t r = 0; r < k; r++) id[r] = r, wi[r] = 0.0f;
+            rc = MS_NOT_FINITE;
+            continue;
+        }
+        /* finite logits: every p[j] is finite and >= 0 and the max is 1, so each pass finds an expert */
         for (int64_t j = 0; j < e; j++) sum += (p[j] = expf(l[j] - mx));
         for (int64_t j = 0; j < e; j++) p[j] /= sum;
-        int64_t *id = ids + i * k;
-        float *wi = w + i * k, tot = 0;
         for (int64_t r = 0; r < k; r++) { /* k passes: k is small (8) */
             int64_t best = -1;
             for (int64_t j = 0; j < e; j++)
                 if (p[j] >= 0 && (best < 0 || p[j] > p[best])) best = j;
+            if (best < 0) best = r; /* unreachable (k <= e); keeps the index in bounds regardless */
             id[r] = best;
             wi[r] = p[best];
             tot += p[best];
@@ -1299,7 +1380,7 @@ int ms_route_topk(const float *logits, int64_t t, int64_t e, int64_t k, int norm
             for (int64_t r = 0; r < k; r++) wi[r] /= tot;
     }
     free(p);
-    return QM_OK;
+    return rc;
 }
 
 /* A whole grouped-query attention block for one decode token (qwen3moe): RMSNorm of x, the fused q|k|v
@@ -1312,21 +1393,30 @@ int ms_attn_block_decode(const float *x, const float *norm_w, int64_t hidden, fl
                          int64_t n_kv, int64_t head_dim, const float *cosv, const float *sinv, int64_t rot,
                          void *k_cache, void *v_cache, int kv_bf16, int64_t pos, int o_type, const uint8_t *o_w,
                          float *out) {
+    if (!dim_ok(hidden) || !dim_ok(n_heads) || !dim_ok(n_kv) || !dim_ok(head_dim) || n_heads % n_kv) return MS_BAD_SHAPE;
+    if (!prod_ok(n_heads, head_dim) || rot < 0 || rot > head_dim || rot % 2 || pos < 0) return MS_BAD_SHAPE;
+    if (!prod_ok(pos + 1, n_kv * head_dim)) return MS_BAD_SHAPE;
+    if (!x || !norm_w || !qkv_w || !q_norm || !k_norm || !cosv || !sinv || !k_cache || !v_cache || !o_w || !out)
+        return MS_BAD_PTR;
     const int64_t nq = n_heads * head_dim, nkv = n_kv * head_dim, nqkv = nq + 2 * nkv;
     float *buf = malloc(sizeof(float) * (size_t)(hidden + nqkv + nq));
-    if (!buf) return QM_NO_MEM;
+    if (!buf) return MS_NO_MEM;
     float *xn = buf, *qkv = xn + hidden, *att = qkv + nqkv;
     int rc = ms_rms_norm(x, norm_w, 1, hidden, eps, xn);
-    if (rc == QM_OK) rc = ms_qmm(qkv_type, qkv_w, nqkv, hidden, xn, 1, hidden, qkv, nqkv);
-    if (rc != QM_OK) {
+    if (rc == MS_OK) rc = ms_qmm(qkv_type, qkv_w, nqkv, hidden, xn, 1, hidden, qkv, nqkv);
+    if (rc != MS_OK) {
         free(buf);
         return rc;
     }
     float *q = qkv, *k = qkv + nq, *v = k + nkv;
-    ms_rms_norm(q, q_norm, n_heads, head_dim, eps, q);
-    ms_rms_norm(k, k_norm, n_kv, head_dim, eps, k);
-    ms_rope_neox(q, 1, n_heads, head_dim, rot, cosv, sinv);
-    ms_rope_neox(k, 1, n_kv, head_dim, rot, cosv, sinv);
+    rc = ms_rms_norm(q, q_norm, n_heads, head_dim, eps, q);
+    if (rc == MS_OK) rc = ms_rms_norm(k, k_norm, n_kv, head_dim, eps, k);
+    if (rc == MS_OK) rc = ms_rope_neox(q, 1, n_heads, head_dim, rot, cosv, sinv);
+    if (rc == MS_OK) rc = ms_rope_neox(k, 1, n_kv, head_dim, rot, cosv, sinv);
+    if (rc != MS_OK) {
+        free(buf);
+        return rc;
+    }
     for (int64_t i = 0; i < nkv; i++) {
         if (kv_bf16) { /* round to nearest even, as torch's .to(bfloat16) */
             uint32_t bk, bv;
@@ -1340,7 +1430,7 @@ int ms_attn_block_decode(const float *x, const float *norm_w, int64_t hidden, fl
         }
     }
     rc = ms_attn_decode(q, k_cache, v_cache, pos + 1, n_heads, n_kv, head_dim, kv_bf16, 1.0f / sqrtf((float)head_dim), att);
-    if (rc == QM_OK) rc = ms_qmm(o_type, o_w, hidden, nq, att, 1, nq, out, hidden);
+    if (rc == MS_OK) rc = ms_qmm(o_type, o_w, hidden, nq, att, 1, nq, out, hidden);
     free(buf);
     return rc;
 }
