@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moestream.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("pack.c", "qmm.c"))
@@ -40,11 +42,6 @@ _libs: dict[tuple[str, ...], ctypes.CDLL | None] = {}
 _warned = False
 _int4_ok: bool | None = None
 _lane_ok: bool | None = None
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moestream"
 
 
 def _cpu_fingerprint() -> str:
