@@ -294,6 +294,12 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     adders[command](p)
 
 
+def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
+    """The analysis commands on a subparsers object, for programs that embed them."""
+    for name in ("probe", "replay", "stats", "profile", "forecast"):
+        add_arguments(name, sub.add_parser(name))
+
+
 def _probe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--file", help="a GGUF model (reads its own expert segment size) or any large file")
     p.add_argument("--dir", help="write a temporary test file here, probe it and delete it")
