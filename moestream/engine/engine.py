@@ -180,6 +180,7 @@ class Engine:
             bytes_read=cs.bytes_read,
             used_slots=self.cache.used_slots,
             n_slots=self.cache.n_slots,
+            slot_nbytes=self.cache.slot_nbytes,
             pinned_slots=self.cache.pinned_slots,
             pinned_hits=cs.pinned_hits,
             read_ahead=self.cache.read_ahead,
@@ -192,6 +193,10 @@ class Engine:
             read_run_len=r.run_len,
             read_buffer_wait_s=r.buffer_wait_s,
         )
+
+    def wait_prefault(self) -> None:
+        """Block until the expert cache's memory is committed (with a budget it is, in the background)."""
+        self.cache.wait_prefault()
 
     def preload(self) -> int:
         """Read experts into the LRU until it is full, layer by layer (benchmarks: compute without reads).

@@ -78,6 +78,7 @@ class EngineSnapshot:
     bytes_read: int = 0
     used_slots: int = 0  # slots holding an expert in the LRU part
     n_slots: int = 0  # slots the budget bought
+    slot_nbytes: int = 0  # bytes of one slot
     pinned_slots: int = 0
     pinned_hits: int = 0
     read_ahead: bool = False  # whether the prompt read-ahead runs

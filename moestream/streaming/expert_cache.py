@@ -728,6 +728,11 @@ class ExpertCache:
         self._prefault_thread = t
         return t
 
+    def wait_prefault(self) -> None:
+        """Block until a background prefault has committed the arena (benchmarks that time a committed cache)."""
+        if self._prefault_thread is not None:
+            self._prefault_thread.join()
+
     def _release_memory(self, slot: int) -> None:
         start = slot * self.slot_nbytes
         self._arena.madvise(mmap.MADV_DONTNEED, start, self.slot_nbytes)
