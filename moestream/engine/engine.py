@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Generator, Iterator
 from dataclasses import asdict
 
@@ -64,7 +65,9 @@ class Engine:
         self._torch_threads = 0  # set by the first forward call
         self._spin_us = 0
         self._token = 0  # session index of the first token of the current forward call
-        self._active: Generator | None = None  # the generation a stream() consumer has not finished yet
+        # the generation a stream() consumer has not finished yet; weak, so that a consumer's `break` drops
+        # the last reference and ends it at once
+        self._active: weakref.ref[Generator] | None = None
 
     # -- construction steps -----------------------------------------------------------------------------
 
@@ -235,7 +238,7 @@ class Engine:
         self._check_prompt(prompt)
         self._finish_active()
         steps = self._steps(prompt, max_new_tokens, sampler or Sampler(), stop_ids or set(), GenerationStats())
-        self._active = steps
+        self._active = weakref.ref(steps)
         return steps
 
     def generate(
@@ -263,9 +266,10 @@ class Engine:
             )
 
     def _finish_active(self) -> None:
-        if self._active is not None:
-            self._active.close()
-            self._active = None
+        steps = self._active() if self._active is not None else None
+        self._active = None
+        if steps is not None:
+            steps.close()
 
     def _reuse_prefix(self, prompt: list[int]) -> int:
         """Keep the KV cache for the longest prefix this prompt shares with what it holds; its length."""
