@@ -155,7 +155,7 @@ def write_route_trace(path: str, parts, n_layers: int, n_experts: int, top_k: in
 
 
 def live_part(args, parts, profile, n_layers: int, n_experts: int) -> dict:
-    from moestream.engine.engine import budget_for_slots  # heavy import: only for live runs
+    from moestream.engine.planning import budget_for_slots  # heavy import: only for live runs
 
     tmp = Path(tempfile.mkdtemp(prefix="tiers-ab-"))
     routes_path = str(tmp / "routes.trace.csv")

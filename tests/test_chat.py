@@ -5,20 +5,18 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pexpect
 import pytest
 
 from moestream.analysis.synth import write_synth
-from moestream.engine.engine import Generation
 from moestream.engine.sampling import Sampler
+from moestream.engine.stats import EngineSnapshot, GenerationStats, GenerationStep
 from moestream.errors import MoestreamError
 from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.tokenizer import Tokenizer
 from moestream.serving.chat import ChatSession
-from moestream.streaming.expert_cache import CacheStats
 
 PROMPT = "\r\n> "
 
@@ -119,19 +117,21 @@ class _EchoEngine:
     def __init__(self, tokenizer: Tokenizer, ctx: int):
         self.tokenizer, self.ctx, self.resets = tokenizer, ctx, 0
         self.prompts: list[list[int]] = []
-        self.cache = SimpleNamespace(stats=CacheStats(), used_slots=0, n_slots=8)
 
     def reset(self) -> None:
         self.resets += 1
 
-    def generate(self, prompt: list[int], max_new: int, sampler: Any, stop_ids: set[int], on_token: Any) -> Any:
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(ctx=self.ctx, n_slots=8)
+
+    def stream(self, prompt: list[int], max_new: int, sampler: Any, stop_ids: set[int]) -> Iterator[GenerationStep]:
         self.prompts.append(prompt)
-        gen = Generation()
+        st = GenerationStats(prompt_tokens=len(prompt))
         for t in [*self.tokenizer.encode(" the answer"), self.tokenizer.eos_id][:max_new]:
-            gen.tokens.append(t)
-            if on_token(t) or t in stop_ids:
-                break
-        return gen
+            st.decode_tokens += 1
+            yield GenerationStep(t, st, "stop" if t in stop_ids else None)
+            if t in stop_ids:
+                return
 
 
 def test_session_drops_oldest_turns_to_fit(model_path: str) -> None:

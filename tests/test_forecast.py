@@ -1,10 +1,11 @@
-import argparse
 import json
 
 import pytest
 
 from moestream.analysis import forecast as fc
 from moestream.analysis.probe import ProbeResult, ProbeRow
+from moestream.cli.main import build_parser
+from moestream.engine.calibrate import measure_compute_ms
 from moestream.errors import MoestreamError
 
 SEG = 1_000_000
@@ -96,13 +97,12 @@ def test_geometry_from_gguf(tiny):
 
 
 def test_measure_compute(tiny):
-    ms = fc.measure_compute_ms(tiny, tokens=4)
+    ms = measure_compute_ms(tiny, tokens=4)
     assert 0 < ms < 5000
 
 
 def test_forecast_cli_with_trace_and_measured(tiny, tmp_path, capsys):
     from moestream.analysis.trace import TraceWriter
-    from moestream.cli.analysis import add_analysis_commands
 
     trace = tmp_path / "t.csv"
     with TraceWriter(
@@ -114,8 +114,7 @@ def test_forecast_cli_with_trace_and_measured(tiny, tmp_path, capsys):
                     w.record(step, "decode", step, layer, e, rank, "disk", 3 * SEG, 0.001)
     probe_json = tmp_path / "probe.json"
     probe_json.write_text(json.dumps(_probe().to_dict()))
-    parser = argparse.ArgumentParser()
-    add_analysis_commands(parser.add_subparsers(dest="command", required=True))
+    parser = build_parser("forecast")
     args = parser.parse_args(
         [
             "forecast",

@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,19 +25,13 @@ import pytest
 import uvicorn
 
 from moestream.analysis.synth import write_synth
-from moestream.engine.engine import Generation
+from moestream.engine.stats import EngineSnapshot, GenerationStats, GenerationStep
 from moestream.formats.chat_template import render_chat
 from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.tokenizer import Tokenizer
-from moestream.serving.server import (
-    Message,
-    StopText,
-    ToolCallParser,
-    _message_dict,
-    create_app,
-    parse_tool_calls,
-)
-from moestream.streaming.expert_cache import CacheStats
+from moestream.serving.app import create_app, message_dict
+from moestream.serving.schemas import Message
+from moestream.serving.text import StopText, ToolCallParser, parse_tool_calls
 
 CTX = 2048
 MODEL = "tiny"
@@ -294,7 +287,7 @@ def test_tool_round_trip(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
     # the server rendered exactly what the template makes of tools, the call and its result
     text = render_chat(
         tokenizer.chat_template,
-        [_message_dict(Message.model_validate_json(json.dumps(m)), i) for i, m in enumerate(messages)],
+        [message_dict(Message.model_validate_json(json.dumps(m)), i) for i, m in enumerate(messages)],
         tools=TOOLS,
     )
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text
@@ -577,27 +570,27 @@ class ScriptedEngine:
         self.tokenizer = tokenizer
         self.script = script
         self.ctx = ctx
-        self.gguf = SimpleNamespace(path="/models/scripted.gguf")
-        self.cache = SimpleNamespace(stats=CacheStats(), used_slots=0, n_slots=8)
+        self.model_path = "/models/scripted.gguf"
 
     def reset(self) -> None:
         pass
 
-    def generate(
-        self, prompt: list[int], max_new_tokens: int, sampler: Any, stop_ids: set[int], on_token: Any
-    ) -> Generation:
-        gen = Generation()
-        gen.stats.prompt_tokens = len(prompt)
-        for t in [*self.tokenizer.encode(self.script), self.tokenizer.eos_id][:max_new_tokens]:
-            gen.tokens.append(t)
-            if on_token(t):
-                gen.stats.finish_reason = "cancelled"
-                break
-            if t in stop_ids:
-                gen.stats.finish_reason = "stop"
-                break
-        gen.stats.decode_tokens = len(gen.tokens)
-        return gen
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(model_path=self.model_path, ctx=self.ctx, n_slots=8)
+
+    def stream(
+        self, prompt: list[int], max_new_tokens: int, sampler: Any, stop_ids: set[int]
+    ) -> Iterator[GenerationStep]:
+        st = GenerationStats(prompt_tokens=len(prompt))
+        script = [*self.tokenizer.encode(self.script), self.tokenizer.eos_id][:max_new_tokens]
+        for i, t in enumerate(script):
+            st.decode_tokens = i + 1
+            last = t in stop_ids or i + 1 == len(script)
+            if last:
+                st.finish_reason = "stop" if t in stop_ids else "length"
+            yield GenerationStep(t, st, st.finish_reason if last else None)
+            if last:
+                return
 
 
 @contextmanager
@@ -659,13 +652,13 @@ def test_tool_calls_scripted(scripted: str) -> None:
 
 
 class FailingEngine(ScriptedEngine):
-    def generate(
-        self, prompt: list[int], max_new_tokens: int, sampler: Any, stop_ids: set[int], on_token: Any
-    ) -> Generation:
+    def stream(
+        self, prompt: list[int], max_new_tokens: int, sampler: Any, stop_ids: set[int]
+    ) -> Iterator[GenerationStep]:
         if self.tokenizer.encode("boom")[0] in prompt:
-            on_token(self.tokenizer.encode("partial")[0])
+            yield GenerationStep(self.tokenizer.encode("partial")[0], GenerationStats())
             raise RuntimeError("the disk went away")
-        return super().generate(prompt, max_new_tokens, sampler, stop_ids, on_token)
+        yield from super().stream(prompt, max_new_tokens, sampler, stop_ids)
 
 
 def test_engine_failure_is_reported(tokenizer: Tokenizer) -> None:

@@ -158,7 +158,7 @@ def test_prompt_read_ahead_reads_the_next_layer_and_changes_no_output(tiny, base
 
 
 def test_read_ahead_buffers_are_budgeted_only_where_the_cache_can_read_ahead(tiny):
-    from moestream.engine.engine import RUN_BUFFERS_PER_THREAD, budget_for_slots
+    from moestream.engine.planning import RUN_BUFFERS_PER_THREAD, budget_for_slots
     from moestream.streaming.read_ahead import AHEAD_MIN_LAYERS, ahead_experts, ahead_reads
 
     # the smallest budget the engine takes (its own refusal names it) and a roomy one

@@ -27,6 +27,7 @@ from typing import Any
 
 from moestream.analysis.probe import ProbeResult
 from moestream.errors import MoestreamError
+from moestream.formats.gguf_file import GGUFFile
 
 ENGINE_IO_THREADS = 4  # the engine's default --io-threads
 
@@ -45,8 +46,6 @@ class Geometry:
 
 
 def geometry_from_gguf(path: str) -> Geometry:
-    from moestream.formats.gguf_file import GGUFFile
-
     f = GGUFFile(path)
     try:
         arch = f.metadata.get("general.architecture", "")
@@ -146,7 +145,7 @@ class Forecast:
 # the Qwen3-30B-A3B shape: 24 of the 26 int4 matmuls of a layer; the rest is attention and the router).
 EXPERT_SHARE = 0.7
 # Packing one expert that was read on the model's thread, when the forecast cannot measure it
-# (measure_pack_ms): the torch int4 form took ~0.5 ms warm here, the lane form ~0.15 ms.
+# (engine.calibrate.measure_pack_ms): the torch int4 form took ~0.5 ms warm here, the lane form ~0.15 ms.
 DEFAULT_PACK_MS = 0.5
 
 
@@ -242,76 +241,6 @@ def read_stats(path_or_value: str) -> dict[str, float]:
     else:
         raise MoestreamError(f"{path_or_value}: no decode_tokens/decode_s or decode_tps in it")
     return out
-
-
-def measure_pack_ms(model_path: str, repeats: int = 9) -> float:
-    """ms to pack one expert read from disk into its compute form, on this machine: the median of packing
-    the first layer's expert 0 (its three segments, as the cache does) into slot memory that has been
-    touched once (the engine prefaults its arena when given a budget)."""
-    import time
-
-    import torch
-
-    from moestream.compute import linear
-    from moestream.formats.gguf_file import GGUFFile
-    from moestream.models import ARCHITECTURES
-    from moestream.streaming.expert_store import ExpertStore
-
-    f = GGUFFile(model_path)
-    try:
-        cfg = ARCHITECTURES[f.arch].config_from_gguf(f)
-        store = ExpertStore(f, cfg.n_layers, cfg.n_experts, exact=False)
-        segs = store.segments(0, 0)
-        raws = [f.read_range(s.offset, s.nbytes) for s in segs]
-    finally:
-        f.close()
-    layout = store.layouts[0]
-    slot = linear.aligned_empty(store.slot_nbytes)
-    slot.fill_(0)
-    times = []
-    with torch.inference_mode():
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for s, raw, off, size in zip(segs, raws, layout.offsets, layout.packed, strict=True):
-                linear.pack_into(raw, s.ggml_type, s.n, s.k, slot[off : off + size], False)
-            times.append(time.perf_counter() - t0)
-    return 1e3 * sorted(times)[len(times) // 2]
-
-
-def measure_compute_ms(model_path: str, tokens: int = 16, threads: int | None = None) -> float:
-    """Decode ms/token with every expert the run touches already cached: generate once to fill the cache,
-    then again with the same prompt (greedy, so the same experts) and time it without the read waits."""
-    import psutil
-
-    from moestream.engine.engine import Engine
-    from moestream.engine.options import EngineOptions
-    from moestream.formats.gguf_file import GGUFFile
-    from moestream.models import ARCHITECTURES
-    from moestream.streaming.expert_store import ExpertStore
-
-    f = GGUFFile(model_path)
-    try:
-        cfg = ARCHITECTURES[f.arch].config_from_gguf(f)
-        store = ExpertStore(f, cfg.n_layers, cfg.n_experts, exact=False)
-        need = store.slot_nbytes * cfg.n_layers * cfg.n_experts
-    finally:
-        f.close()
-    if need > 0.7 * psutil.virtual_memory().available:
-        raise MoestreamError(
-            f"caching every expert takes {need / 1e9:.1f} GB, more than this machine has free; give the "
-            "compute time with --compute-ms, or --compute-from the stats JSON of a run with a large budget"
-        )
-    engine = Engine(model_path, EngineOptions(n_slots=cfg.n_layers * cfg.n_experts, threads=threads))
-    try:
-        prompt = list(range(1, 9))
-        engine.generate(prompt, tokens)
-        engine.reset()
-        gen = engine.generate(prompt, tokens)
-        st = gen.stats
-        steps = max(1, st.decode_tokens - 1)  # the first token comes from the prompt's logits
-        return 1e3 * (st.decode_s - st.decode_read_wait_s) / steps
-    finally:
-        engine.close()
 
 
 def format_forecast(geom: Geometry, probe: ProbeResult, rows: list[tuple[str, Forecast]]) -> str:

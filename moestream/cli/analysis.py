@@ -10,6 +10,13 @@ import json
 import os
 import sys
 
+from moestream.analysis import forecast as fc
+from moestream.analysis import probe as pr
+from moestream.analysis import replay as rp
+from moestream.analysis.profile import build_profile, load_profile, write_profile
+from moestream.analysis.trace import read_trace
+from moestream.analysis.workload import format_report, workload_stats
+from moestream.engine.calibrate import measure_compute_ms, measure_pack_ms
 from moestream.errors import MoestreamError
 
 
@@ -38,8 +45,6 @@ def _rate(text: str) -> float:
 
 
 def _load_trace(path: str):
-    from moestream.analysis.trace import read_trace
-
     meta, rows = read_trace(path)
     if not len(rows):
         raise MoestreamError(f"{path} has no accesses; record a session that generates tokens")
@@ -55,8 +60,6 @@ def _print_json(obj: object) -> None:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from moestream.analysis import probe
-
     if bool(args.file) == bool(args.dir):
         raise MoestreamError("give the model to probe with --file MODEL.gguf, or a directory with --dir DIR")
     modes = ("buffered", "direct")
@@ -72,18 +75,18 @@ def cmd_probe(args: argparse.Namespace) -> int:
     if args.reads_per_row < 1 or args.seconds_per_row <= 0:
         raise MoestreamError("--reads-per-row and --seconds-per-row must be positive")
     if args.sizes:
-        kw["sizes"] = tuple(probe.parse_size(x) for x in args.sizes.split(",") if x.strip())
+        kw["sizes"] = tuple(pr.parse_size(x) for x in args.sizes.split(",") if x.strip())
     if args.file:
-        result = probe.probe_file(args.file, **kw)
+        result = pr.probe_file(args.file, **kw)
     else:
-        result = probe.probe_dir(args.dir, probe.parse_size(args.size), **kw)
+        result = pr.probe_dir(args.dir, pr.parse_size(args.size), **kw)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             json.dump(result.to_dict(), f, indent=1)
     if args.json:
         _print_json(result.to_dict())
     else:
-        print(probe.format_probe(result))
+        print(pr.format_probe(result))
         if args.output:
             print(f"saved to {args.output} (moestream forecast --probe {args.output} ...)")
     return 0
@@ -93,8 +96,6 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from moestream.analysis import replay as rp
-
     meta, rows = _load_trace(args.trace)
     acc = rp.accesses_from_trace(meta, rows, phases=args.phases)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
@@ -105,8 +106,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     admission = rp.Admission.parse(args.admission, meta)
     profile = None
     if args.profile:
-        from moestream.analysis.profile import load_profile
-
         profile = load_profile(args.profile).ranked()
     if args.half_life <= 0 or not 0 <= args.pin_fraction <= 1:
         raise MoestreamError("--half-life must be positive and --pin-fraction between 0 and 1")
@@ -163,8 +162,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from moestream.analysis.workload import format_report, workload_stats
-
     meta, rows = _load_trace(args.trace)
     top = _ints(args.top, "--top") if args.top else None
     if args.window < 1:
@@ -181,8 +178,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from moestream.analysis.profile import build_profile, write_profile
-
     meta, rows = _load_trace(args.trace)
     prof = build_profile(meta, rows, phases=args.phases, source=os.path.basename(args.trace))
     write_profile(prof, args.output)
@@ -199,9 +194,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_forecast(args: argparse.Namespace) -> int:
-    from moestream.analysis import forecast as fc
-    from moestream.analysis import probe as pr
-
     meta, rows = _load_trace(args.trace) if args.trace else ({}, None)
     if args.layers or args.top_k or args.expert_bytes:
         if not (args.layers and args.top_k and args.expert_bytes):
@@ -240,7 +232,7 @@ def cmd_forecast(args: argparse.Namespace) -> int:
     elif args.measure_compute:
         if not args.model:
             raise MoestreamError("--measure-compute needs --model")
-        compute_ms = fc.measure_compute_ms(args.model)
+        compute_ms = measure_compute_ms(args.model)
     else:
         raise MoestreamError(
             "give the compute time per token: --compute-ms MS, --compute-from STATS.json "
@@ -254,7 +246,7 @@ def cmd_forecast(args: argparse.Namespace) -> int:
     direct = False if args.buffered else (True if args.direct else None)
     pack_ms = args.pack_ms
     if pack_ms is None:
-        pack_ms = fc.measure_pack_ms(args.model) if args.model else fc.DEFAULT_PACK_MS
+        pack_ms = measure_pack_ms(args.model) if args.model else fc.DEFAULT_PACK_MS
     if pack_ms < 0:
         raise MoestreamError("--pack-ms must not be negative")
     kw = dict(io_threads=args.io_threads, direct=direct, pack_ms=pack_ms)
@@ -262,8 +254,6 @@ def cmd_forecast(args: argparse.Namespace) -> int:
         ("no cache hits", fc.forecast(probe, geom, compute_ms, hit_rate=0.0, **kw)),
     ]
     if rows is not None:
-        from moestream.analysis import replay as rp
-
         acc = rp.accesses_from_trace(meta, rows)
         slots = args.slots or int(meta.get("n_slots") or 0)
         if slots < 1:
@@ -293,10 +283,24 @@ def cmd_forecast(args: argparse.Namespace) -> int:
 # ---- wiring --------------------------------------------------------------------------------------
 
 
-def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
-    from moestream.analysis.replay import POLICIES
+def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    adders = {
+        "probe": _probe_args,
+        "replay": _replay_args,
+        "stats": _stats_args,
+        "profile": _profile_args,
+        "forecast": _forecast_args,
+    }
+    adders[command](p)
 
-    p = sub.add_parser("probe", help="measure the disk: random reads of the model's expert size, cold")
+
+def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
+    """The analysis commands on a subparsers object, for programs that embed them."""
+    for name in ("probe", "replay", "stats", "profile", "forecast"):
+        add_arguments(name, sub.add_parser(name))
+
+
+def _probe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--file", help="a GGUF model (reads its own expert segment size) or any large file")
     p.add_argument("--dir", help="write a temporary test file here, probe it and delete it")
     p.add_argument(
@@ -322,12 +326,13 @@ def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=cmd_probe)
 
-    p = sub.add_parser("replay", help="replay a trace against cache policies and sizes")
+
+def _replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="a trace written with --trace")
     p.add_argument(
         "--policy",
         default="lru,fifo,lfu-decay,s3fifo,pin,belady",
-        help=f"comma-separated, from {', '.join(POLICIES)} (belady is always added)",
+        help=f"comma-separated, from {', '.join(rp.POLICIES)} (belady is always added)",
     )
     p.add_argument(
         "--slots",
@@ -354,7 +359,8 @@ def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_replay)
 
-    p = sub.add_parser("stats", help="workload statistics of a trace: U(k), reuse, coverage, hit rates")
+
+def _stats_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace")
     p.add_argument("--k", default="1,2,4,8,16,32", help="batch sizes for U(k) (default 1,2,4,8,16,32)")
     p.add_argument("--window", type=int, default=48, help="window for singletons, in tokens (default 48)")
@@ -362,13 +368,15 @@ def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stats)
 
-    p = sub.add_parser("profile", help="rank (layer, expert) pairs by use, for pinning")
+
+def _profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace")
     p.add_argument("-o", "--output", required=True, help="profile file (.json for JSON, else text)")
     p.add_argument("--phases", choices=("decode", "all"), default="decode")
     p.set_defaults(func=cmd_profile)
 
-    p = sub.add_parser("forecast", help="predict decode tok/s from a disk probe, the model and a hit rate")
+
+def _forecast_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe", help="JSON from moestream probe -o (default: a brief probe of --model)")
     p.add_argument("--model", help="GGUF model: geometry (layers, top_k, expert bytes)")
     p.add_argument("--layers", type=int, help="MoE layers (instead of --model)")
@@ -376,7 +384,7 @@ def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expert-bytes", type=int, help="bytes one expert reads from disk")
     p.add_argument("--trace", help="replay this trace for the hit rate and its per-layer misses")
     p.add_argument("--slots", type=int, help="cache size to replay (default: the trace's)")
-    p.add_argument("--policy", default="lru", choices=POLICIES, help="policy to replay (default lru)")
+    p.add_argument("--policy", default="lru", choices=rp.POLICIES, help="policy to replay (default lru)")
     p.add_argument("--hit-rate", help="or an assumed hit rate, e.g. 70%%")
     c = p.add_mutually_exclusive_group()
     c.add_argument("--compute-ms", type=float, help="compute per token with every expert cached")

@@ -4,6 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moestream.errors import MoestreamError
+
+# The option each field is set with on the command line, for errors a user can act on.
+_POSITIVE = {
+    "ram_budget_mb": "--ram-budget-mb",
+    "ctx": "--ctx",
+    "threads": "--threads",
+    "io_threads": "--io-threads",
+    "ubatch": "--ubatch",
+    "pin_mb": "--pin-mb",
+    "keep_free_mb": "--keep-free-mb",
+}
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -33,3 +46,12 @@ class EngineOptions:
     trace_path: str | None = None
     route_trace: str | None = None
     progress: bool = False
+
+    def __post_init__(self) -> None:
+        """Bad values end here, before any model is loaded, naming the option that set them."""
+        for name, option in _POSITIVE.items():
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise MoestreamError(f"{option} must be a positive number, got {value}")
+        if self.min_hits < 0:
+            raise MoestreamError(f"--admit-min-hits must be 0 or more, got {self.min_hits}")

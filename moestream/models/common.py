@@ -20,6 +20,12 @@ SMALL_OP = 1 << 16  # elements up to which a float32 op goes to the native helpe
 WIDE_THREADS = 0
 
 
+def set_wide_threads(n: int) -> None:
+    """The engine's thread count, for wide_torch (0: leave torch's count alone)."""
+    global WIDE_THREADS
+    WIDE_THREADS = n
+
+
 @contextmanager
 def wide_torch() -> Iterator[None]:
     cur = torch.get_num_threads()

@@ -2,22 +2,28 @@
 
 The whole conversation is re-rendered with the model's chat template every turn; the engine keeps the
 KV cache of the previous turn and reuses the prefix the new prompt shares with it, so a follow-up only
-computes the new message. Ctrl-C during an answer stops that answer (a SIGINT handler sets a flag that
-on_token returns); Ctrl-D or /exit quits.
+computes the new message. Ctrl-C during an answer stops that answer (a SIGINT handler sets a flag, and
+the answer stops iterating the generation at the next token); Ctrl-D or /exit quits.
 """
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import closing
 from typing import Any, TextIO
 
 from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
 from moestream.formats.chat_template import render_chat
+from moestream.serving.text import stream_text
+
+try:
+    import readline  # noqa: F401 - line editing and history for input()
+except ImportError:
+    pass
 from moestream.streaming.budget import MB, peak_rss_bytes, rss_bytes
 
 HELP = (
@@ -91,37 +97,28 @@ class ChatSession:
         """Answer `text`, writing the answer as it comes; returns the answer (cut short if stop())."""
         self.messages.append({"role": "user", "content": text})
         prompt = self._prompt()
-        decoder = self.tok.stream(skip_special=True)
         parts: list[str] = []
-        stop_ids = self.tok.stop_ids
-
-        def on_token(t: int) -> bool:
-            if t not in stop_ids:
-                piece = decoder.add(t)
-                if piece:
-                    parts.append(piece)
-                    write(piece)
-            return stop()
-
         max_tokens = self.max_tokens or self.engine.ctx
         try:
-            gen = self.engine.generate(prompt, max_tokens, self.sampler, stop_ids, on_token)
+            steps = stream_text(self.engine, prompt, max_tokens, self.sampler, stop_ids=self.tok.stop_ids)
+            with closing(steps):
+                for step in steps:
+                    if step.text:
+                        parts.append(step.text)
+                        write(step.text)
+                    self.last = step.stats
+                    if stop():
+                        break
         except BaseException:
             self.messages.pop()  # the question stays unasked
             raise
-        tail = decoder.flush()
-        if tail:
-            parts.append(tail)
-            write(tail)
-        self.last = gen.stats
         answer = "".join(parts)
         # a stopped answer stays in the history as far as it got: the next turn can refer to it
         self.messages.append({"role": "assistant", "content": answer})
         return answer
 
     def stats_text(self) -> str:
-        e = self.engine
-        cs = e.cache.stats
+        e = self.engine.snapshot()
         lines = []
         if self.last is not None:
             s = self.last
@@ -131,8 +128,8 @@ class ChatSession:
                 f"expert hit rate {100 * s.hit_rate:.1f}%"
             )
         lines.append(
-            f"session: expert hit rate {100 * cs.hit_rate:.1f}% | cache slots {e.cache.used_slots}/"
-            f"{e.cache.n_slots} used | disk read {cs.bytes_read / MB:.1f} MB | "
+            f"session: expert hit rate {100 * e.hit_rate:.1f}% | cache slots {e.used_slots}/"
+            f"{e.n_slots} used | disk read {e.bytes_read / MB:.1f} MB | "
             f"RSS {rss_bytes() / MB:.0f} MB (peak {peak_rss_bytes() / MB:.0f} MB)"
         )
         turns = sum(m["role"] == "user" for m in self.messages)
@@ -198,38 +195,3 @@ def repl(session: ChatSession, inp: Callable[[str], str] = input, out: TextIO = 
             write(" [stopped]\n")
             continue
         write(" [stopped]\n" if ctrl_c.flag.is_set() else "\n")
-
-
-def cmd_chat(args: argparse.Namespace) -> int:
-    from moestream.cli.main import _positive, open_engine
-
-    _positive("-n", args.n)
-    try:
-        import readline  # noqa: F401 - line editing and history for input()
-    except ImportError:
-        pass
-    sampler = Sampler(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    engine = open_engine(args)
-    try:
-        kwargs = {"enable_thinking": False} if args.no_think else {}
-        session = ChatSession(engine, sampler, system=args.system, max_tokens=args.n, template_kwargs=kwargs)
-        print(
-            f"moestream chat: {args.model} (context {engine.ctx} tokens, {engine.cache.n_slots} expert slots)\n{HELP}",
-            flush=True,
-        )
-        repl(session)
-    finally:
-        engine.close()
-    return 0
-
-
-def add_chat_command(sub: argparse._SubParsersAction) -> None:
-    from moestream.cli.main import _add_engine_args, _add_sampling_args
-
-    p = sub.add_parser("chat", help="interactive chat in the terminal")
-    _add_engine_args(p)
-    _add_sampling_args(p)
-    p.add_argument("-n", type=int, default=None, help="most tokens per answer (default: up to the context)")
-    p.add_argument("--system", default=None, help="system message")
-    p.add_argument("--no-think", action="store_true", help="ask Qwen3-style models not to think first")
-    p.set_defaults(func=cmd_chat)

@@ -239,6 +239,32 @@ class ExpertCache:
         self._ahead_layer = -1
         self._reserved: list[int] = []
 
+    def configure(
+        self,
+        *,
+        min_slots: int,
+        prompt_slots: int,
+        decode_slots: int,
+        admit_prompt: bool = True,
+        read_ahead: bool = True,
+        min_hits: int = 0,
+        trace: TraceSink | None = None,
+    ) -> None:
+        """The policy, set once by the engine before the first access (see the attributes in __init__)."""
+        self.min_slots = min_slots
+        self.prompt_slots, self.decode_slots = prompt_slots, decode_slots
+        self.admit_prompt, self.read_ahead, self.min_hits = admit_prompt, read_ahead, min_hits
+        self.trace = trace
+
+    @contextmanager
+    def untraced(self) -> Iterator[None]:
+        """Accesses that are not the model's (a benchmark's preload) stay out of the trace."""
+        trace, self.trace = self.trace, None
+        try:
+            yield
+        finally:
+            self.trace = trace
+
     # -- growth while generating ------------------------------------------------------------------------
 
     @contextmanager
@@ -701,6 +727,11 @@ class ExpertCache:
         t.start()
         self._prefault_thread = t
         return t
+
+    def wait_prefault(self) -> None:
+        """Block until a background prefault has committed the arena (benchmarks that time a committed cache)."""
+        if self._prefault_thread is not None:
+            self._prefault_thread.join()
 
     def _release_memory(self, slot: int) -> None:
         start = slot * self.slot_nbytes

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from moestream.errors import ComputeError
+from moestream.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +48,6 @@ _libs: dict[tuple[str, ...], ctypes.CDLL | None] = {}
 _warned = False
 _int4_ok: bool | None = None
 _lane_ok: bool | None = None
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moestream"
 
 
 def _cpu_fingerprint() -> str:

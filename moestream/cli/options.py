@@ -1,0 +1,134 @@
+"""The command-line options every engine command shares, and the EngineOptions/Sampler built from them."""
+
+from __future__ import annotations
+
+import argparse
+
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+from moestream.engine.sampling import Sampler
+from moestream.errors import MoestreamError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", required=True, help="GGUF model file")
+    p.add_argument(
+        "--ram-budget-mb",
+        type=int,
+        default=None,
+        help="RAM the whole process may use; experts are cached in what is left (default: what the "
+        "machine has available, minus 1 GB)",
+    )
+    p.add_argument("--ctx", type=int, default=None, help="context length (default: min(model's, 4096))")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--io-threads", type=int, default=4, help="parallel reads in flight (default 4)")
+    p.add_argument(
+        "--ubatch",
+        type=int,
+        default=None,
+        help="prompt tokens per micro-batch (default: the largest of 128/64/32/16 that fits the budget)",
+    )
+    p.add_argument(
+        "--mlock",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="lock the dense weights in RAM so memory pressure cannot evict them; routed experts are never "
+        "locked (default: on where RLIMIT_MEMLOCK allows, else a line says which limit to raise)",
+    )
+    p.add_argument("--buffered", action="store_true", help="read experts with buffered I/O instead of O_DIRECT")
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="write one CSV row per expert access (see moestream/analysis/trace.py for the format)",
+    )
+    p.add_argument(
+        "--pin-profile",
+        default=None,
+        metavar="PROFILE",
+        help="pin the hottest experts of a profile (moestream profile) in RAM at start",
+    )
+    p.add_argument("--pin-mb", type=int, default=None, help="MB of the cache for the pinned profile part")
+    p.add_argument(
+        "--prompt-admit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let prompt processing admit and refresh experts in the decode LRU (default on)",
+    )
+    p.add_argument(
+        "--read-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prompt micro-batches that need nearly every expert read the next layer's experts ahead (default on)",
+    )
+    p.add_argument(
+        "--run-reads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with the read-ahead, a prompt reads adjacent experts' matrices in one read of up to 4 MiB (less CPU "
+        "per GB read); --no-run-reads reads one matrix at a time (default on)",
+    )
+    p.add_argument(
+        "--admit-min-hits",
+        type=int,
+        default=0,
+        help="admit an expert to the LRU only after it was requested N times (default 0: always)",
+    )
+    p.add_argument(
+        "--keep-free-mb",
+        type=int,
+        default=None,
+        help="elastic cache: give expert slots back when available RAM falls below this",
+    )
+    p.add_argument(
+        "--route-trace",
+        default=None,
+        metavar="FILE",
+        help="take the router's top-k choices from a recorded trace (benchmarks on synthetic models)",
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy, the default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The engine's options from the command line (EngineOptions checks the values)."""
+    return EngineOptions(
+        ram_budget_mb=args.ram_budget_mb,
+        ctx=args.ctx,
+        threads=args.threads,
+        io_threads=args.io_threads,
+        ubatch=args.ubatch,
+        mlock=args.mlock,
+        direct=False if args.buffered else None,
+        trace_path=args.trace,
+        route_trace=args.route_trace,
+        admit_prompt=args.prompt_admit,
+        read_ahead=args.read_ahead,
+        run_reads=args.run_reads,
+        min_hits=args.admit_min_hits,
+        pin_profile=args.pin_profile,
+        pin_mb=args.pin_mb,
+        keep_free_mb=args.keep_free_mb,
+        progress=True,
+    )
+
+
+def open_engine(args: argparse.Namespace) -> Engine:
+    return Engine(args.model, engine_options(args))
+
+
+def sampler(args: argparse.Namespace) -> Sampler:
+    try:
+        return Sampler(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except ValueError as exc:
+        raise MoestreamError(f"{exc} (--temp, --top-k, --top-p)") from None
+
+
+def positive(name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise MoestreamError(f"{name} must be a positive number, got {value}")

@@ -1,0 +1,276 @@
+"""`moestream run | synth | demo`: generate from a prompt, write a synthetic model, the one-command demo.
+
+The demo needs no model hub: the first run writes a Qwen3-30B-A3B-shaped model (random weights, fewer
+layers so it takes seconds) under the cache directory and reuses it afterwards. The run then gets a RAM
+budget that holds the dense weights but only part of the experts, so the rest stream from disk while it
+decodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+
+from tqdm import tqdm
+
+from moestream.analysis.synth import SHAPES, synth_nbytes, write_synth
+from moestream.cli.options import add_engine_args, add_sampling_args, open_engine, positive, sampler
+from moestream.engine.engine import Engine
+from moestream.engine.model_file import open_model
+from moestream.engine.options import EngineOptions
+from moestream.engine.planning import budget_for_slots
+from moestream.engine.sampling import Sampler
+from moestream.engine.stats import GenerationStats
+from moestream.errors import MoestreamError
+from moestream.formats.chat_template import render_chat
+from moestream.paths import cache_dir
+from moestream.serving.text import stream_text
+from moestream.streaming.budget import MB
+
+DEFAULT_SHAPE = "qwen3-30b-a3b"
+DEFAULT_LAYERS = 8
+# Of the experts' bytes, the share the demo's cache may hold: small enough that decoding has to read the disk.
+CACHE_SHARE = 0.33
+
+# ---- run -----------------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    positive("-n", args.n)
+    pick = sampler(args)
+    engine = open_engine(args)
+    print(engine.lock_report.line(), file=sys.stderr)
+    try:
+        tok = engine.tokenizer
+        prompt = args.prompt
+        if args.chat:
+            if not tok.chat_template:
+                raise MoestreamError("this model has no chat template; drop --chat")
+            prompt = render_chat(tok.chat_template, [{"role": "user", "content": prompt}])
+        ids = tok.encode(prompt)
+        if args.preload:
+            print(f"preloaded {engine.preload()} experts", file=sys.stderr)
+        stop_ids = set() if args.ignore_eos else tok.stop_ids
+        stats = GenerationStats()
+        for step in stream_text(engine, ids, args.n, pick, stop_ids=stop_ids):
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+            stats = step.stats
+        sys.stdout.write("\n")
+        if engine.plan is not None:
+            print(engine.plan.describe(), file=sys.stderr)
+        print(stats.line(), file=sys.stderr)
+        snap = engine.snapshot()
+        if snap.pinned_slots:
+            print(f"pinned profile part: {snap.pinned_slots} experts, {snap.pinned_hits} hits", file=sys.stderr)
+        if engine.elastic is not None:
+            print(engine.elastic.summary(), file=sys.stderr)
+        if args.stats_json:
+            write_stats_json(args.stats_json, engine, stats)
+    finally:
+        engine.close()
+    return 0
+
+
+def write_stats_json(path: str, engine: Engine, st: GenerationStats) -> None:
+    """Machine-readable stats of one generation (what bench/ scripts collect)."""
+    snap = engine.snapshot()
+    doc = dataclasses.asdict(st)
+    doc.update(
+        prompt_tps=st.prompt_tps,
+        decode_tps=st.decode_tps,
+        hit_rate=st.hit_rate,
+        decode_mb_per_token=st.decode_bytes_read / 2**20 / max(1, st.decode_tokens),
+        io_direct=snap.io_direct,
+        io_threads=snap.io_threads,
+        read_busy_s=snap.read_busy_s,
+        read_busy_mb_s=snap.read_busy_mb_s,
+        read_run_len=snap.read_run_len,
+        read_buffer_wait_s=snap.read_buffer_wait_s,
+        # the prompt read-ahead over the engine's life (experts started, and those the next layer never used)
+        read_ahead=snap.read_ahead,
+        ahead_reads=snap.ahead_reads,
+        ahead_unused=snap.ahead_unused,
+        model=snap.model_path,
+        ctx=snap.ctx,
+        plan=dataclasses.asdict(engine.plan) if engine.plan is not None else None,
+    )
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+# ---- synth ---------------------------------------------------------------------------------------
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    if args.shape not in SHAPES:
+        raise MoestreamError(f"unknown shape {args.shape!r}; choose one of: {', '.join(SHAPES)}")
+    if args.layers is not None:
+        positive("--layers", args.layers)
+    try:
+        need = synth_nbytes(args.shape, args.quant, args.layers)
+    except (KeyError, ValueError) as exc:
+        raise MoestreamError(f"cannot make {args.shape} in {args.quant}: {exc}") from None
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        raise MoestreamError(f"output directory {out_dir} does not exist")
+    free = shutil.disk_usage(out_dir).free
+    if need > free:
+        raise MoestreamError(
+            f"{args.shape} in {args.quant} needs {need / 1e9:.1f} GB but {out_dir} has "
+            f"{free / 1e9:.1f} GB free; use --layers to make a shallower model"
+        )
+    write_synth(args.shape, args.quant, args.output, layers=args.layers, seed=args.seed, progress=True)
+    print(f"wrote {args.output} ({os.path.getsize(args.output) / 1e9:.2f} GB)", file=sys.stderr)
+    return 0
+
+
+# ---- demo ----------------------------------------------------------------------------------------
+
+
+def demo_model(shape: str, quant: str, layers: int | None, directory: str) -> str:
+    """Path of the demo model, written first if it is not there yet (fewer layers if the disk is short)."""
+    if shape not in SHAPES:
+        raise MoestreamError(f"unknown shape {shape!r}; choose one of: {', '.join(SHAPES)}")
+    os.makedirs(directory, exist_ok=True)
+    full = SHAPES[shape].n_layers
+    want = min(layers or full, full)
+    free = shutil.disk_usage(directory).free
+    for n in range(want, 0, -1):
+        path = os.path.join(directory, f"{shape}-{quant}-L{n}.gguf")
+        if os.path.exists(path):
+            return path
+        need = synth_nbytes(shape, quant, n)
+        if need + 512 * MB < free:
+            if n < want:
+                print(
+                    f"only {free / 1e9:.1f} GB free in {directory}: using {n} layers instead of {want}", file=sys.stderr
+                )
+            print(
+                f"writing a synthetic {shape} model ({n} layers, {quant}, {need / 1e9:.2f} GB) to {path} "
+                "(once; later runs reuse it)",
+                file=sys.stderr,
+            )
+            write_synth(shape, quant, path, layers=n, progress=True)
+            return path
+    raise MoestreamError(
+        f"not enough free disk in {directory} ({free / 1e9:.2f} GB) for even a 1-layer {shape}; "
+        "free some space or set MOESTREAM_HOME to a bigger disk"
+    )
+
+
+def demo_budget_mb(path: str) -> int:
+    """Dense weights and buffers, plus a share of the experts: the model does not fit, by design."""
+    m = open_model(path)
+    cfg = m.cfg
+    m.close()
+    return budget_for_slots(path, int(CACHE_SHARE * cfg.n_layers * cfg.n_experts))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    positive("--tokens", args.tokens)
+    path = demo_model(args.shape, args.quant, args.layers, args.data_dir or str(cache_dir() / "models"))
+    file_bytes = os.path.getsize(path)
+    budget_mb = args.ram_budget_mb if args.ram_budget_mb is not None else demo_budget_mb(path)
+    engine = Engine(path, EngineOptions(ram_budget_mb=budget_mb, threads=args.threads))
+    try:
+        tok, cfg = engine.tokenizer, engine.cfg
+        n_total = cfg.n_layers * cfg.n_experts
+        print(
+            f"model {os.path.basename(path)}: {file_bytes / 1e9:.2f} GB on disk, {cfg.n_layers} layers x "
+            f"{cfg.n_experts} experts (top-{cfg.top_k})",
+            file=sys.stderr,
+        )
+        assert engine.plan is not None
+        print(engine.plan.describe(), file=sys.stderr)
+        bar = tqdm(total=args.tokens, unit="tok", desc="decoding", file=sys.stderr, dynamic_ncols=True)
+        t_start = time.perf_counter()
+        sampling = Sampler(temperature=0.8, top_p=0.95, seed=0)
+        for step in engine.stream(tok.encode(args.prompt), args.tokens, sampling):
+            snap = engine.snapshot()
+            bar.update(1)
+            bar.set_postfix(
+                hit=f"{100 * snap.hit_rate:.0f}%",
+                read=f"{snap.bytes_read / 1e9:.2f}GB",
+                slots=f"{snap.used_slots}/{snap.n_slots}",
+            )
+            st = step.stats
+        bar.close()
+        elapsed = time.perf_counter() - t_start
+        print(st.line(), file=sys.stderr)
+        n_slots = engine.snapshot().n_slots
+        print(
+            f"\nWhat happened: the model is {file_bytes / 1e9:.2f} GB but this run was allowed {budget_mb} MB of RAM. "
+            f"The dense weights (attention, router, embeddings) stayed resident; the cache held {n_slots} "
+            f"of {n_total} experts ({100 * n_slots / n_total:.0f}%), and every other expert the router picked was "
+            f"read from disk on demand: {st.bytes_read / 1e9:.2f} GB in {elapsed:.1f} s, "
+            f"{st.decode_bytes_read / 1e6 / max(1, st.decode_tokens):.0f} MB per decoded token, "
+            f"{100 * st.hit_rate:.0f}% of expert requests served from RAM. Peak RSS {st.peak_rss / MB:.0f} MB "
+            f"stayed under the budget. The weights are random, so the text is not meant to read well; "
+            "run a real GGUF with `moestream run -m MODEL.gguf -p ...`.",
+            file=sys.stderr,
+        )
+        if st.peak_rss > budget_mb * MB:
+            raise MoestreamError(f"peak RSS {st.peak_rss / MB:.0f} MB went over the {budget_mb} MB budget (a bug)")
+    finally:
+        engine.close()
+    return 0
+
+
+# ---- wiring --------------------------------------------------------------------------------------
+
+
+def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    {"run": _run_args, "synth": _synth_args, "demo": _demo_args}[command](p)
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("-n", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--stats-json", default=None, help="also write the stats as JSON to this file")
+    p.add_argument("--ignore-eos", action="store_true", help="generate all -n tokens (benchmarks)")
+    p.add_argument(
+        "--preload",
+        action="store_true",
+        help="fill the expert cache before the prompt (benchmarks: compute without disk reads)",
+    )
+    p.set_defaults(func=cmd_run)
+
+
+def _synth_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", required=True, help="tiny, qwen3-30b-a3b, qwen3.6-35b-a3b-moe, ...")
+    p.add_argument(
+        "--quant",
+        default="Q4_0",
+        help="expert weight type: Q4_0, Q4_K, Q4_K_M (Q4_K with llama.cpp's Q6_K exceptions), Q6_K, Q8_0, F16 "
+        "(default Q4_0)",
+    )
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(func=cmd_synth)
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default=DEFAULT_SHAPE, help=f"synthetic model shape (default {DEFAULT_SHAPE})")
+    p.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help=f"layers to keep (default {DEFAULT_LAYERS})")
+    p.add_argument("--quant", default="Q4_0", help="expert weight type (default Q4_0)")
+    p.add_argument("--tokens", type=int, default=48, help="tokens to generate (default 48)")
+    p.add_argument(
+        "--ram-budget-mb",
+        type=int,
+        default=None,
+        help="RAM budget (default: dense weights plus a third of the experts)",
+    )
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--prompt", default="Explain how a computer streams data from a disk into memory.")
+    p.add_argument("--data-dir", default=None, help="where the demo model is kept (default ~/.cache/moestream)")
+    p.set_defaults(func=cmd_demo)

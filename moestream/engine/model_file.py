@@ -1,0 +1,102 @@
+"""Opening a model file: GGUF -> architecture -> config -> expert store, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from moestream.compute import linear
+from moestream.errors import ModelFileError, MoestreamError
+from moestream.formats import quants
+from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.tokenizer import Tokenizer
+from moestream.models import ARCHITECTURES
+from moestream.streaming.expert_store import ExpertStore
+
+FLOAT_TYPES = {0, 1}  # F32, F16: computed in float32 (exact mode)
+
+
+@dataclass
+class OpenModel:
+    """A model file read as far as its header: what every user of the file needs before loading weights."""
+
+    gguf: GGUFFile
+    arch: type  # the architecture's model class (ARCHITECTURES)
+    cfg: Any  # the architecture's config, from the file's metadata
+    exact: bool  # float32 compute (float files) instead of the quantized kernels
+    store: ExpertStore  # where each expert's bytes lie in the file
+
+    @property
+    def path(self) -> str:
+        return self.gguf.path
+
+    def close(self) -> None:
+        self.gguf.close()
+
+
+def open_model(path: str, exact: bool | None = None, *, check_types: bool = True) -> OpenModel:
+    """Open `path` and read what it holds; the caller closes it. exact None: float32 for float files."""
+    f = GGUFFile(path)
+    try:
+        arch = ARCHITECTURES.get(f.arch)
+        if arch is None:
+            raise ModelFileError(
+                f"{path}: architecture {f.arch or '(none)'!r} is not supported "
+                f"(supported: {', '.join(sorted(ARCHITECTURES))})"
+            )
+        if check_types:
+            _check_types(f)
+        exact = is_float_model(f) if exact is None else exact
+        cfg = arch.config_from_gguf(f)
+        store = ExpertStore(f, cfg.n_layers, cfg.n_experts, exact)
+    except BaseException:
+        f.close()
+        raise
+    return OpenModel(f, arch, cfg, exact, store)
+
+
+def is_float_model(f: GGUFFile) -> bool:
+    return all(t.ggml_type in FLOAT_TYPES for t in f.tensors.values() if len(t.shape) >= 2)
+
+
+def _check_types(f: GGUFFile) -> None:
+    for t in f.tensors.values():
+        if t.ggml_type not in quants.SUPPORTED_TYPES:
+            raise ModelFileError(
+                f"{f.path}: tensor {t.name} has weight type {t.type_name}, which moestream does not support yet "
+                "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K); use a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file"
+            )
+
+
+def tokenizer_if_any(f: GGUFFile) -> Tokenizer | None:
+    """The file's tokenizer, or None when it has none (Engine.tokenizer then says why, if asked)."""
+    if "tokenizer.ggml.model" not in f.metadata:
+        return None
+    try:
+        return Tokenizer.from_metadata(f.metadata)
+    except MoestreamError:
+        return None
+
+
+def dense_estimate(f: GGUFFile, exact: bool) -> int:
+    """Bytes the resident weights will take, from the tensor table alone (checked before loading)."""
+    total = 0
+    for t in f.tensors.values():
+        if "_exps." in t.name:
+            continue
+        if len(t.shape) != 2 or "ffn_gate_inp" in t.name:
+            total += _numel(t.shape) * 4  # norms, routers: float32
+        elif t.name == "token_embd.weight":
+            total += t.nbytes
+            if "output.weight" not in f.tensors:
+                total += linear.packed_nbytes(t.ggml_type, t.shape[0], t.shape[1], exact)
+        else:
+            total += linear.packed_nbytes(t.ggml_type, t.shape[0], t.shape[1], exact)
+    return total
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,372 @@
+"""OpenAI-compatible HTTP server: the endpoints (requests -> engine jobs -> answers), the app and serve().
+
+Tool calls (Qwen3/Hermes `<tool_call>{json}</tool_call>` blocks) are parsed on the asyncio side, from the
+text the worker sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moestream.engine.sampling import Sampler
+from moestream.errors import MoestreamError
+from moestream.formats.chat_template import render_chat
+from moestream.serving.schemas import (
+    MAX_BODY_BYTES,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Message,
+    Sampling,
+    parse_body,
+)
+from moestream.serving.text import Answer, ToolCallParser, finish_reason_with_calls, sse
+from moestream.serving.worker import DoneEvent, ErrorEvent, Event, Job, TextEvent, Worker, metrics_text
+
+DISCONNECT_POLL_S = 0.1
+
+
+@dataclass
+class Defaults:
+    """Sampling settings for requests that do not give their own."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+class Service:
+    """The endpoints' logic: requests -> engine jobs -> OpenAI answers."""
+
+    def __init__(self, engine: Any, model_name: str, defaults: Defaults, max_body_bytes: int):
+        self.engine = engine
+        self.tok = engine.tokenizer
+        self.model_name = model_name
+        self.defaults = defaults
+        self.max_body_bytes = max_body_bytes
+        self.worker = Worker(engine)
+        self.created = int(time.time())
+
+    # -- endpoints ---------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Any:
+        req = await parse_body(request, ChatRequest, self.max_body_bytes)
+        self.check_model(req.model)
+        if req.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
+        prompt, use_tools = self.chat_prompt(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        job = self.make_job(req, prompt, max_tokens, "messages")
+        return await self.answer(request, job, req, chat=True, use_tools=use_tools)
+
+    async def completions(self, request: Request) -> Any:
+        req = await parse_body(request, CompletionRequest, self.max_body_bytes)
+        self.check_model(req.model)
+        for name in ("echo", "suffix", "logprobs"):
+            if getattr(req, name):
+                raise APIError(400, f"{name} is not supported", param=name, code="unsupported_value")
+        if req.best_of not in (None, 1):
+            raise APIError(400, "only best_of=1 is supported", param="best_of", code="unsupported_value")
+        job = self.make_job(req, self.completion_prompt(req), req.max_tokens, "prompt")
+        return await self.answer(request, job, req, chat=False, use_tools=False)
+
+    def model_card(self, name: str | None = None) -> dict[str, Any]:
+        if name is not None:
+            self.check_model(name)
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "moestream",
+            "context_length": self.engine.ctx,
+        }
+
+    def health(self) -> dict[str, Any]:
+        if not self.worker.thread.is_alive():
+            raise APIError(503, "the engine worker is not running", type="server_error")
+        return {"status": "ok", "model": self.model_name, "queued": self.worker.jobs.qsize()}
+
+    # -- requests -> jobs --------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.model_name, os.path.basename(self.engine.model_path)):
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist; this server runs '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], bool]:
+        tok = self.tok
+        if not tok.chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        if not req.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        use_tools = bool(req.tools) and req.tool_choice != "none"
+        if use_tools and "tools" not in tok.chat_template:
+            raise APIError(400, "this model's chat template does not support tools", param="tools")
+        messages = [message_dict(m, i) for i, m in enumerate(req.messages)]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if use_tools else None
+        try:
+            text = render_chat(
+                tok.chat_template,
+                messages,
+                tools=tools,
+                bos_token=tok.bos_token,
+                eos_token=tok.eos_token,
+                **(req.chat_template_kwargs or {}),
+            )
+        except MoestreamError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        # a template that writes the BOS token itself must not get a second one
+        add_bos = False if tok.bos_token and text.startswith(tok.bos_token) else None
+        return tok.encode(text, add_bos=add_bos), use_tools
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(
+                    400, "only one prompt per request is supported", param="prompt", code="unsupported_value"
+                )
+            p = p[0]
+        if isinstance(p, str):
+            return self.tok.encode(p)
+        vocab = self.tok.vocab_size
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                400,
+                f"token id {bad[0]} is outside the {vocab}-token vocabulary",
+                param="prompt",
+                code="invalid_value",
+            )
+        return list(p)
+
+    def make_job(self, req: Sampling, prompt: list[int], max_tokens: int | None, prompt_param: str) -> Job:
+        if req.n not in (None, 1):
+            raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
+        ctx = self.engine.ctx
+        if len(prompt) >= ctx:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {ctx} tokens. However, your "
+                f"{prompt_param} resulted in {len(prompt)} tokens. Please reduce the length of the "
+                f"{prompt_param}.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if not prompt:
+            raise APIError(400, f"the {prompt_param} is empty", param=prompt_param)
+        if max_tokens is not None and not 1 <= max_tokens <= ctx:
+            raise APIError(
+                400,
+                f"max_tokens must be between 1 and the context length ({ctx}), got {max_tokens}",
+                param="max_tokens",
+                code="invalid_value",
+            )
+        d = self.defaults
+        try:
+            sampler = Sampler(
+                temperature=d.temperature if req.temperature is None else req.temperature,
+                top_k=d.top_k if req.top_k is None else req.top_k,
+                top_p=d.top_p if req.top_p is None else req.top_p,
+                seed=d.seed if req.seed is None else req.seed,
+            )
+        except ValueError as exc:
+            param = next((p for p in ("temperature", "top_k", "top_p") if p in str(exc)), None)
+            raise APIError(400, str(exc), param=param, code="invalid_value") from None
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        # max_tokens that fits the context but not after this prompt is cut to what fits (finish 'length')
+        limit = ctx - len(prompt) if max_tokens is None else max_tokens
+        return Job(prompt, limit, sampler, stop, asyncio.get_running_loop())
+
+    # -- jobs -> answers ---------------------------------------------------------------------------
+
+    async def run_job(self, job: Job, request: Request) -> AsyncIterator[Event]:
+        """Queue the job and yield its events; leaving early (client gone, task cancelled) cancels it."""
+
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+            job.cancelled.set()
+
+        watcher = asyncio.create_task(watch())
+        self.worker.submit(job)
+        try:
+            while True:
+                event = await job.events.get()
+                yield event
+                if not isinstance(event, TextEvent):
+                    return
+        finally:
+            job.cancelled.set()  # no-op once finished; otherwise stops the engine at its next token
+            watcher.cancel()
+
+    async def answer(self, request: Request, job: Job, req: Sampling, *, chat: bool, use_tools: bool) -> Any:
+        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        fmt = Answer(chat, self.model_name, include_usage)
+        if req.stream:
+            return StreamingResponse(
+                self.stream(request, job, fmt, ToolCallParser() if use_tools else None),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        parts: list[str] = []
+        async with aclosing(self.run_job(job, request)) as events:
+            async for ev in events:
+                if isinstance(ev, TextEvent):
+                    parts.append(ev.text)
+                elif isinstance(ev, ErrorEvent):
+                    raise ev.error
+                else:
+                    return fmt.whole("".join(parts), ev.finish_reason, ev.usage, use_tools)
+        raise APIError(500, "generation ended without a result", type="server_error")
+
+    async def stream(
+        self, request: Request, job: Job, fmt: Answer, parser: ToolCallParser | None
+    ) -> AsyncIterator[str]:
+        for line in fmt.start():
+            yield line
+        async with aclosing(self.run_job(job, request)) as events:
+            async for ev in events:
+                if isinstance(ev, ErrorEvent):  # the status line is sent already: the error goes in the stream
+                    yield sse(ev.error.body())
+                    break
+                if isinstance(ev, DoneEvent) and ev.finish_reason == "cancelled":
+                    return  # nobody is listening
+                if isinstance(ev, TextEvent):
+                    pieces = parser.feed(ev.text) if parser else [ev.text]
+                else:
+                    pieces = parser.finish() if parser else []
+                for piece in pieces:
+                    yield fmt.piece(piece)
+                if isinstance(ev, DoneEvent):
+                    for line in fmt.end(
+                        finish_reason_with_calls(ev.finish_reason, bool(parser and parser.calls)), ev.usage
+                    ):
+                        yield line
+        yield "data: [DONE]\n\n"
+
+
+def create_app(
+    engine: Any, model_name: str, *, defaults: Defaults | None = None, max_body_bytes: int = MAX_BODY_BYTES
+) -> FastAPI:
+    """The ASGI app. Its lifespan starts the engine worker and stops it (cancelling what is left)."""
+    svc = Service(engine, model_name, defaults or Defaults(), max_body_bytes)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        svc.worker.start()
+        yield
+        await asyncio.to_thread(svc.worker.stop)
+
+    app = FastAPI(title="moestream", lifespan=lifespan)
+    app.state.service = svc
+    app.post("/v1/chat/completions")(svc.chat_completions)
+    app.post("/v1/completions")(svc.completions)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [svc.model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        return svc.model_card(name)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return svc.health()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(metrics_text(svc.worker), media_type="text/plain; version=0.0.4")
+
+    # every error in OpenAI's shape, whatever raised it
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message, code = f"{request.method} {request.url.path} is not an endpoint here", "not_found"
+        elif exc.status_code == 405:
+            message, code = f"{request.url.path} does not take {request.method}", "method_not_allowed"
+        else:
+            message, code = str(exc.detail), None
+        return APIError(exc.status_code, message, code=code).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return APIError(400, f"invalid request: {exc.errors()}").response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+    return app
+
+
+def message_dict(m: Message, i: int) -> dict[str, Any]:
+    """A request message as the chat template expects it: text content, tool-call arguments as dicts
+    (HF templates iterate over them; Qwen3's also takes a string)."""
+    d = m.model_dump(exclude_none=True)
+    if d["role"] == "developer":  # OpenAI's newer name for the system role
+        d["role"] = "system"
+    if isinstance(m.content, list):
+        if any(p.type != "text" for p in m.content):
+            raise APIError(
+                400,
+                "only text content parts are supported",
+                param=f"messages[{i}].content",
+                code="unsupported_value",
+            )
+        d["content"] = "".join(p.text or "" for p in m.content)
+    for call in d.get("tool_calls", []):
+        fn = call["function"]
+        if isinstance(fn["arguments"], str):
+            try:
+                parsed = json.loads(fn["arguments"] or "{}")
+            except ValueError:
+                continue  # leave it as text; the template writes it out as is
+            if isinstance(parsed, dict):
+                fn["arguments"] = parsed
+    return d
+
+
+def default_model_name(path: str) -> str:
+    return re.sub(r"\.gguf$", "", os.path.basename(path), flags=re.IGNORECASE)
+
+
+def serve(engine: Any, name: str, *, host: str, port: int, log_level: str, defaults: Defaults) -> None:
+    """Serve `engine` over HTTP until a signal ends it (the caller opens and closes the engine)."""
+    app = create_app(engine, name, defaults=defaults)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    handle_exit = server.handle_exit
+
+    def on_signal(sig: int, frame: Any) -> None:
+        # uvicorn waits for open connections before it shuts down, and a streaming answer can run for
+        # minutes: end the generations now (their streams close without [DONE])
+        app.state.service.worker.cancel_all()
+        handle_exit(sig, frame)
+
+    server.handle_exit = on_signal  # type: ignore[method-assign]
+    server.run()
