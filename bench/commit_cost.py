@@ -24,9 +24,9 @@ import time
 
 from harness import add_results_args, median_range, save_rows
 
-from moestream.engine.engine import Engine  # noqa: E402
+from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
-from moestream.streaming.expert_cache import MADV_POPULATE_WRITE  # noqa: E402
+from moestream.streaming.expert_cache import MADV_POPULATE_WRITE
 
 PROMPT = "Explain how a disk works."
 
@@ -55,8 +55,7 @@ def main() -> int:
     add_results_args(ap, "commit-cost")
     args = ap.parse_args()
     eng = Engine(args.model, EngineOptions(ram_budget_mb=args.budget_mb, threads=args.threads))
-    if eng.cache._prefault_thread is not None:
-        eng.cache._prefault_thread.join()
+    eng.wait_prefault()
     prompt = eng.tokenizer.encode(PROMPT)
     rows = []
     try:
@@ -68,7 +67,7 @@ def main() -> int:
                 th = None
                 if arm == "commit":
                     th = threading.Thread(
-                        target=commit, args=(int(args.gib * 2**30), eng.cache.slot_nbytes, stop, res), daemon=True
+                        target=commit, args=(int(args.gib * 2**30), eng.snapshot().slot_nbytes, stop, res), daemon=True
                     )
                     th.start()
                 g = eng.generate(prompt + first, args.tokens)

@@ -58,13 +58,14 @@ def one(model: str, budget_mb: int, committed: bool, threads: int) -> dict:
     drop_caches()
     eng = Engine(model, EngineOptions(ram_budget_mb=budget_mb, threads=threads))
     t = time.perf_counter()
-    if committed and eng.cache._prefault_thread is not None:
-        eng.cache._prefault_thread.join()
+    if committed:
+        eng.wait_prefault()
     commit_wait = time.perf_counter() - t
     ids = eng.tokenizer.encode(DEFAULT_PROMPT)
     spent.clear()
     cpu0 = time.process_time()
     g = eng.generate(ids, 1)
+    snap = eng.snapshot()
     out = dict(spent)
     out.update(
         arm="committed" if committed else "fresh",
@@ -73,9 +74,9 @@ def one(model: str, budget_mb: int, committed: bool, threads: int) -> dict:
         read_wait_s=g.stats.read_wait_s,
         cpu_s=time.process_time() - cpu0,
         commit_wait_s=commit_wait,
-        buffer_wait_s=eng.reader.buffer_wait_s,
-        read_busy_mb_s=eng.reader.busy_bandwidth / 1e6,
-        n_slots=eng.cache.n_slots,
+        buffer_wait_s=snap.read_buffer_wait_s,
+        read_busy_mb_s=snap.read_busy_mb_s,
+        n_slots=snap.n_slots,
     )
     eng.close()
     return out

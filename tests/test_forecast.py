@@ -68,7 +68,8 @@ def test_forecast_from_miss_histogram():
 def test_read_stats(tmp_path):
     assert fc.read_stats("5.5") == {"decode_tps": 5.5}
     path = tmp_path / "s.json"
-    path.write_text(json.dumps({"decode_tokens": 10, "decode_s": 2.0, "decode_read_wait_s": 1.5}))
+    # 11 decoded tokens are 10 forward passes: the first token comes from the prompt's logits
+    path.write_text(json.dumps({"decode_tokens": 11, "decode_s": 2.0, "decode_read_wait_s": 1.5}))
     got = fc.read_stats(str(path))
     assert got["decode_tps"] == 5 and got["compute_ms"] == pytest.approx(50)
     path.write_text(json.dumps({"stats": {"decode_tps": 3.0}}))

@@ -213,7 +213,8 @@ def forecast(
 
 def read_stats(path_or_value: str) -> dict[str, float]:
     """A measured run: a number (decode tok/s) or a JSON file with the engine's GenerationStats fields
-    (decode_tokens, decode_s, decode_read_wait_s) or a decode_tps key, possibly under "stats"."""
+    (decode_tokens, decode_s, decode_read_wait_s) or a decode_tps key, possibly under "stats"; rates are per
+    forward pass."""
     try:
         return {"decode_tps": float(path_or_value)}
     except ValueError:
@@ -232,10 +233,13 @@ def read_stats(path_or_value: str) -> dict[str, float]:
     if not isinstance(doc, dict):
         raise MoestreamError(f"{path_or_value}: expected a JSON object with decode_tokens and decode_s")
     out: dict[str, float] = {}
-    if doc.get("decode_tokens") and doc.get("decode_s"):
-        out["decode_tps"] = float(doc["decode_tokens"]) / float(doc["decode_s"])
+    # the first decoded token comes from the prompt's logits: decode_s times decode_tokens - 1 forward passes,
+    # and the forecast is per forward pass
+    passes = float(doc.get("decode_tokens") or 0) - 1
+    if passes > 0 and doc.get("decode_s"):
+        out["decode_tps"] = passes / float(doc["decode_s"])
         wait = float(doc.get("decode_read_wait_s", 0.0))
-        out["compute_ms"] = 1e3 * (float(doc["decode_s"]) - wait) / float(doc["decode_tokens"])
+        out["compute_ms"] = 1e3 * (float(doc["decode_s"]) - wait) / passes
     elif "decode_tps" in doc:
         out["decode_tps"] = float(doc["decode_tps"])
     else:

@@ -6,7 +6,7 @@ time, so rows stay short. The page cache is dropped (POSIX_FADV_DONTNEED) on the
 row and, as the engine does, after every buffered read; O_DIRECT rows bypass it anyway.
 
 Sizes: the model's own expert segment (one of an expert's three matrices, which is what the engine reads
-at a time; the SDQ seed found three parallel segment reads beat one chain) and 4 KiB (pure latency).
+at a time: three segment reads in parallel beat one chain of three) and 4 KiB (pure latency).
 
 A small file flatters the disk: a drive's DRAM/SLC cache or, in a VM, the host's page cache can hold it
 whole, whatever we drop here. The result says `representative: false` below twice this machine's RAM.

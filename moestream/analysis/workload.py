@@ -1,14 +1,15 @@
-"""What a trace says about the workload, before any policy: the SDQ seed's route-overlap analysis.
+"""What a trace says about the workload, before any policy: the route-overlap analysis of
+an expert-streaming pager built on llama.cpp.
 
 U(k)          distinct experts per layer over k consecutive decode tokens. A k-token batch (speculative
               decoding, several users at once) reads U(k) experts per layer instead of k * top_k: the read
-              saving is 1 - U(k) / (k * top_k) (SDQ: k=4 saves 38.5%).
+              saving is 1 - U(k) / (k * top_k).
 reuse         for each decode access, how many decode tokens ago the same (layer, expert) was last used.
 singletons    share of the accesses in a W-token window whose (layer, expert) occurs only once in it: what
-              an admission rule like min-hits could keep out of the cache (SDQ: 6.8% over 48 tokens).
+              an admission rule like min-hits could keep out of the cache.
 per-layer     hit rates the engine observed (from each row's source), decode and prompt.
 coverage      share of decode accesses the N most used (layer, expert) pairs serve: the best a static
-              pin of N slots could do (SDQ: the top 2048 covered 54.5%, less than LRU's ~70%).
+              pin of N slots could do.
 """
 
 from __future__ import annotations

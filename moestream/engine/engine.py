@@ -77,7 +77,7 @@ class Engine:
         self.threads = threads or torch.get_num_threads()
         native.set_threads(self.threads)  # the lane kernels' own pool
         common.set_wide_threads(self.threads)
-        # Small activations times small weights produce denormals, which cost the CPU kernels ~10x.
+        # Small activations times small weights produce denormals, which the CPU handles far more slowly.
         torch.set_flush_denormal(True)
 
     def _load_model(self) -> None:

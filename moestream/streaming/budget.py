@@ -1,8 +1,8 @@
 """How many expert slots a RAM budget buys.
 
 The budget covers everything the process holds. Sizing happens after the dense weights are loaded and the
-KV cache is allocated at the full context, so those are measured, not guessed (the SDQ seed, section 5.2:
-buffers that grow after the cache is sized push the process past its budget). What cannot be measured yet
+KV cache is allocated at the full context, so those are measured, not guessed (an expert-streaming pager
+built on llama.cpp found that buffers that grow after the cache is sized push the process past its budget). What cannot be measured yet
 (prompt compute buffers at the chosen micro-batch, the reader's buffers) is estimated from the shapes and a
 reserve covers the allocator's slack.
 """
@@ -26,7 +26,8 @@ MB = 1 << 20
 # stayed 150-170 MB under the budget, i.e. the reserve was never touched (tests/test_budget.py checks peak <=
 # budget); shrink it only after measuring on a real model with many threads.
 DEFAULT_RESERVE_MB = 160
-# Prompt micro-batches tried by choose_ubatch, largest first (128 measured best in the SDQ seed, 5.1).
+# Prompt micro-batches tried by choose_ubatch, largest first (128 measured best by
+# an expert-streaming pager built on llama.cpp).
 UBATCH_CHOICES = (128, 64, 32, 16)
 # With no budget given, leave this much of the machine's available RAM to everyone else.
 DEFAULT_KEEP_FREE_MB = 1024
@@ -163,8 +164,8 @@ def choose_ubatch(
 ) -> int:
     """The largest prompt micro-batch whose compute buffers fit the budget beside the minimum expert slots.
 
-    Prompt compute buffers grow linearly with the micro-batch (the SDQ seed, section 5.1: 512 crashed an
-    8 GB machine, 128 ran), so a tight budget gets a smaller one instead of a refusal. When none fits this
+    Prompt compute buffers grow linearly with the micro-batch (in an expert-streaming pager built on
+    llama.cpp, 512 crashed an 8 GB machine, 128 ran), so a tight budget gets a smaller one instead of a refusal. When none fits this
     returns the smallest, and plan_slots then says how much budget it needs.
     """
     budget = budget_bytes(budget_mb, resident)

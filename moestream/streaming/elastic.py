@@ -3,7 +3,7 @@
 A watcher reads the available memory (MemAvailable, capped by the cgroup limit) a few times a second.
 Below the floor the user asked to keep free, it frees the coldest LRU slots at once (madvise: the pages go
 back to the OS, nothing is paged out); with memory free again it grows back one step at a time. It never
-goes below what one token needs. This is Strata's watcher (seed 001), which replaced per-buffer offers
+goes below what one token needs. This follows the Strata MoE runtime's watcher, which replaced per-buffer offers
 that halved decode speed.
 """
 
