@@ -2,9 +2,9 @@
 
 The budget covers everything the process holds. Sizing happens after the dense weights are loaded and the
 KV cache is allocated at the full context, so those are measured, not guessed (an expert-streaming pager
-built on llama.cpp found that buffers that grow after the cache is sized push the process past its budget). What cannot be measured yet
-(prompt compute buffers at the chosen micro-batch, the reader's buffers) is estimated from the shapes and a
-reserve covers the allocator's slack.
+built on llama.cpp found that buffers that grow after the cache is sized push the process past its
+budget). What cannot be measured yet (prompt compute buffers at the chosen micro-batch, the reader's
+buffers) is estimated from the shapes and a reserve covers the allocator's slack.
 """
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ def choose_ubatch(
     """The largest prompt micro-batch whose compute buffers fit the budget beside the minimum expert slots.
 
     Prompt compute buffers grow linearly with the micro-batch (in an expert-streaming pager built on
-    llama.cpp, 512 crashed an 8 GB machine, 128 ran), so a tight budget gets a smaller one instead of a refusal. When none fits this
-    returns the smallest, and plan_slots then says how much budget it needs.
+    llama.cpp, 512 crashed an 8 GB machine, 128 ran), so a tight budget gets a smaller one instead of a
+    refusal. When none fits this returns the smallest, and plan_slots then says how much budget it needs.
     """
     budget = budget_bytes(budget_mb, resident)
     fixed = resident + reader + reserve_mb * MB + min_slots * slot_nbytes
