@@ -16,6 +16,7 @@ from moestream.errors import BudgetError, ContextError, ModelFileError
 from moestream.formats import quants
 from moestream.formats.gguf_file import GGUFFile
 from moestream.models import ARCHITECTURES, common
+from moestream.models.loader import GGUFWeights, config_from_gguf
 from moestream.streaming.budget import (
     MB,
     UBATCH_CHOICES,
@@ -130,7 +131,7 @@ class Engine:
         self.ubatch = ubatch or DEFAULT_UBATCH
         # the read-ahead admits what it reads, so admission rules that can turn a miss away switch it off
         read_ahead = read_ahead and admit_prompt and min_hits == 0
-        cfg = model_cls.config_from_gguf(f)
+        cfg = config_from_gguf(model_cls, f)
         self.ctx = min(ctx or min(cfg.context_length, 4096), cfg.context_length)
         self.store = ExpertStore(f, cfg.n_layers, cfg.n_experts, self.exact)
         # Until the micro-batch is chosen, plan with the smallest one it could be, and without the read-ahead's
@@ -146,7 +147,7 @@ class Engine:
             estimate = _dense_estimate(f, self.exact) + model_cls.kv_nbytes(cfg, self.ctx, self.exact) + LOAD_SLACK
             plan_slots(resident=rss_bytes() + estimate, **kw)
 
-        self.model = model_cls(f, None, self.exact)
+        self.model = model_cls(cfg, GGUFWeights(f, self.exact))
         release_free_heap()  # the loader's freed read buffers would otherwise be measured as resident
         # Locked before sizing, so the budget measures the locked skeleton (mlock leaves RSS as it is).
         self.lock_report: LockReport = lock_dense(self.model, routed_nbytes(f), enabled=mlock is not False)
@@ -195,7 +196,7 @@ class Engine:
         if route_trace is not None:
             from moestream.analysis.routes import RouteTrace
 
-            self.model.routes = RouteTrace(route_trace, self.cfg.n_experts, self.cfg.top_k)
+            self.model.route_hook = RouteTrace(route_trace, self.cfg.n_experts, self.cfg.top_k)
         if ram_budget_mb is not None:
             self.cache.prefault()
         self.cache.min_slots = self.cfg.top_k
@@ -460,7 +461,7 @@ def budget_for_slots(
         if model_cls is None:
             raise ModelFileError(f"{model_path}: architecture {f.arch!r} is not supported")
         exact = _is_float_model(f)
-        cfg = model_cls.config_from_gguf(f)
+        cfg = config_from_gguf(model_cls, f)
         ctx = min(ctx or min(cfg.context_length, 4096), cfg.context_length)
         store = ExpertStore(f, cfg.n_layers, cfg.n_experts, exact)
         kw = _plan_args(model_cls, cfg, store, ctx, io_threads, ubatch, None)
