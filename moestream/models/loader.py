@@ -167,10 +167,10 @@ class ArchMetadata:
             raise self.error(key, f"is {_show(v)}, not a number; the file is damaged")
         return v
 
-    def int(self, key: str, default: Any = REQUIRED, *, low: int = 1) -> int:
-        """An integer >= low; a per-layer array is accepted when all its values agree."""
+    def int(self, key: str, default: Any = REQUIRED, *, low: int = 1, per_layer: bool = False) -> int:
+        """An integer >= low; with per_layer, an array of one value per layer when all the values agree."""
         v = self._raw(key, default)
-        if isinstance(v, list):  # llama.cpp allows per-layer arrays; we run uniform layers only
+        if per_layer and isinstance(v, list):  # llama.cpp allows per-layer arrays; we run uniform layers only
             if not v or len(set(map(repr, v))) != 1:
                 raise self.error(key, "differs between layers, which moestream does not support")
             v = v[0]

@@ -84,8 +84,8 @@ class Qwen35MoeConfig:
         if recurrent is None:
             interval = m.int("full_attention_interval", 4)
             recurrent = [(i + 1) % interval != 0 for i in range(n_layers)]
-        hidden, n_heads = m.int("embedding_length"), m.int("attention.head_count")
-        n_kv_heads = m.int("attention.head_count_kv", n_heads)
+        hidden, n_heads = m.int("embedding_length"), m.int("attention.head_count", per_layer=True)
+        n_kv_heads = m.int("attention.head_count_kv", n_heads, per_layer=True)
         m.require(n_heads % n_kv_heads == 0, "attention.head_count_kv", f"({n_kv_heads}) does not divide "
                   f"the {n_heads} query heads")  # fmt: skip
         if f"{ARCH}.attention.key_length" not in md:
@@ -116,7 +116,7 @@ class Qwen35MoeConfig:
             rot_dim=rot_dim,
             n_experts=n_experts,
             top_k=top_k,
-            expert_ffn=m.int("expert_feed_forward_length"),
+            expert_ffn=m.int("expert_feed_forward_length", per_layer=True),
             shared_ffn=shared_ffn,
             vocab_size=m.tensor_shape("token_embd.weight")[0],
             context_length=m.int("context_length", 4096),

@@ -46,8 +46,8 @@ class Qwen3MoeConfig:
         cls, md: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str = "model file"
     ) -> Qwen3MoeConfig:
         m = ArchMetadata(md, ARCH, shapes, source)
-        hidden, n_heads = m.int("embedding_length"), m.int("attention.head_count")
-        n_kv_heads = m.int("attention.head_count_kv", n_heads)
+        hidden, n_heads = m.int("embedding_length"), m.int("attention.head_count", per_layer=True)
+        n_kv_heads = m.int("attention.head_count_kv", n_heads, per_layer=True)
         m.require(n_heads % n_kv_heads == 0, "attention.head_count_kv", f"({n_kv_heads}) does not divide "
                   f"the {n_heads} query heads")  # fmt: skip
         if f"{ARCH}.attention.key_length" not in md:
@@ -69,7 +69,7 @@ class Qwen3MoeConfig:
             head_dim=head_dim,
             n_experts=n_experts,
             top_k=top_k,
-            expert_ffn=m.int("expert_feed_forward_length"),
+            expert_ffn=m.int("expert_feed_forward_length", per_layer=True),
             vocab_size=m.tensor_shape("token_embd.weight")[0],
             context_length=m.int("context_length", 4096),
             rope_theta=m.float("rope.freq_base", 1_000_000.0),
