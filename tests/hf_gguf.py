@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -428,6 +428,26 @@ def rewrite_gguf(
         write_gguf(dst, f.arch, md, specs, progress=False)
     finally:
         f.close()
+
+
+# ---- what the model tests share ---------------------------------------------------------------------
+
+
+def one_torch_thread() -> Iterator[None]:
+    """Tiny matrices: a second thread only adds barriers, and on a busy machine each can cost a time slice.
+    A module makes it its fixture with pytest.fixture(autouse=True, scope="module")(one_torch_thread)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def random_tokens(n: int, vocab: int, seed: int = 1) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
 
 
 # ---- what a parametrized test needs to know of each architecture ------------------------------------

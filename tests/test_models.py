@@ -18,7 +18,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
-from tests.hf_gguf import QWEN3MOE, QWEN35MOE, TinyArch, tiny_vocab_size
+from tests.hf_gguf import QWEN3MOE, QWEN35MOE, TinyArch, one_torch_thread, random_tokens, rel_error, tiny_vocab_size
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,21 +26,7 @@ ARCH_CASES = [QWEN3MOE, QWEN35MOE]
 N_PROMPT, N_DECODE = 80, 16  # the prompt is longer than one DeltaNet chunk (64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: a second thread only adds barriers, and on a busy machine each can cost a time slice."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _tokens(n: int, vocab: int, seed: int = 1) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 def _engine(path: str, **kw) -> Engine:
@@ -54,7 +40,7 @@ def tiny(request, tmp_path_factory):
     model = arch.hf_model()
     path = str(tmp_path_factory.mktemp(arch.name) / "m.gguf")
     arch.write(model, path)
-    toks = _tokens(N_PROMPT + N_DECODE, model.config.vocab_size)
+    toks = random_tokens(N_PROMPT + N_DECODE, model.config.vocab_size)
     with torch.no_grad():
         ref = model(torch.tensor([toks])).logits[0].float()
     return arch, path, toks, ref, model
@@ -87,11 +73,11 @@ def test_logits_match_transformers(tiny):
     try:
         with torch.inference_mode():
             ours = eng.model.forward(toks[:N_PROMPT], eng.kv, 0, all_logits=True)
-            assert _rel(ours, ref[:N_PROMPT]) < 1e-3
-            assert max(_rel(ours[i], ref[i]) for i in range(N_PROMPT)) < 1e-3
+            assert rel_error(ours, ref[:N_PROMPT]) < 1e-3
+            assert max(rel_error(ours[i], ref[i]) for i in range(N_PROMPT)) < 1e-3
             for j in range(N_PROMPT, N_PROMPT + N_DECODE):
                 last = eng.model.forward([toks[j]], eng.kv, j)
-                assert _rel(last, ref[j]) < 1e-3, j
+                assert rel_error(last, ref[j]) < 1e-3, j
     finally:
         eng.close()
 
@@ -112,8 +98,8 @@ def test_whole_prompt_equals_token_by_token_and_micro_batches(tiny):
             chunked = torch.cat(chunks)
     finally:
         eng.close()
-    assert _rel(steps, whole) < 1e-5
-    assert _rel(chunked, whole) < 1e-5
+    assert rel_error(steps, whole) < 1e-5
+    assert rel_error(chunked, whole) < 1e-5
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["float", "quantized"])
@@ -124,7 +110,7 @@ def test_streaming_never_changes_greedy_output(tmp_path, arch, which):
     path = str(tmp_path / "s.gguf")
     arch.write(model, path, dense_type=dense_type, expert_type=expert_type)
     cfg = model.config
-    prompt = _tokens(40, cfg.vocab_size, seed=2)
+    prompt = random_tokens(40, cfg.vocab_size, seed=2)
     outputs, hit_rates = [], []
     for slots in (cfg.num_experts_per_tok, cfg.num_experts_per_tok + 3, cfg.num_hidden_layers * cfg.num_experts):
         eng = Engine(path, EngineOptions(n_slots=slots, ubatch=16))
@@ -139,7 +125,7 @@ def test_streaming_never_changes_greedy_output(tmp_path, arch, which):
     assert hit_rates[0] < hit_rates[2]
 
 
-def test_prompt_reuse_gives_same_tokens(tiny):
+def test_prompt_reuse_gives_samerandom_tokens(tiny):
     _, path, toks, _, _ = tiny
     prompt = toks[:N_PROMPT]
     eng = _engine(path, ubatch=16)
@@ -197,7 +183,7 @@ def test_llama_cpp_reads_the_same_model(tiny):
             ours = eng.model.forward(toks[:40], eng.kv, 0, all_logits=True)
     finally:
         eng.close()
-    assert _rel(ours, ref) < 2e-3  # llama.cpp rounds some activations to F16
+    assert rel_error(ours, ref) < 2e-3  # llama.cpp rounds some activations to F16
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
@@ -258,11 +244,11 @@ def test_tied_embeddings_omit_output(tmp_path, arch):
     f.close()
     eng = Engine(str(path), EngineOptions(n_slots=32))  # the head reads the embedding's bytes
     try:
-        toks = _tokens(12, model.config.vocab_size)
+        toks = random_tokens(12, model.config.vocab_size)
         with torch.inference_mode(), torch.no_grad():
             ours = eng.model.forward(toks, eng.kv, 0, all_logits=True)
             ref = model(torch.tensor([toks])).logits[0].float()
-        assert _rel(ours, ref) < 1e-3
+        assert rel_error(ours, ref) < 1e-3
     finally:
         eng.close()
 

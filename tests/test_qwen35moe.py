@@ -15,28 +15,14 @@ from moestream.formats.gguf_file import GGUFFile
 from moestream.models.deltanet import CHUNK, chunk_delta_rule, delta_rule_step
 from moestream.models.loader import GGUFWeights
 from moestream.models.qwen35moe import Qwen35MoeConfig
-from tests.hf_gguf import QWEN35MOE, write_qwen35moe_from_hf
+from tests.hf_gguf import QWEN35MOE, one_torch_thread, random_tokens, rel_error, write_qwen35moe_from_hf
 
 transformers = pytest.importorskip("transformers")
 
 N_PROMPT, N_DECODE = 80, 16  # the prompt is longer than one DeltaNet chunk (64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: a second thread only adds barriers, and on a busy machine each can cost a time slice."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _tokens(n: int, vocab: int, seed: int = 1) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +31,7 @@ def tiny(tmp_path_factory):
     model = QWEN35MOE.hf_model()
     path = str(tmp_path_factory.mktemp("q35") / "m.gguf")
     write_qwen35moe_from_hf(model, path)
-    toks = _tokens(N_PROMPT + N_DECODE, model.config.vocab_size)
+    toks = random_tokens(N_PROMPT + N_DECODE, model.config.vocab_size)
     with torch.no_grad():
         ref = model(torch.tensor([toks])).logits[0].float()
     return path, toks, ref, model
@@ -87,8 +73,8 @@ def test_delta_rule_chunked_equals_recurrent_and_transformers():
         initial_state=S0[None].clone(),
         output_final_state=True,
     )
-    assert _rel(o_chunk, o_step) < 1e-5 and _rel(S_chunk, S_step) < 1e-5
-    assert _rel(o_step, ref[0].transpose(0, 1)) < 1e-5 and _rel(S_step, S_ref[0]) < 1e-5
+    assert rel_error(o_chunk, o_step) < 1e-5 and rel_error(S_chunk, S_step) < 1e-5
+    assert rel_error(o_step, ref[0].transpose(0, 1)) < 1e-5 and rel_error(S_step, S_ref[0]) < 1e-5
 
 
 def test_mtp_block_and_interval_only_metadata(tiny, tmp_path):
@@ -102,7 +88,7 @@ def test_mtp_block_and_interval_only_metadata(tiny, tmp_path):
             assert eng.cfg.n_layers == 4 and eng.cfg.recurrent == [True, False, True, False]
             with torch.inference_mode():
                 ours = eng.model.forward(toks[:20], eng.kv, 0)
-            assert _rel(ours, ref[19]) < 1e-3, kw
+            assert rel_error(ours, ref[19]) < 1e-3, kw
         finally:
             eng.close()
 
@@ -185,7 +171,7 @@ def test_state_memory_is_allocated_up_front(tiny):
     try:
         kv = eng.kv
         ptrs = [t.data_ptr() for t in (*kv.conv.values(), *kv.ssm.values())]
-        eng.generate(_tokens(40, eng.cfg.vocab_size), 4, Sampler())
+        eng.generate(random_tokens(40, eng.cfg.vocab_size), 4, Sampler())
         assert ptrs == [t.data_ptr() for t in (*kv.conv.values(), *kv.ssm.values())]
     finally:
         eng.close()

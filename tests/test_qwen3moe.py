@@ -13,7 +13,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.formats.gguf_file import GGUFFile
-from tests.hf_gguf import QWEN3MOE, tiny_vocab_size, write_qwen3moe_from_hf
+from tests.hf_gguf import QWEN3MOE, rel_error, tiny_vocab_size, write_qwen3moe_from_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,10 +58,6 @@ def _hf_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0].float()
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def test_f16_logits_match_transformers(tmp_path):
     model = _hf_model()
     path = str(tmp_path / "m.gguf")
@@ -72,12 +68,12 @@ def test_f16_logits_match_transformers(tmp_path):
     try:
         with torch.inference_mode():
             ours = eng.model.forward(PROMPT, eng.kv, 0, all_logits=True)
-            assert _rel(ours, ref) < 1e-3
+            assert rel_error(ours, ref) < 1e-3
             # decoding token by token over the KV cache gives the same last-position logits
             eng.kv.truncate(0)
             for i, tok in enumerate(PROMPT):
                 last = eng.model.forward([tok], eng.kv, i)
-            assert _rel(last, ref[-1]) < 1e-3
+            assert rel_error(last, ref[-1]) < 1e-3
     finally:
         eng.close()
 
@@ -94,7 +90,7 @@ def test_quantized_logits_match_gguf_reference(tmp_path, expert_type):
         with torch.inference_mode():
             ours = eng.model.forward(PROMPT, eng.kv, 0)
         # bf16 activations on the quantized path: agreement at the bf16 level
-        assert _rel(ours, ref) < 3e-2
+        assert rel_error(ours, ref) < 3e-2
         assert int(ours.argmax()) == int(ref.argmax())
     finally:
         eng.close()

@@ -203,6 +203,23 @@ class ArchMetadata:
             raise self.error(key, f"is {_show(v)}, not true/false for each of the {n} layers; the file is damaged")
         return [bool(x) for x in v[:n]]
 
+    def attention(self) -> tuple[int, int, int, int]:
+        """(hidden size, query heads, key/value heads, head size), checked against each other."""
+        hidden, n_heads = self.int("embedding_length"), self.int("attention.head_count", per_layer=True)
+        n_kv_heads = self.int("attention.head_count_kv", n_heads, per_layer=True)
+        self.require(n_heads % n_kv_heads == 0, "attention.head_count_kv",
+                     f"({n_kv_heads}) does not divide the {n_heads} query heads")  # fmt: skip
+        if f"{self.arch}.attention.key_length" not in self.md:
+            self.require(hidden % n_heads == 0, "attention.key_length",
+                         "is missing and embedding_length is not a multiple of attention.head_count")  # fmt: skip
+        return hidden, n_heads, n_kv_heads, self.int("attention.key_length", hidden // n_heads)
+
+    def experts(self) -> tuple[int, int]:
+        """(routed experts per layer, experts each token uses)."""
+        n_experts, top_k = self.int("expert_count"), self.int("expert_used_count")
+        self.require(top_k <= n_experts, "expert_used_count", f"is {top_k} but there are {n_experts} experts")
+        return n_experts, top_k
+
     def require(self, ok: bool, key: str, what: str) -> None:
         if not ok:
             raise self.error(key, what)

@@ -22,13 +22,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from moestream.compute import linear
-from moestream.models.common import ExpertProvider, KVCache, RoPE, RouteHook, resident_tensors, rms_norm, wide_torch
+from moestream.models.base import MoEModel
+from moestream.models.common import KVCache, RoPE, rms_norm
 from moestream.models.deltanet import CHUNK, N_CHECKPOINTS, GatedDeltaNet, HybridCache
-from moestream.models.loader import ArchMetadata, Weights, config_from_gguf
+from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.moe import MoE
 
 ARCH = "qwen35moe"
@@ -84,14 +84,7 @@ class Qwen35MoeConfig:
         if recurrent is None:
             interval = m.int("full_attention_interval", 4)
             recurrent = [(i + 1) % interval != 0 for i in range(n_layers)]
-        hidden, n_heads = m.int("embedding_length"), m.int("attention.head_count", per_layer=True)
-        n_kv_heads = m.int("attention.head_count_kv", n_heads, per_layer=True)
-        m.require(n_heads % n_kv_heads == 0, "attention.head_count_kv", f"({n_kv_heads}) does not divide "
-                  f"the {n_heads} query heads")  # fmt: skip
-        if f"{ARCH}.attention.key_length" not in md:
-            m.require(hidden % n_heads == 0, "attention.key_length", "is missing and embedding_length is not "
-                      "a multiple of attention.head_count")  # fmt: skip
-        head_dim = m.int("attention.key_length", hidden // n_heads)
+        hidden, n_heads, n_kv_heads, head_dim = m.attention()
         rot_dim = m.int("rope.dimension_count", head_dim)
         m.require(rot_dim <= head_dim and rot_dim % 2 == 0, "rope.dimension_count",
                   f"is {rot_dim}; it must be even and at most the head size {head_dim}")  # fmt: skip
@@ -101,9 +94,7 @@ class Qwen35MoeConfig:
         inner = m.int("ssm.inner_size")
         m.require(inner % n_v_heads == 0, "ssm.inner_size", f"({inner}) is not a multiple of the "
                   f"{n_v_heads} value heads")  # fmt: skip
-        n_experts = m.int("expert_count")
-        top_k = m.int("expert_used_count")
-        m.require(top_k <= n_experts, "expert_used_count", f"is {top_k} but there are {n_experts} experts")
+        n_experts, top_k = m.experts()
         shared_ffn = m.int("expert_shared_feed_forward_length", 0, low=0)  # optional: else the tensors say
         if not shared_ffn:
             shared_ffn = m.tensor_shape("blk.0.ffn_gate_shexp.weight")[0]
@@ -160,20 +151,13 @@ class GatedAttention:
 # ---- the model -----------------------------------------------------------------------------------
 
 
-class Qwen35Moe:
-    """The resident part of the model plus the forward pass; routed experts come from `experts`."""
-
+class Qwen35Moe(MoEModel):
     arch = ARCH
     Config = Qwen35MoeConfig
-    config_from_gguf = classmethod(config_from_gguf)  # for callers holding an open file
 
     def __init__(self, cfg: Qwen35MoeConfig, w: Weights):
-        self.cfg = cfg
-        self.exact = w.exact
-        self.experts: ExpertProvider | None = None  # the engine attaches its expert cache
-        self.route_hook: RouteHook | None = None  # router choices replayed from a trace (--route-trace)
+        super().__init__(cfg, w)
         H = cfg.hidden
-        self.embed = w.embedding("token_embd.weight", cfg.vocab_size, H)
         self.layers = []
         for i in range(cfg.n_layers):
             attn_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
@@ -182,16 +166,8 @@ class Qwen35Moe:
             moe = MoE(w, i, hidden=H, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
                       norm_topk=True, shared_ffn=cfg.shared_ffn, shared_gate=True)  # fmt: skip
             self.layers.append((attn_norm, mixer, ffn_norm, moe))
-        self.norm = w.vector("output_norm.weight", H)
-        self.output = w.output_head("output.weight", self.embed)
-        self.dense_nbytes = w.nbytes
-        # the output head runs once a token, widened to every thread when it is not in the lane form (a
-        # Q4_K_M's Q6_K head); the per-layer weights must all be lane for torch to stay at one thread
-        self.lane_decode = linear.all_lane([lin for lin in w.linears if lin is not self.output])
+        self._load_head(w)
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rot_dim, max_pos=min(cfg.context_length, 4096))
-
-    def resident_tensors(self) -> list[torch.Tensor | np.ndarray]:
-        return resident_tensors(self)
 
     @staticmethod
     def kv_nbytes(cfg: Qwen35MoeConfig, ctx: int, exact: bool) -> int:
@@ -245,15 +221,11 @@ class Qwen35Moe:
                 else:
                     h = mixer(h, i, kv, pos, self.rope)
                 x = x + h
-                forced = self.route_hook(i, pos, len(tokens)) if self.route_hook is not None else None
+                forced = self.forced_routes(i, pos, len(tokens))
                 x = x + moe(rms_norm(x, ffn_norm, eps), self.experts, forced)
         except BaseException:  # a read error, Ctrl-C: the layers run so far moved their states past pos
             kv.rewind(pos)
             raise
         kv.advance(pos + len(tokens))
         kv.commit(pos, cuts)
-        if not all_logits:
-            x = x[-1:]
-        with wide_torch():
-            logits = self.output(rms_norm(x, self.norm, eps))
-        return logits if all_logits else logits[0]
+        return self.logits(x, all_logits)

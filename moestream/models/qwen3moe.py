@@ -13,12 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from moestream.compute import linear, native
-from moestream.models.common import ExpertProvider, KVCache, RoPE, RouteHook, resident_tensors, rms_norm, wide_torch
-from moestream.models.loader import ArchMetadata, Weights, config_from_gguf
+from moestream.models.base import MoEModel
+from moestream.models.common import KVCache, RoPE, rms_norm
+from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.moe import MoE
 
 ARCH = "qwen3moe"
@@ -46,18 +46,9 @@ class Qwen3MoeConfig:
         cls, md: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str = "model file"
     ) -> Qwen3MoeConfig:
         m = ArchMetadata(md, ARCH, shapes, source)
-        hidden, n_heads = m.int("embedding_length"), m.int("attention.head_count", per_layer=True)
-        n_kv_heads = m.int("attention.head_count_kv", n_heads, per_layer=True)
-        m.require(n_heads % n_kv_heads == 0, "attention.head_count_kv", f"({n_kv_heads}) does not divide "
-                  f"the {n_heads} query heads")  # fmt: skip
-        if f"{ARCH}.attention.key_length" not in md:
-            m.require(hidden % n_heads == 0, "attention.key_length", "is missing and embedding_length is not "
-                      "a multiple of attention.head_count")  # fmt: skip
-        head_dim = m.int("attention.key_length", hidden // n_heads)
+        hidden, n_heads, n_kv_heads, head_dim = m.attention()
         m.require(head_dim % 2 == 0, "attention.key_length", f"is {head_dim}; rotary embedding needs it even")
-        n_experts = m.int("expert_count")
-        top_k = m.int("expert_used_count")
-        m.require(top_k <= n_experts, "expert_used_count", f"is {top_k} but there are {n_experts} experts")
+        n_experts, top_k = m.experts()
         shared_ffn = m.int("expert_shared_feed_forward_length", 0, low=0)
         if not shared_ffn and "blk.0.ffn_gate_shexp.weight" in shapes:
             shared_ffn = m.tensor_shape("blk.0.ffn_gate_shexp.weight")[0]
@@ -140,20 +131,13 @@ class Attention:
         return self.o(out.reshape(T, cfg.n_heads * cfg.head_dim))
 
 
-class Qwen3Moe:
-    """The resident part of the model plus the forward pass; routed experts come from `experts`."""
-
+class Qwen3Moe(MoEModel):
     arch = ARCH
     Config = Qwen3MoeConfig
-    config_from_gguf = classmethod(config_from_gguf)  # for callers holding an open file
 
     def __init__(self, cfg: Qwen3MoeConfig, w: Weights):
-        self.cfg = cfg
-        self.exact = w.exact
-        self.experts: ExpertProvider | None = None  # the engine attaches its expert cache
-        self.route_hook: RouteHook | None = None  # router choices replayed from a trace (--route-trace)
+        super().__init__(cfg, w)
         H = cfg.hidden
-        self.embed = w.embedding("token_embd.weight", cfg.vocab_size, H)
         self.layers = []
         for i in range(cfg.n_layers):
             attn_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
@@ -162,16 +146,8 @@ class Qwen3Moe:
             moe = MoE(w, i, hidden=H, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
                       norm_topk=cfg.norm_topk_prob, shared_ffn=cfg.shared_ffn)  # fmt: skip
             self.layers.append((attn_norm, attn, ffn_norm, moe))
-        self.norm = w.vector("output_norm.weight", H)
-        self.output = w.output_head("output.weight", self.embed)
-        self.dense_nbytes = w.nbytes
-        # the output head runs once a token, widened to every thread when it is not in the lane form (a
-        # Q4_K_M's Q6_K head); the per-layer weights must all be lane for torch to stay at one thread
-        self.lane_decode = linear.all_lane([lin for lin in w.linears if lin is not self.output])
+        self._load_head(w)
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 4096))
-
-    def resident_tensors(self) -> list[torch.Tensor | np.ndarray]:
-        return resident_tensors(self)
 
     @staticmethod
     def kv_nbytes(cfg: Qwen3MoeConfig, ctx: int, exact: bool) -> int:
@@ -214,11 +190,7 @@ class Qwen3Moe:
             if a is None:
                 a = attn(rms_norm(x, attn_norm, self.cfg.rms_eps), i, kv, pos, self.rope)
             x = x + a
-            forced = self.route_hook(i, pos, len(tokens)) if self.route_hook is not None else None
+            forced = self.forced_routes(i, pos, len(tokens))
             x = x + moe(rms_norm(x, ffn_norm, self.cfg.rms_eps), self.experts, forced)
         kv.advance(pos + len(tokens))
-        if not all_logits:
-            x = x[-1:]
-        with wide_torch():
-            logits = self.output(rms_norm(x, self.norm, self.cfg.rms_eps))
-        return logits if all_logits else logits[0]
+        return self.logits(x, all_logits)
