@@ -18,7 +18,7 @@ from moestream.compute import linear
 from moestream.compute.linear import QLinear
 from moestream.errors import ModelFileError
 from moestream.formats import quants
-from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.gguf_file import GGUFFile, TensorInfo
 from moestream.models.common import Embedding, Fused
 
 Shape = tuple[int, ...]
@@ -81,7 +81,7 @@ class GGUFWeights:
     def has(self, name: str) -> bool:
         return name in self.f.tensors
 
-    def _checked(self, name: str, shape: Shape):
+    def _checked(self, name: str, shape: Shape) -> TensorInfo:
         info = self.f.tensor(name)
         if any(d <= 0 for d in shape) or _core(info.shape) != _core(shape):
             raise ModelFileError(

@@ -1,9 +1,9 @@
 """Lock the dense weights in RAM so the OS cannot evict them (mlock), and say what happened in one line.
 
 Every decode step reads every dense weight (attention, norms, routers, shared experts, the output head), so
-a skeleton the kernel may page out under memory pressure turns each token into disk reads: the ds4 seed
-measured 1.27 -> 4.54 tok/s once the non-routed weights were locked. The routed experts are never locked:
-they live in the budgeted expert cache, which must stay free to shrink and give RAM back.
+a skeleton the kernel may page out under memory pressure turns each token into disk reads, several times
+slower. The routed experts are never locked: they live in the budgeted expert cache, which must stay free
+to shrink and give RAM back.
 
 The model lists the tensors and numpy arrays it holds (`resident_tensors()`: the dense weights are ours,
 allocated while loading, never a mapping of the file); we dedupe them by the memory they sit in and mlock
