@@ -32,7 +32,7 @@ PARTS = ("prompt_s", "read_wait_s", "cpu_s", "linear_attention_s", "attention_s"
 def one(model: str, budget_mb: int, committed: bool, threads: int) -> dict:
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
-    from moestream.models import qwen3moe, qwen35moe
+    from moestream.models import deltanet, moe, qwen3moe, qwen35moe
     from moestream.streaming import expert_cache
 
     spent: dict[str, float] = collections.defaultdict(float)
@@ -49,11 +49,10 @@ def one(model: str, budget_mb: int, committed: bool, threads: int) -> dict:
 
         setattr(owner, name, wrapper)
 
-    timed(qwen35moe.GatedDeltaNet, "__call__", "linear_attention_s")
+    timed(deltanet.GatedDeltaNet, "__call__", "linear_attention_s")
     timed(qwen35moe.GatedAttention, "__call__", "attention_s")
-    timed(qwen35moe.SharedMoE, "__call__", "moe_s")
     timed(qwen3moe.Attention, "__call__", "attention_s")
-    timed(qwen3moe.MoE, "__call__", "moe_s")
+    timed(moe.MoE, "__call__", "moe_s")  # both architectures' MoE block
     timed(expert_cache, "_pack_lanes", "pack_s")
     drop_caches()
     eng = Engine(model, EngineOptions(ram_budget_mb=budget_mb, threads=threads))

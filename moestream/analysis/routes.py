@@ -6,7 +6,7 @@ trace for decode token t (by request rank); the model still reads and computes t
 by its own router's probabilities for them. The trace is cycled when the session is longer than it, and
 a model deeper than the trace reuses the trace's layers in turn (layer l takes trace layer l mod L).
 
-The format is the expert-access trace written by `--trace` (moestream/trace.py); only decode rows are
+The format is the expert-access trace written by `--trace` (moestream/analysis/trace.py); only decode rows are
 used, each decode step giving one token's routing.
 """
 
@@ -20,6 +20,9 @@ from moestream.errors import MoestreamError
 
 
 class RouteTrace:
+    """A route hook (models.common.RouteHook): called with (layer, pos, n_tokens), it returns the expert ids
+    [n_tokens, top_k] the model uses instead of its router's choice."""
+
     def __init__(self, path: str, n_experts: int, top_k: int):
         _meta, rows = read_trace(path)
         rows = rows[rows["phase"] == DECODE]
@@ -44,7 +47,7 @@ class RouteTrace:
         self.n_tokens = len(steps)
         self.n_layers = n_layers
 
-    def ids(self, layer: int, pos: int, n_tokens: int) -> torch.Tensor:
+    def __call__(self, layer: int, pos: int, n_tokens: int) -> torch.Tensor:
         """Expert ids [n_tokens, top_k] for tokens at positions pos..pos+n_tokens-1 of `layer`."""
         t = torch.arange(pos, pos + n_tokens) % self.n_tokens
         return self.routes[t, layer % self.n_layers]

@@ -22,6 +22,7 @@ from moestream.engine.stats import EngineSnapshot, Generation, GenerationStats, 
 from moestream.errors import BudgetError, ContextError
 from moestream.formats.tokenizer import Tokenizer
 from moestream.models import common
+from moestream.models.loader import GGUFWeights
 from moestream.streaming.budget import MB, BudgetPlan, peak_rss_bytes, release_free_heap
 from moestream.streaming.elastic import ElasticWatcher
 from moestream.streaming.expert_cache import ExpertCache
@@ -83,7 +84,7 @@ class Engine:
     def _load_model(self) -> None:
         """The dense weights, resident (and locked where allowed): everything but the routed experts."""
         f = self.file
-        self.model = f.arch(f.gguf, None, f.exact)
+        self.model = f.arch(f.cfg, GGUFWeights(f.gguf, f.exact))
         release_free_heap()  # the loader's freed read buffers would otherwise be measured as resident
         # Locked before sizing, so the budget measures the locked skeleton (mlock leaves RSS as it is).
         self.lock_report: LockReport = lock_dense(
@@ -115,7 +116,7 @@ class Engine:
         cache = ExpertCache(self.store, self.reader, n_slots, scratch_slots=scratch)
         self.model.experts = cache
         if o.route_trace is not None:
-            self.model.routes = RouteTrace(o.route_trace, cfg.n_experts, cfg.top_k)
+            self.model.route_hook = RouteTrace(o.route_trace, cfg.n_experts, cfg.top_k)
         if o.ram_budget_mb is not None:
             cache.prefault()
         growth = o.growth_slots or (prompt_slots(cfg.n_experts), decode_slots(cfg.top_k))

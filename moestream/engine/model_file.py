@@ -11,6 +11,7 @@ from moestream.formats import quants
 from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.tokenizer import Tokenizer
 from moestream.models import ARCHITECTURES
+from moestream.models.loader import config_from_gguf
 from moestream.streaming.expert_store import ExpertStore
 
 FLOAT_TYPES = {0, 1}  # F32, F16: computed in float32 (exact mode)
@@ -47,7 +48,7 @@ def open_model(path: str, exact: bool | None = None, *, check_types: bool = True
         if check_types:
             _check_types(f)
         exact = is_float_model(f) if exact is None else exact
-        cfg = arch.config_from_gguf(f)
+        cfg = config_from_gguf(arch, f)
         store = ExpertStore(f, cfg.n_layers, cfg.n_experts, exact)
     except BaseException:
         f.close()

@@ -1,13 +1,13 @@
 """Lock the dense weights in RAM so the OS cannot evict them (mlock), and say what happened in one line.
 
 Every decode step reads every dense weight (attention, norms, routers, shared experts, the output head), so
-a skeleton the kernel may page out under memory pressure turns each token into disk reads: the ds4 seed
-measured 1.27 -> 4.54 tok/s once the non-routed weights were locked. The routed experts are never locked:
-they live in the budgeted expert cache, which must stay free to shrink and give RAM back.
+a skeleton the kernel may page out under memory pressure turns each token into disk reads, several times
+slower. The routed experts are never locked: they live in the budgeted expert cache, which must stay free
+to shrink and give RAM back.
 
-We walk the model object for the tensors and numpy arrays it holds (the dense weights are ours, allocated
-while loading, never a mapping of the file), dedupe them by the memory they sit in, and mlock page-aligned
-ranges. Locking does not change RSS (the pages are already resident), so the budget counts them once.
+The model lists the tensors and numpy arrays it holds (`resident_tensors()`: the dense weights are ours,
+allocated while loading, never a mapping of the file); we dedupe them by the memory they sit in and mlock
+page-aligned ranges. Locking does not change RSS (the pages are already resident), so the budget counts them once.
 A failure to lock never stops the engine: we stop locking, report the bytes that stayed unlocked and which
 limit to raise.
 """
@@ -22,6 +22,7 @@ import os
 import resource
 import weakref
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -31,6 +32,12 @@ from moestream.formats.gguf_file import GGUFFile
 PAGE = mmap.PAGESIZE
 CAP_IPC_LOCK = 14  # with it the kernel ignores RLIMIT_MEMLOCK
 HINT = "raise `ulimit -l` (memlock in /etc/security/limits.conf, LimitMEMLOCK= for systemd) or run with --no-mlock"
+
+
+class Resident(Protocol):
+    """A model: what it keeps in RAM for the whole run (its weights and tables, not the expert cache)."""
+
+    def resident_tensors(self) -> list[torch.Tensor | np.ndarray]: ...
 
 
 def fmt_bytes(n: int) -> str:
@@ -75,55 +82,25 @@ def routed_nbytes(f: GGUFFile) -> int:
     return sum(t.nbytes for t in f.tensors.values() if "_exps." in t.name)
 
 
-def resident_ranges(model: object) -> list[tuple[int, int]]:
+def resident_ranges(model: Resident) -> list[tuple[int, int]]:
     """(address, nbytes) of the memory behind every tensor and array the model holds, merged where they overlap.
 
     A tensor counts with its whole storage (a QLinear's weight and scales share one aligned buffer; a numpy
-    view counts with the array that owns its memory). We descend only into the model's own objects
-    (moestream.models.*, QLinear) and containers, so the expert cache, route traces and KV caches are never
-    reached: the KV cache is the engine's, not a weight, and the expert arena must stay unlocked.
+    view counts with the array that owns its memory).
     """
-    from moestream.models.common import KVCache
-
     spans: list[tuple[int, int]] = []
-    seen: set[int] = set()
-    stack: list[object] = [model]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
+    for obj in model.resident_tensors():
         if isinstance(obj, torch.Tensor):
             if obj.device.type == "cpu" and obj.numel():
                 st = obj.untyped_storage()
                 spans.append((st.data_ptr(), st.nbytes()))
-        elif isinstance(obj, np.ndarray):
+        else:
             base = obj
             while isinstance(base.base, np.ndarray):
                 base = base.base
             if base.nbytes:
                 spans.append((base.ctypes.data, base.nbytes))
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(obj)
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif _is_model_part(obj) and not isinstance(obj, KVCache):
-            stack.extend(_attributes(obj))
     return _merge(spans)
-
-
-def _is_model_part(obj: object) -> bool:
-    mod = type(obj).__module__
-    return mod.startswith("moestream.models") or mod == "moestream.compute.linear"
-
-
-def _attributes(obj: object) -> list[object]:
-    out = list(getattr(obj, "__dict__", {}).values())
-    for cls in type(obj).__mro__:
-        for name in getattr(cls, "__slots__", ()):
-            if hasattr(obj, name):
-                out.append(getattr(obj, name))
-    return out
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -190,7 +167,7 @@ def _limit_allows(need: int) -> str | None:
     return f"RLIMIT_MEMLOCK is {fmt_bytes(soft)} and the dense weights need {fmt_bytes(need)}: {HINT}"
 
 
-def lock_dense(model: object, routed: int = 0, enabled: bool = True) -> LockReport:
+def lock_dense(model: Resident, routed: int = 0, enabled: bool = True) -> LockReport:
     """mlock every resident tensor of `model`; never raises. `routed`: routed expert bytes (reported as skipped)."""
     ranges = resident_ranges(model)
     total = sum(n for _, n in ranges)

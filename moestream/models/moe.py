@@ -1,0 +1,136 @@
+"""The mixture-of-experts FFN every architecture here uses: a softmax router picks the top-k routed experts
+(streamed in by the expert provider), each a SwiGLU (down(silu(gate(x)) * up(x))); optionally one always-on
+shared expert, optionally scaled by a sigmoid gate of its own."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from moestream.compute import linear
+from moestream.models.common import ExpertProvider, Fused, f32_matmul, route_topk
+from moestream.models.loader import Weights
+
+
+def route(
+    logits: torch.Tensor, k: int, norm: bool, forced: torch.Tensor | None = None, layer: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) [T, k] of the top-k experts; `forced` [T, k] replaces the choice (a route trace) while
+    the weights stay the router's own probabilities for those experts, renormalised over the k when norm."""
+    if forced is None:
+        return route_topk(logits, k, norm, layer=layer)
+    weights = torch.softmax(logits, dim=-1).gather(-1, forced)
+    if norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, forced
+
+
+def swiglu(expert, x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with x already in the expert's compute dtype; the cache may hand gate and
+    up over as one fused matrix (gate_up, None, down)."""
+    gate, up, down = expert
+    if up is None:
+        a, b = gate.mm(x).chunk(2, dim=-1)
+    else:
+        a, b = gate.mm(x), up.mm(x)
+    return down.mm((F.silu(a) * b).to(down.dtype))
+
+
+def run_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, layer: int, experts: ExpertProvider
+) -> torch.Tensor:
+    """sum_k w_k * expert_k(x) for each token, experts taken in whatever order the provider delivers them.
+
+    Results are summed in a fixed order (by expert id) once all are in, so the output does not depend on
+    which experts were cached: streaming must never change the result. Each group the provider hands over
+    (the cached experts, then misses as their reads complete) runs as one native call when the experts are in
+    the lane form; otherwise expert by expert, activations kept in the experts' compute dtype.
+    """
+    T = x.shape[0]
+    if T == 1:
+        id_list, w_list = ids[0].tolist(), weights[0].tolist()
+        by_id = sorted(range(len(id_list)), key=id_list.__getitem__)
+        order = {id_list[p]: r for r, p in enumerate(by_id)}
+        w_sorted = torch.tensor([w_list[p] for p in by_id], dtype=x.dtype)
+        outs = torch.empty(len(id_list), x.shape[1])
+        xc = x.contiguous()
+        for group in experts.fetch_groups(layer, id_list):
+            if all(linear.lane_swiglu_ok(w) for _, w in group):  # written straight into their rows of outs
+                linear.lane_swiglu(
+                    [w for _, w in group], [xc] * len(group), [outs[order[e] : order[e] + 1] for e, _ in group]
+                )
+                continue
+            for e, expert in group:
+                outs[order[e]] = swiglu(expert, x.to(expert[0].dtype))[0].float()
+        return (w_sorted @ outs)[None]  # one fixed-order reduction over the experts, whatever came first
+    # Every (token, slot) pair grouped by expert: expert e's rows are one contiguous range of the sorted
+    # order, its inputs and outputs one slice of X and Y, and the final sum one index_add in that fixed order.
+    k = ids.shape[1]
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    needed_t, counts_t = torch.unique_consecutive(ids.reshape(-1)[order], return_counts=True)
+    needed, counts = needed_t.tolist(), counts_t.tolist()
+    starts = dict(zip(needed, itertools.accumulate([0, *counts[:-1]]), strict=True))
+    count = dict(zip(needed, counts, strict=True))
+    rows = order // k
+    X = x[rows]
+    Y = torch.empty_like(X)
+    for group in experts.fetch_groups(layer, needed):
+        spans = [(starts[e], starts[e] + count[e]) for e, _ in group]
+        if all(linear.lane_swiglu_ok(w) for _, w in group):
+            linear.lane_swiglu([w for _, w in group], [X[a:b] for a, b in spans], [Y[a:b] for a, b in spans])
+            continue
+        for (_e, expert), (a, b) in zip(group, spans, strict=True):
+            Y[a:b] = swiglu(expert, X[a:b].to(expert[0].dtype)).float()
+    out = torch.zeros_like(x)
+    out.index_add_(0, rows, Y * weights.reshape(-1)[order, None])
+    return out
+
+
+class MoE:
+    """One layer's MoE FFN. The router ([E, hidden] float32: routing stays exact) and, when there is one,
+    the shared expert's sigmoid gate run as one matmul."""
+
+    def __init__(
+        self,
+        w: Weights,
+        layer: int,
+        *,
+        hidden: int,
+        n_experts: int,
+        expert_ffn: int,
+        top_k: int,
+        norm_topk: bool,
+        shared_ffn: int = 0,
+        shared_gate: bool = False,
+    ):
+        p = f"blk.{layer}."
+        self.layer, self.n_experts, self.top_k, self.norm_topk = layer, n_experts, top_k, norm_topk
+        gates = w.matrix(p + "ffn_gate_inp.weight", n_experts, hidden)
+        if shared_gate:
+            gates = torch.cat([gates, w.vector(p + "ffn_gate_inp_shexp.weight", hidden).reshape(1, -1)])
+        self.gates = gates
+        self.shared_gate = shared_gate
+        # the routed experts are streamed by the provider; their shapes are checked here all the same
+        w.expect(p + "ffn_gate_exps.weight", (n_experts, expert_ffn, hidden))
+        w.expect(p + "ffn_up_exps.weight", (n_experts, expert_ffn, hidden))
+        w.expect(p + "ffn_down_exps.weight", (n_experts, hidden, expert_ffn))
+        self.shared: Fused | None = None
+        if shared_ffn:
+            self.shared = w.fused([(p + "ffn_gate_shexp.weight", shared_ffn, hidden),
+                                   (p + "ffn_up_shexp.weight", shared_ffn, hidden)])  # fmt: skip
+            self.shared_down = w.linear(p + "ffn_down_shexp.weight", hidden, shared_ffn)
+
+    def __call__(self, x: torch.Tensor, experts: ExpertProvider, forced: torch.Tensor | None = None) -> torch.Tensor:
+        """forced [T, k]: expert ids that replace the router's choice (route traces); weights stay its own."""
+        E = self.n_experts
+        logits = f32_matmul(x, self.gates)
+        weights, ids = route(logits[:, :E], self.top_k, self.norm_topk, forced, self.layer)
+        if self.shared is None:
+            return run_experts(x, weights, ids, self.layer, experts)
+        gate, up = self.shared(x)
+        shared = self.shared_down(F.silu(gate) * up)
+        if self.shared_gate:
+            shared = shared * torch.sigmoid(logits[:, E:])
+        return run_experts(x, weights, ids, self.layer, experts) + shared

@@ -1,0 +1,261 @@
+"""Every architecture against transformers, and streaming never changing the output.
+
+A new architecture joins by adding its TinyArch (tests/hf_gguf.py) to ARCH_CASES. What only one
+architecture has (the converter's exact tensor mapping, DeltaNet chunking, recurrent checkpoints) is tested
+in that architecture's own file.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+from moestream.engine.sampling import Sampler
+from moestream.formats.gguf_file import GGUFFile
+from tests.hf_gguf import QWEN3MOE, QWEN35MOE, TinyArch, one_torch_thread, random_tokens, rel_error, tiny_vocab_size
+
+transformers = pytest.importorskip("transformers")
+
+ARCH_CASES = [QWEN3MOE, QWEN35MOE]
+N_PROMPT, N_DECODE = 80, 16  # the prompt is longer than one DeltaNet chunk (64)
+
+
+one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
+
+
+def _engine(path: str, **kw) -> Engine:
+    return Engine(path, EngineOptions(n_slots=kw.pop("n_slots", 32), **kw))
+
+
+@pytest.fixture(scope="module", params=ARCH_CASES, ids=lambda a: a.name)
+def tiny(request, tmp_path_factory):
+    """(arch, model file, tokens, transformers' logits for every position of prompt + decoded tokens, model)."""
+    arch: TinyArch = request.param
+    model = arch.hf_model()
+    path = str(tmp_path_factory.mktemp(arch.name) / "m.gguf")
+    arch.write(model, path)
+    toks = random_tokens(N_PROMPT + N_DECODE, model.config.vocab_size)
+    with torch.no_grad():
+        ref = model(torch.tensor([toks])).logits[0].float()
+    return arch, path, toks, ref, model
+
+
+def test_config_reads_the_converters_metadata(tiny):
+    arch, path, _, _, model = tiny
+    c = model.config
+    eng = _engine(path)
+    try:
+        cfg = eng.cfg
+        assert type(eng.model).arch == arch.name
+        assert (cfg.n_layers, cfg.hidden, cfg.vocab_size) == (c.num_hidden_layers, c.hidden_size, c.vocab_size)
+        assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        assert (cfg.n_experts, cfg.top_k, cfg.expert_ffn) == (
+            c.num_experts,
+            c.num_experts_per_tok,
+            c.moe_intermediate_size,
+        )
+        assert cfg.rms_eps == pytest.approx(c.rms_norm_eps)
+        assert cfg.rope_theta == pytest.approx(c.rope_parameters["rope_theta"])
+    finally:
+        eng.close()
+
+
+def test_logits_match_transformers(tiny):
+    """The prompt in one call, then token by token over the cache (DeltaNet: chunked, then recurrent)."""
+    _, path, toks, ref, _ = tiny
+    eng = _engine(path)
+    try:
+        with torch.inference_mode():
+            ours = eng.model.forward(toks[:N_PROMPT], eng.kv, 0, all_logits=True)
+            assert rel_error(ours, ref[:N_PROMPT]) < 1e-3
+            assert max(rel_error(ours[i], ref[i]) for i in range(N_PROMPT)) < 1e-3
+            for j in range(N_PROMPT, N_PROMPT + N_DECODE):
+                last = eng.model.forward([toks[j]], eng.kv, j)
+                assert rel_error(last, ref[j]) < 1e-3, j
+    finally:
+        eng.close()
+
+
+def test_whole_prompt_equals_token_by_token_and_micro_batches(tiny):
+    _, path, toks, _, _ = tiny
+    prompt = toks[:N_PROMPT]
+    eng = _engine(path)
+    try:
+        with torch.inference_mode():
+            whole = eng.model.forward(prompt, eng.kv, 0, all_logits=True)
+            eng.kv.truncate(0)
+            steps = torch.stack([eng.model.forward([t], eng.kv, i) for i, t in enumerate(prompt)])
+            eng.kv.truncate(0)
+            chunks = []
+            for s in range(0, N_PROMPT, 13):  # ragged micro-batches (with checkpoints inside them)
+                chunks.append(eng.model.forward(prompt[s : s + 13], eng.kv, s, all_logits=True))
+            chunked = torch.cat(chunks)
+    finally:
+        eng.close()
+    assert rel_error(steps, whole) < 1e-5
+    assert rel_error(chunked, whole) < 1e-5
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["float", "quantized"])
+@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.name)
+def test_streaming_never_changes_greedy_output(tmp_path, arch, which):
+    dense_type, expert_type = arch.stream_types[which]
+    model = arch.hf_model(seed=2)
+    path = str(tmp_path / "s.gguf")
+    arch.write(model, path, dense_type=dense_type, expert_type=expert_type)
+    cfg = model.config
+    prompt = random_tokens(40, cfg.vocab_size, seed=2)
+    outputs, hit_rates = [], []
+    for slots in (cfg.num_experts_per_tok, cfg.num_experts_per_tok + 3, cfg.num_hidden_layers * cfg.num_experts):
+        eng = Engine(path, EngineOptions(n_slots=slots, ubatch=16))
+        try:
+            gen = eng.generate(prompt, 12, Sampler())
+            outputs.append(gen.tokens)
+            hit_rates.append(gen.stats.hit_rate)
+            assert eng.cache.used_slots <= slots
+        finally:
+            eng.close()
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert hit_rates[0] < hit_rates[2]
+
+
+def test_prompt_reuse_gives_samerandom_tokens(tiny):
+    _, path, toks, _, _ = tiny
+    prompt = toks[:N_PROMPT]
+    eng = _engine(path, ubatch=16)
+    try:
+        first = eng.generate(prompt, 6, Sampler())
+        follow = prompt + first.tokens + [9, 10]
+        reused = eng.generate(follow, 6, Sampler())
+        assert reused.stats.reused_tokens >= len(prompt)
+        eng.reset()
+        fresh = eng.generate(follow, 6, Sampler())
+        assert fresh.stats.reused_tokens == 0
+        assert reused.tokens == fresh.tokens
+    finally:
+        eng.close()
+
+
+def test_route_hook_replaces_the_routers_choice(tiny):
+    _, path, toks, _, _ = tiny
+    eng = _engine(path)
+    calls = []
+
+    def fixed(layer: int, pos: int, n: int) -> torch.Tensor:  # what analysis.routes.RouteTrace answers
+        calls.append((layer, pos, n))
+        return torch.tensor([[layer % 8, 7]] * n)
+
+    try:
+        eng.model.route_hook = fixed
+        eng.generate(toks[:20], 3, Sampler())
+        assert eng.cache.stats.misses == 2 * eng.cfg.n_layers  # only the forced experts were ever read
+        assert (0, 0, 20) in calls and (eng.cfg.n_layers - 1, 21, 1) in calls
+    finally:
+        eng.close()
+
+
+def test_kv_memory_is_what_the_budget_counts(tiny):
+    _, path, *_ = tiny
+    eng = _engine(path, ctx=256)
+    try:
+        assert eng.kv.nbytes == type(eng.model).kv_nbytes(eng.cfg, 256, eng.exact)
+    finally:
+        eng.close()
+
+
+def test_llama_cpp_reads_the_same_model(tiny):
+    """llama.cpp's own graph on the same file: names, head order and norm offsets agree with it."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    _, path, toks, _, _ = tiny
+    llm = llama_cpp.Llama(model_path=path, n_ctx=128, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(toks[:40])
+    ref = torch.tensor(llm.scores[:40])
+    llm.close()
+    eng = _engine(path)
+    try:
+        with torch.inference_mode():
+            ours = eng.model.forward(toks[:40], eng.kv, 0, all_logits=True)
+    finally:
+        eng.close()
+    assert rel_error(ours, ref) < 2e-3  # llama.cpp rounds some activations to F16
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+# ---- the test converter --------------------------------------------------------------------------
+
+
+def _kind(name: str, ndim: int) -> str:
+    """Which type the converter gives a tensor: the routed experts', the dense one, or F32."""
+    if "_exps." in name:
+        return "expert"
+    if ndim == 1 or "norm" in name or "ffn_gate_inp" in name or name.endswith(("ssm_conv1d.weight", "ssm_a")):
+        return "f32"
+    return "dense"
+
+
+def test_f32_file_reads_back_exactly(tiny):
+    """Our reader and gguf's agree on every tensor of an F32 file (gguf's shapes are in ggml order)."""
+    arch, path, *_ = tiny
+    f = GGUFFile(path)
+    by_name = {t.name: t for t in GGUFReader(path).tensors}
+    assert f.arch == arch.name and set(f.tensors) == set(by_name)
+    for name, info in f.tensors.items():
+        t = by_name[name]
+        assert info.ggml_type == T.F32 and tuple(reversed(t.shape.tolist())) == info.shape, name
+        got = f.read(name).view(np.float32).reshape(info.shape)
+        np.testing.assert_array_equal(got, np.asarray(t.data).reshape(info.shape), err_msg=name)
+    f.close()
+
+
+@pytest.mark.parametrize(
+    "dense,expert,tol",
+    [(T.F16, T.Q8_0, 0.01), (T.Q8_0, T.Q4_0, 0.15), (T.Q8_0, T.Q4_K, 0.15), (T.BF16, T.F32, 0.01)],
+)
+@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.name)
+def test_quantized_types(tmp_path, arch, dense, expert, tol):
+    model = arch.hf_model(seed=1)
+    f32_path, path = tmp_path / "f.gguf", tmp_path / "q.gguf"
+    arch.write(model, f32_path)
+    arch.write(model, path, dense_type=dense, expert_type=expert)
+    exact = {t.name: np.asarray(t.data, dtype=np.float32) for t in GGUFReader(f32_path).tensors}
+    for t in GGUFReader(path).tensors:
+        w = exact[t.name]
+        kind = _kind(t.name, len(t.shape))
+        assert t.tensor_type == {"dense": dense, "expert": expert, "f32": T.F32}[kind], t.name
+        got = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(w.shape)
+        rel = np.linalg.norm(got - w) / np.linalg.norm(w)
+        assert rel < (tol if kind != "f32" else 1e-7), (t.name, rel)
+
+
+@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.name)
+def test_tied_embeddings_omit_output(tmp_path, arch):
+    model = arch.hf_model(seed=2, tie_word_embeddings=True)
+    path = tmp_path / "tied.gguf"
+    arch.write(model, path, tokenizer_md={})
+    f = GGUFFile(path)
+    assert "output.weight" not in f.tensors and "token_embd.weight" in f.tensors
+    assert not any(k.startswith("tokenizer.") for k in f.metadata)
+    f.close()
+    eng = Engine(str(path), EngineOptions(n_slots=32))  # the head reads the embedding's bytes
+    try:
+        toks = random_tokens(12, model.config.vocab_size)
+        with torch.inference_mode(), torch.no_grad():
+            ours = eng.model.forward(toks, eng.kv, 0, all_logits=True)
+            ref = model(torch.tensor([toks])).logits[0].float()
+        assert rel_error(ours, ref) < 1e-3
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.name)
+def test_vocab_mismatch_is_explained(tmp_path, arch):
+    model = arch.hf_model(vocab_size=tiny_vocab_size() + 3)
+    with pytest.raises(ValueError, match="tiny BPE vocab"):
+        arch.write(model, tmp_path / "bad.gguf")
+    assert not list(tmp_path.iterdir())
