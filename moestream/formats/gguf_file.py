@@ -225,11 +225,15 @@ def _tensor_infos(
                 "re-download or re-convert it"
             )
         tensors.append(TensorInfo(name, ttype, tuple(reversed(dims)), start, nbytes))
-    end, prev = data_start, None
-    for t in sorted(tensors, key=lambda t: t.offset):
-        if t.offset < end:
-            raise _BadHeader(f"tensor {t.name!r} overlaps tensor {prev!r} in the file")
-        end, prev = t.offset + t.nbytes, t.name
+    # llama.cpp's rule: the data of each tensor starts where the previous one's (padded) data ends
+    expected = 0
+    for t in tensors:
+        if t.offset - data_start != expected:
+            raise _BadHeader(
+                f"tensor {t.name!r} has data offset {t.offset - data_start}, expected {expected} "
+                "(tensors overlap or leave gaps); the file is damaged"
+            )
+        expected += (t.nbytes + align - 1) // align * align
     return tensors
 
 

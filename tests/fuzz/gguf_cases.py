@@ -404,7 +404,8 @@ def _tensor_table(rng, g: Gguf, enc: Encoded) -> Case:
         detail += f" -> type {t.ttype}"
     elif op == "reorder":
         rng.shuffle(tensors)
-        detail = "tensor table shuffled (valid)"
+        g = _relayout(g, g.alignment)
+        detail = "tensor table and data shuffled alike (valid)"
     elif op == "same-offset":
         t.offset = tensors[(i + 1) % len(tensors)].offset
     elif op == "count-lie":
@@ -466,7 +467,8 @@ def make_case(seeds: dict[str, tuple[Gguf, Encoded]], seed: int, index: int, fam
     rng = np.random.default_rng([seed, index])
     fams = list(WEIGHTS)
     p = np.array([WEIGHTS[f] for f in fams], float)
-    fam = family or fams[rng.choice(len(fams), p=p / p.sum())]
+    drawn = fams[rng.choice(len(fams), p=p / p.sum())]  # drawn even when given, so indices reproduce
+    fam = family or drawn
     names = sorted(seeds)
     seed_name = names[rng.integers(len(names))]
     g, enc = seeds[seed_name]
