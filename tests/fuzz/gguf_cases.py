@@ -26,6 +26,7 @@ import numpy as np
 
 from moestream.analysis import synth
 from moestream.formats.gguf_write import write_gguf
+from moestream.formats.tokenizer import build_tiny_bpe_metadata
 
 U8, I8, U16, I16, U32, I32, F32, BOOL, STR, ARR, U64, I64, F64 = range(13)
 SCALAR_FMT = {U8: "<B", I8: "<b", U16: "<H", I16: "<h", U32: "<I", I32: "<i", F32: "<f", BOOL: "<?",
@@ -206,7 +207,7 @@ def write_seeds(directory: str) -> dict[str, str]:
     if not os.path.exists(paths["qwen3moe-q4_k_m"]):
         synth.write_synth("tiny", "Q4_K_M", paths["qwen3moe-q4_k_m"], layers=1, seed=1, progress=False)
     if not os.path.exists(paths["qwen35moe-q4_0"]):
-        s, tok = TINY_QWEN35, synth.tiny_bpe_metadata()
+        s, tok = TINY_QWEN35, build_tiny_bpe_metadata()
         vocab = len(tok["tokenizer.ggml.tokens"])
         md = synth.shape_metadata(s, "fuzz-qwen35moe", 2) | tok
         specs = synth.synth_tensors(s, synth.T.Q4_0, synth.T.Q4_0, vocab, 0, False)
