@@ -15,3 +15,7 @@ class BudgetError(MoestreamError):
 
 class ContextError(MoestreamError):
     """The prompt (plus the tokens asked for) does not fit in the context."""
+
+
+class DiskError(MoestreamError):
+    """Reading the model file failed for good, or the file changed under the running process."""

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -53,6 +53,15 @@ def _pack_lanes(jobs: list[tuple[_Pending, int, Lease]]) -> None:
             lease.release()
     if rc != 0:
         raise RuntimeError(f"ms_lane_pack_many failed ({rc}) for layer {jobs[0][0].layer}")
+
+
+def _release_when_read(fut: Future) -> None:
+    """Done-callback of an abandoned read: its buffer goes back as soon as the read completes."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    lease = fut.result()
+    if isinstance(lease, Lease):
+        lease.release()
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
@@ -171,13 +180,12 @@ class _Pending:
         return out
 
     def drain(self) -> None:
-        for fut in self.futures:
-            try:
-                lease = fut.result()
-            except Exception:
-                continue
-            if isinstance(lease, Lease) and self.parts[self.futures.index(fut)] is None:
-                lease.release()
+        """Give back the buffers of the reads nobody took: now for those that finished, as they finish for the
+        rest. Never waits: a read still waiting for a buffer may get one only once this thread releases
+        others (waiting here was a deadlock)."""
+        for fut, part in zip(self.futures, self.parts, strict=False):
+            if part is None:
+                fut.add_done_callback(_release_when_read)
 
     def latency(self) -> float:
         return time.perf_counter() - self.t0
@@ -481,7 +489,12 @@ class ExpertCache:
                 # A completion queue, not concurrent.futures.wait: that re-registers a waiter on every future
                 # in flight per call, O(n^2) over a prompt layer's ~250 segment reads (3 s of a 15 s prefill).
                 t_wait = time.perf_counter()
-                done = [completed.get()]
+                try:
+                    done = [completed.get(timeout=self.reader.wait_s)]
+                except queue.Empty:
+                    raise self.reader.error(
+                        f"no expert read finished within {self.reader.wait_s:.0f} s; the disk is not responding"
+                    ) from None
                 self.stats.read_wait_s += time.perf_counter() - t_wait
                 while not completed.empty():
                     done.append(completed.get_nowait())
@@ -617,8 +630,14 @@ class ExpertCache:
                     slot = self._free.popleft()
                     self._pins[slot] += 1
                     inflight.append(((layer, e), slot, self._fill(layer, e, slot)))
-            for key, slot, p in inflight:
-                experts = p.finish()
+            for j, (key, slot, p) in enumerate(inflight):
+                try:
+                    experts = self._finish(p)
+                except BaseException:
+                    for _, _, q in inflight[j:]:
+                        self._abandon(q, {})
+                    bar.close()
+                    raise
                 with self._lock:
                     self._experts[slot] = experts
                     self._key_of[slot] = key
@@ -628,6 +647,12 @@ class ExpertCache:
                 bar.update(1)
         bar.close()
         return len(keys)
+
+    def _finish(self, p: _Pending) -> Expert:
+        """Wait for an expert's reads (within the reader's deadline) and pack them."""
+        if wait(p.futures, timeout=self.reader.wait_s).not_done:
+            raise self.reader.error(f"an expert's reads did not finish within {self.reader.wait_s:.0f} s")
+        return p.finish()
 
     @property
     def pinned_slots(self) -> int:
