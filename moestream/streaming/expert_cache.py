@@ -106,6 +106,7 @@ class _Pending:
         self.parts: list[linear.QLinear | None] = [None, None, None]
         self.left = len(futures)
         self.t0 = time.perf_counter()
+        self.abandoned = False
 
     def pack(self, i: int, raw: memoryview) -> linear.QLinear | torch.Tensor:
         """Segment i's bytes into its place in the slot (any thread: the C packer releases the GIL)."""
@@ -493,7 +494,7 @@ class ExpertCache:
                     done = [completed.get(timeout=self.reader.wait_s)]
                 except queue.Empty:
                     raise self.reader.error(
-                        f"no expert read finished within {self.reader.wait_s:.0f} s; the disk is not responding"
+                        f"no expert read finished within {self.reader.wait_s:g} s; the disk is not responding"
                     ) from None
                 self.stats.read_wait_s += time.perf_counter() - t_wait
                 while not completed.empty():
@@ -587,7 +588,11 @@ class ExpertCache:
             self._abandon(p, {})
 
     def _abandon(self, p: _Pending, inflight: dict[Future, _Pending]) -> None:
-        """Drop an expert whose reads failed or are no longer wanted: release its buffers and its slot."""
+        """Drop an expert whose reads failed or are no longer wanted: release its buffers and its slot (once:
+        an error path may reach the same expert twice, by two of its segments)."""
+        if p.abandoned:
+            return
+        p.abandoned = True
         for fut in p.futures:
             inflight.pop(fut, None)
         p.drain()
@@ -651,7 +656,7 @@ class ExpertCache:
     def _finish(self, p: _Pending) -> Expert:
         """Wait for an expert's reads (within the reader's deadline) and pack them."""
         if wait(p.futures, timeout=self.reader.wait_s).not_done:
-            raise self.reader.error(f"an expert's reads did not finish within {self.reader.wait_s:.0f} s")
+            raise self.reader.error(f"an expert's reads did not finish within {self.reader.wait_s:g} s")
         return p.finish()
 
     @property

@@ -319,7 +319,7 @@ class ExpertReader:
                 buf = pool.get(timeout=self.wait_s)
             except queue.Empty:
                 raise self.error(
-                    f"no read buffer came free within {self.wait_s:.0f} s (the reads holding them are stuck); "
+                    f"no read buffer came free within {self.wait_s:g} s (the reads holding them are stuck); "
                     "the disk is not responding"
                 ) from None
             with self._lock:
