@@ -220,9 +220,10 @@ class ExpertReader:
                 if reached == done:  # less than a page: read that page again, a bounded number of times
                     if retries == len(RETRY_DELAYS_S):
                         raise self._read_error(offset, nbytes, f"reads kept returning less than a page ({n} bytes)")
+                    time.sleep(RETRY_DELAYS_S[retries])
                     retries += 1
                     continue
-            done = reached
+            done, retries = reached, 0  # the bound is on failures in a row at one position
 
     def _read_error(self, offset: int, nbytes: int, why: str) -> DiskError:
         return self.error(f"reading {nbytes} bytes at offset {offset} failed: {why}; the disk or the file is damaged")
