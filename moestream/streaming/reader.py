@@ -267,11 +267,13 @@ class ExpertReader:
         """
 
         def task() -> Lease:
-            buf = self._buffer(self._pool_buffers)
+            buf = None
             try:
+                buf = self._buffer(self._pool_buffers)
                 lead = self._read_to(buf, offset, nbytes)
             except BaseException:
-                self._pool_buffers.put(buf)
+                if buf is not None:
+                    self._pool_buffers.put(buf)
                 raise
             finally:
                 self._busy_end(nbytes)
@@ -291,11 +293,13 @@ class ExpertReader:
         pool = self._run_buffers
 
         def task() -> None:
-            buf = self._buffer(pool)
+            buf = None
             try:
+                buf = self._buffer(pool)
                 lead = self._read_to(buf, offset, part_nbytes * count)
             except BaseException as exc:
-                pool.put(buf)
+                if buf is not None:
+                    pool.put(buf)
                 for f in parts:
                     f.set_exception(exc)
                 return
