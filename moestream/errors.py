@@ -23,3 +23,7 @@ class ComputeError(MoestreamError):
     def __init__(self, message: str, code: int = 0):
         super().__init__(message)
         self.code = code
+
+
+class DiskError(MoestreamError):
+    """Reading the model file failed for good, or the file changed under the running process."""

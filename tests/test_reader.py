@@ -78,3 +78,27 @@ def test_without_run_buffers_a_run_is_read_part_by_part(data_file):
             short.read_run(0, PART, 3)  # longer than its buffers take
     finally:
         short.close()
+
+
+@pytest.mark.parametrize("runs", [0, 1], ids=["single", "run"])
+def test_a_read_that_waits_too_long_for_a_buffer_fails_instead_of_hanging(data_file, runs):
+    """Every buffer held by a lease nobody releases: the next read fails at the reader's deadline."""
+    reader = ExpertReader(data_file, PART, threads=2, run_buffers=runs, run_len=2)
+    reader.wait_s = 0.2
+    try:
+        pool = reader._run_buffers if runs else reader._pool_buffers
+        held = [pool.get_nowait() for _ in range(pool.qsize())]
+        futures = reader.read_run(0, PART, 2)
+        for f in futures:
+            with pytest.raises(MoestreamError, match="no read buffer came free within 0.2 s"):
+                f.result(timeout=30)
+        for buf in held:
+            pool.put(buf)
+        leases = [f.result(timeout=30) for f in reader.read_run(0, PART, 2)]
+        assert bytes(leases[1].view) == open(data_file, "rb").read()[PART : 2 * PART]
+        for lease in leases:
+            lease.release()
+            lease.release()  # a second release does nothing: the buffer goes back once
+        assert pool.qsize() == len(held)
+    finally:
+        reader.close()

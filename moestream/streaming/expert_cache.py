@@ -15,45 +15,18 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from moestream.compute import linear, native
+from moestream.compute import linear
 from moestream.errors import BudgetError
 from moestream.streaming.expert_store import ExpertStore
+from moestream.streaming.pending import Expert, PendingExpert, pack_lanes
 from moestream.streaming.read_ahead import ahead_choice, consecutive_runs, reads_ahead
 from moestream.streaming.reader import ExpertReader, Lease
-
-Expert = tuple[linear.QLinear, linear.QLinear, linear.QLinear]  # gate, up, down
-
-
-TAKEN = object()  # a lane-form segment's lease was taken (and is released by whoever took it): drain skips it
-
-
-def _pack_lanes(jobs: list[tuple[_Pending, int, Lease]]) -> None:
-    """Pack finished lane-form segments (pending, segment index, its bytes) in one native call, spread over
-    the lane pool's threads; the read buffers go back whatever happens."""
-    try:
-        segs = [p.segs[i] for p, i, _ in jobs]
-        n = len(jobs)
-        types = np.array([s.ggml_type for s in segs], np.int32)
-        ns = np.array([s.n for s in segs], np.int64)
-        ks = np.array([s.k for s in segs], np.int64)
-        srcs = np.array([lease.addr for _, _, lease in jobs], np.uint64)
-        dsts = np.array([p.lane[i] for p, i, _ in jobs], np.uint64)  # type: ignore[index]
-        rc = native.lib().ms_lane_pack_many(
-            n, types.ctypes.data, srcs.ctypes.data, ns.ctypes.data, ks.ctypes.data, dsts.ctypes.data
-        )
-    finally:
-        for _, _, lease in jobs:
-            lease.release()
-    if rc != 0:
-        raise RuntimeError(f"ms_lane_pack_many failed ({rc}) for layer {jobs[0][0].layer}")
-
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
@@ -82,105 +55,6 @@ class CacheStats:
 # A trace sink receives one record per expert access: (layer, expert, rank = position in the request,
 # source 'ram'|'disk', bytes read, read latency in seconds). Disk records arrive when reads complete.
 TraceSink = Callable[[int, int, int, str, int, float], None]
-
-
-class _Pending:
-    """An expert whose three segments are being read; packed segment by segment as reads complete."""
-
-    def __init__(self, layer, expert, slot, segs, outs, futures, exact, fused=None, lane=None):
-        self.layer, self.expert, self.slot = layer, expert, slot
-        self.segs, self.outs, self.futures, self.exact = segs, outs, futures, exact
-        # int4: (packed gate|up rows [2F, H/2], scales [H/32, 2F, 2]); lane: the [2F, row bytes] rows; or None
-        self.fused = fused
-        # every segment in the lane form: where each one goes in the slot (ExpertLayout.all_lane)
-        self.lane: list[int] | None = lane
-        self.parts: list[linear.QLinear | None] = [None, None, None]
-        self.left = len(futures)
-        self.t0 = time.perf_counter()
-
-    def pack(self, i: int, raw: memoryview) -> linear.QLinear | torch.Tensor:
-        """Segment i's bytes into its place in the slot (any thread: the C packer releases the GIL)."""
-        seg = self.segs[i]
-        arr = np.frombuffer(raw, dtype=np.uint8)
-        with torch.inference_mode():  # the slot views were made in inference mode; reader threads are not in it
-            return self._pack(i, seg, arr)
-
-    def _pack(self, i: int, seg, arr: np.ndarray) -> linear.QLinear | torch.Tensor:
-        if isinstance(self.fused, tuple) and i < 2:
-            w, sz = self.fused
-            rows = w[i * seg.n : (i + 1) * seg.n]
-            linear.pack_int4_rows(arr, seg.ggml_type, seg.n, seg.k, rows, sz, i * seg.n)
-            return rows  # a marker: this half is in
-        return linear.pack_into(arr, seg.ggml_type, seg.n, seg.k, self.outs[i], self.exact)
-
-    def segment_done(self, fut: Future) -> Expert | None:
-        """Take a finished segment (packing it here if the reader did not); the expert once all are in."""
-        if self.lane is not None:
-            _pack_lanes([self.take(fut)])
-            return self.lane_done()
-        i = self.futures.index(fut)
-        result = fut.result()
-        if isinstance(result, Lease):
-            try:
-                self.parts[i] = self.pack(i, result.view)  # type: ignore[assignment]
-            finally:
-                result.release()
-        else:
-            self.parts[i] = result
-        self.left -= 1
-        if self.left:
-            return None
-        if isinstance(self.fused, torch.Tensor):  # lane form: the two halves were packed in place
-            seg = self.segs[0]
-            gate_up = linear.QLinear(2 * seg.n, seg.k, "lane", self.fused, ggml_type=seg.ggml_type)
-            return (gate_up, None, self.parts[2])  # type: ignore[return-value]
-        if self.fused is not None:
-            w, sz = self.fused
-            gate_up = linear.QLinear(w.shape[0], self.segs[0].k, "int4", w, sz)
-            return (gate_up, None, self.parts[2])  # type: ignore[return-value]
-        return tuple(self.parts)  # type: ignore[return-value]
-
-    def started(self, futures: list[Future]) -> _Pending:
-        """Its segment reads are under way: one future per segment, gate, up, down."""
-        self.futures, self.left = futures, len(futures)
-        return self
-
-    def take(self, fut: Future) -> tuple[_Pending, int, Lease]:
-        """A finished lane-form segment's read, for _pack_lanes: from here the caller releases its lease
-        (drain skips it)."""
-        i = self.futures.index(fut)
-        lease = fut.result()
-        self.parts[i] = TAKEN  # type: ignore[assignment]
-        return self, i, lease
-
-    def lane_done(self) -> Expert | None:
-        """Count one lane-form segment as packed; the expert once all three are."""
-        self.left -= 1
-        if self.left:
-            return None
-        g, d = self.segs[0], self.segs[2]
-        gate_up = linear.QLinear(2 * g.n, g.k, "lane", self.fused, ggml_type=g.ggml_type)
-        down = linear.QLinear(d.n, d.k, "lane", self.outs[2], ggml_type=d.ggml_type)
-        return (gate_up, None, down)  # type: ignore[return-value]
-
-    def finish(self) -> Expert:
-        out = None
-        for fut in self.futures:
-            out = self.segment_done(fut)
-        assert out is not None
-        return out
-
-    def drain(self) -> None:
-        for fut in self.futures:
-            try:
-                lease = fut.result()
-            except Exception:
-                continue
-            if isinstance(lease, Lease) and self.parts[self.futures.index(fut)] is None:
-                lease.release()
-
-    def latency(self) -> float:
-        return time.perf_counter() - self.t0
 
 
 class ExpertCache:
@@ -235,7 +109,7 @@ class ExpertCache:
         self.read_ahead = True
         # The next layer's experts being read ahead (expert -> pending; slot pinned and already admitted),
         # and the slots of its cached experts, pinned so that the read-ahead cannot evict them.
-        self._ahead: dict[int, _Pending] = {}
+        self._ahead: dict[int, PendingExpert] = {}
         self._ahead_layer = -1
         self._reserved: list[int] = []
 
@@ -316,12 +190,12 @@ class ExpertCache:
         # accesses before this group (counted when a fetch ends), as the replay counts them
         return self._access_counts.get(key, 0) >= self.min_hits
 
-    def _fill(self, layer: int, expert: int, slot: int) -> _Pending:
+    def _fill(self, layer: int, expert: int, slot: int) -> PendingExpert:
         """Start the three segment reads of an expert into pooled buffers; the caller packs them (finish)."""
         p = self._pending(layer, expert, slot)
         return p.started([self.reader.read(seg.offset, seg.nbytes) for seg in p.segs])
 
-    def _fill_pairs(self, layer: int, pairs: list[tuple[int, int]]) -> list[_Pending]:
+    def _fill_pairs(self, layer: int, pairs: list[tuple[int, int]]) -> list[PendingExpert]:
         """Start reading (expert, slot) pairs: in a prompt consecutive experts together (_fill_run), in decode
         one by one (its few misses are rarely adjacent, and the run buffers are the prompt's)."""
         if self.phase != "prompt":
@@ -329,14 +203,14 @@ class ExpertCache:
         runs = consecutive_runs(pairs, self.reader.run_len, key=lambda pair: pair[0])
         return [p for run in runs for p in self._fill_run(layer, run)]
 
-    def _fill_run(self, layer: int, run: list[tuple[int, int]]) -> list[_Pending]:
+    def _fill_run(self, layer: int, run: list[tuple[int, int]]) -> list[PendingExpert]:
         """Start reading (expert, slot) pairs of consecutive experts: each of the three matrices of the whole
         run is one read (they are adjacent in the file), handed over expert by expert."""
         first = self.store.segments(layer, run[0][0])
         runs = [self.reader.read_run(seg.offset, seg.nbytes, len(run)) for seg in first]
         return [self._pending(layer, e, slot).started([r[j] for r in runs]) for j, (e, slot) in enumerate(run)]
 
-    def _pending(self, layer: int, expert: int, slot: int) -> _Pending:
+    def _pending(self, layer: int, expert: int, slot: int) -> PendingExpert:
         """An expert about to be read into `slot`: where each of its matrices goes."""
         layout = self.store.layouts[layer]
         base = slot * self.slot_nbytes
@@ -366,7 +240,7 @@ class ExpertCache:
         # The reader threads only read; the model's thread packs each segment as it lands, in the prompt too:
         # with the lane form's packing at memory speed that beat packing in the reader threads (prefill
         # 8.0-8.3 vs 7.0-7.6 tok/s, Qwen3-30B shape, 7168 MB), which then competed with the lane pool.
-        return _Pending(layer, expert, slot, segs, outs, [], self.store.exact, fused, lane)
+        return PendingExpert(layer, expert, slot, segs, outs, [], self.store.exact, fused, lane)
 
     # -- the model's view ------------------------------------------------------------------------------
 
@@ -389,7 +263,7 @@ class ExpertCache:
         refresh = admit and (self.phase != "prompt" or self.admit_prompt)
         hits: list[tuple[int, int]] = []
         pending: deque[int] = deque()
-        taken: list[_Pending] = []  # misses whose reads the previous layer's fetch started (read-ahead)
+        taken: list[PendingExpert] = []  # misses whose reads the previous layer's fetch started (read-ahead)
         with self._lock:
             for e in ids:
                 key = (layer, e)
@@ -420,7 +294,7 @@ class ExpertCache:
             self._ahead, self._ahead_layer, self._reserved = {}, -1, []
         for slot in reserved:  # this call's own pins are in place
             self._unpin(slot)
-        inflight: dict[Future, _Pending] = {}  # segment read -> the expert it belongs to
+        inflight: dict[Future, PendingExpert] = {}  # segment read -> the expert it belongs to
         completed: queue.SimpleQueue[Future] = queue.SimpleQueue()  # reads as they finish
         for p in (*taken, *unused):
             for fut in p.futures:
@@ -429,7 +303,7 @@ class ExpertCache:
         unused_ids = {id(p) for p in unused}
         hitq = deque(hits)
 
-        def complete(p: _Pending, experts: Expert | None, ready: list[_Pending]) -> None:
+        def complete(p: PendingExpert, experts: Expert | None, ready: list[PendingExpert]) -> None:
             """A read expert's bookkeeping once its last segment is packed; ready collects those to yield."""
             if experts is None:
                 return  # other segments of this expert are still being read
@@ -507,14 +381,19 @@ class ExpertCache:
                 # A completion queue, not concurrent.futures.wait: that re-registers a waiter on every future
                 # in flight per call, O(n^2) over a prompt layer's ~250 segment reads (3 s of a 15 s prefill).
                 t_wait = time.perf_counter()
-                done = [completed.get()]
+                try:
+                    done = [completed.get(timeout=self.reader.wait_s)]
+                except queue.Empty:
+                    raise self.reader.error(
+                        f"no expert read finished within {self.reader.wait_s:g} s; the disk is not responding"
+                    ) from None
                 self.stats.read_wait_s += time.perf_counter() - t_wait
                 while not completed.empty():
                     done.append(completed.get_nowait())
                 done = [f for f in done if f in inflight]  # reads of an expert abandoned meanwhile
-                ready: list[_Pending] = []
+                ready: list[PendingExpert] = []
                 try:
-                    lanes: list[tuple[_Pending, int, Lease]] = []  # packed together, below
+                    lanes: list[tuple[PendingExpert, int, Lease]] = []  # packed together, below
                     packed = False
                     try:
                         for fut in done:
@@ -530,7 +409,7 @@ class ExpertCache:
                             complete(p, experts, ready)
                         packed = True
                         if lanes:
-                            _pack_lanes(lanes)  # gives the leases back, whatever happens
+                            pack_lanes(lanes)  # gives the leases back, whatever happens
                     except BaseException:
                         if not packed:
                             for _, _, lease in lanes:
@@ -599,8 +478,12 @@ class ExpertCache:
         for p in ahead:
             self._abandon(p, {})
 
-    def _abandon(self, p: _Pending, inflight: dict[Future, _Pending]) -> None:
-        """Drop an expert whose reads failed or are no longer wanted: release its buffers and its slot."""
+    def _abandon(self, p: PendingExpert, inflight: dict[Future, PendingExpert]) -> None:
+        """Drop an expert whose reads failed or are no longer wanted: release its buffers and its slot (once:
+        an error path may reach the same expert twice, by two of its segments)."""
+        if p.abandoned:
+            return
+        p.abandoned = True
         for fut in p.futures:
             inflight.pop(fut, None)
         p.drain()
@@ -643,8 +526,14 @@ class ExpertCache:
                     slot = self._free.popleft()
                     self._pins[slot] += 1
                     inflight.append(((layer, e), slot, self._fill(layer, e, slot)))
-            for key, slot, p in inflight:
-                experts = p.finish()
+            for j, (key, slot, p) in enumerate(inflight):
+                try:
+                    experts = self._finish(p)
+                except BaseException:
+                    for _, _, q in inflight[j:]:
+                        self._abandon(q, {})
+                    bar.close()
+                    raise
                 with self._lock:
                     self._experts[slot] = experts
                     self._key_of[slot] = key
@@ -654,6 +543,12 @@ class ExpertCache:
                 bar.update(1)
         bar.close()
         return len(keys)
+
+    def _finish(self, p: PendingExpert) -> Expert:
+        """Wait for an expert's reads (within the reader's deadline) and pack them."""
+        if wait(p.futures, timeout=self.reader.wait_s).not_done:
+            raise self.reader.error(f"an expert's reads did not finish within {self.reader.wait_s:g} s")
+        return p.finish()
 
     @property
     def pinned_slots(self) -> int:

@@ -8,11 +8,17 @@ Reads go through O_DIRECT into page-aligned buffers when the filesystem allows i
 holds a second, unbudgeted copy of the experts; otherwise buffered reads are followed by FADV_DONTNEED.
 os.preadv releases the GIL, so the pool really runs in parallel with the model's compute; the model's
 thread packs what it reads.
+
+A read is all or nothing: it returns every byte of its range or raises DiskError. EIO, EINTR and EAGAIN are
+retried a few times; a read that ends early (the file shrank, or the disk returned nothing) is an error, the
+only short read accepted being O_DIRECT's round-up past the end of the file as it was when opened. Every
+wait for a buffer has a deadline, so a stuck disk ends in an error rather than a hang.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import queue
@@ -21,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from moestream.errors import MoestreamError
+from moestream.errors import DiskError, MoestreamError
 from moestream.formats.gguf_file import drop_page_cache
 
 ALIGN = 4096
@@ -30,6 +36,15 @@ ALIGN = 4096
 # 1.11 vs 1.19 GB/s for one 0.6 MB Q4_K matrix vs 4 MiB at 4 in flight in bench/read_runs.py's results, and
 # 1.13 vs 1.78 GB/s at another moment; the CPU per GB read fell from 0.17 to 0.12 s.
 RUN_BYTES = 4 << 20
+
+# EIO, EINTR and EAGAIN are retried after these pauses (a bad sector read again, an interrupted call), then
+# the read fails with an error naming the file, the range and the errno.
+RETRY_DELAYS_S = (0.005, 0.02, 0.1, 0.4)
+RETRIED_ERRNOS = frozenset({errno.EIO, errno.EINTR, errno.EAGAIN})
+# Waits for a buffer or a read have a deadline: what the reads that may be queued ahead take on a disk this
+# slow, and never less than MIN_WAIT_S. Past it the disk is taken to be stuck (ExpertReader.wait_s).
+SLOW_DISK_BPS = 4 << 20
+MIN_WAIT_S = 60.0
 
 
 def _buffer_nbytes(nbytes: int) -> int:
@@ -61,12 +76,21 @@ class _Countdown:
 class Lease:
     """Bytes read into a pooled buffer; release() hands the buffer back for the next read."""
 
-    __slots__ = ("view", "release", "addr")
+    __slots__ = ("view", "addr", "_release")
 
     def __init__(self, view: memoryview, release: Callable[[], None], addr: int = 0):
         self.view = view
-        self.release = release
         self.addr = addr  # address of view's first byte, for C callers
+        self._release = [release]
+
+    def release(self) -> None:
+        """Hand the buffer back; only the first call does (list.pop is atomic, so a lease released by the
+        thread that abandons a read and by the one that packed it goes back once)."""
+        try:
+            fn = self._release.pop()
+        except IndexError:
+            return
+        fn()
 
 
 class AlignedBuffer:
@@ -122,6 +146,10 @@ class ExpertReader:
         self.direct = self._fd_direct is not None
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd_buffered, 0, 0, os.POSIX_FADV_RANDOM)
+        # The file as opened: reads are checked against its size, check_file() against all four.
+        st = os.fstat(self._fd_buffered)
+        self._opened = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        self.file_size = st.st_size
         # Buffers big enough for the largest segment plus alignment slack at both ends.
         self.buffer_nbytes = _buffer_nbytes(max_segment_nbytes)
         self._lock = threading.Lock()
@@ -145,6 +173,8 @@ class ExpertReader:
         self._run_buffers: queue.SimpleQueue[AlignedBuffer] = queue.SimpleQueue()
         for _ in range(run_buffers):
             self._run_buffers.put(AlignedBuffer(self.run_buffer_nbytes))
+        # Deadline of any one wait for a buffer or a read (seconds); tests lower it.
+        self.wait_s = max(MIN_WAIT_S, self.buffers_nbytes / SLOW_DISK_BPS)
 
     @property
     def buffers_nbytes(self) -> int:
@@ -153,25 +183,81 @@ class ExpertReader:
 
     def _read_to(self, buf: AlignedBuffer, offset: int, nbytes: int) -> int:
         """Read the range into buf; returns where in buf it starts."""
+        end = offset + nbytes
+        if end > self.file_size:
+            raise self._read_error(offset, nbytes, f"the range ends past the end of the file ({self.file_size} bytes)")
         if self._fd_direct is not None:
             start = offset // ALIGN * ALIGN
-            end = (offset + nbytes + ALIGN - 1) // ALIGN * ALIGN
-            self._pread_full(self._fd_direct, buf.view[: end - start], start, allow_short=True)
+            stop = (end + ALIGN - 1) // ALIGN * ALIGN
+            # the one short read O_DIRECT may give: the last page rounded up past the end of the file
+            need = min(stop, self.file_size) - start
+            self._pread_full(self._fd_direct, buf.view[: stop - start], start, need, ALIGN, offset, nbytes)
             return offset - start
-        self._pread_full(self._fd_buffered, buf.view[:nbytes], offset, allow_short=False)
+        self._pread_full(self._fd_buffered, buf.view[:nbytes], offset, nbytes, 1, offset, nbytes)
         drop_page_cache(self._fd_buffered, offset, nbytes)
         return 0
 
-    def _pread_full(self, fd: int, view: memoryview, offset: int, allow_short: bool) -> None:
-        done = 0
-        total = len(view)
-        while done < total:
-            n = os.preadv(fd, [view[done:]], offset + done)
+    def _pread_full(self, fd: int, view: memoryview, at: int, need: int, step: int, offset: int, nbytes: int) -> None:
+        """Read at least `need` bytes of view from file position `at`, or raise DiskError. A partial read goes
+        on from where it stopped (from the page it stopped in, for O_DIRECT: `step` keeps reads aligned); a
+        read that returns nothing before `need` means the file ended early."""
+        done, retries = 0, 0
+        while done < need:
+            try:
+                n = os.preadv(fd, [view[done:]], at + done)
+            except OSError as exc:
+                if exc.errno not in RETRIED_ERRNOS or retries == len(RETRY_DELAYS_S):
+                    raise self._read_error(offset, nbytes, _describe(exc, retries)) from None
+                time.sleep(RETRY_DELAYS_S[retries])
+                retries += 1
+                continue
             if n <= 0:
-                if allow_short:  # an O_DIRECT read rounded up past the end of the file
-                    return
-                raise MoestreamError(f"{self.path}: short read at byte {offset + done}; is the file truncated?")
-            done += n
+                why = f"a read at byte {at + done} returned nothing (the file had {self.file_size} bytes when opened)"
+                raise self._read_error(offset, nbytes, why)
+            reached = done + n
+            if reached < need and step > 1:
+                reached -= reached % step
+                if reached == done:  # less than a page: read that page again, a bounded number of times
+                    if retries == len(RETRY_DELAYS_S):
+                        raise self._read_error(offset, nbytes, f"reads kept returning less than a page ({n} bytes)")
+                    time.sleep(RETRY_DELAYS_S[retries])
+                    retries += 1
+                    continue
+            done, retries = reached, 0  # the bound is on failures in a row at one position
+
+    def _read_error(self, offset: int, nbytes: int, why: str) -> DiskError:
+        return self.error(f"reading {nbytes} bytes at offset {offset} failed: {why}; the disk or the file is damaged")
+
+    def error(self, what: str) -> DiskError:
+        """The error for a read that failed or never finished: the file having changed since it was opened
+        explains it best, so that is checked first."""
+        try:
+            self.check_file()
+        except DiskError as changed:
+            return changed
+        return DiskError(f"{self.path}: {what}")
+
+    def check_file(self) -> None:
+        """Raise DiskError if the model file was truncated, replaced or rewritten since it was opened. One stat:
+        cheap enough to call between requests; every read error calls it too."""
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:
+            raise DiskError(
+                f"the model file {self.path} is gone while moestream was running ({exc.strerror}); restart with a file"
+            ) from None
+        size, mtime_ns, ino, dev = self._opened
+        if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) == self._opened:
+            return
+        if st.st_size != size:
+            what = f"size {size} -> {st.st_size}"
+        elif (st.st_ino, st.st_dev) != (ino, dev):
+            what = "replaced by another file of the same size"
+        else:
+            what = "rewritten in place"
+        raise DiskError(
+            f"the model file {self.path} changed while moestream was running ({what}); restart with the new file"
+        )
 
     def read(self, offset: int, nbytes: int) -> Future:
         """Read a range on the pool into a pooled buffer; the future gives a Lease the caller must release.
@@ -181,11 +267,13 @@ class ExpertReader:
         """
 
         def task() -> Lease:
-            buf = self._buffer(self._pool_buffers)
+            buf = None
             try:
+                buf = self._buffer(self._pool_buffers)
                 lead = self._read_to(buf, offset, nbytes)
             except BaseException:
-                self._pool_buffers.put(buf)
+                if buf is not None:
+                    self._pool_buffers.put(buf)
                 raise
             finally:
                 self._busy_end(nbytes)
@@ -205,11 +293,13 @@ class ExpertReader:
         pool = self._run_buffers
 
         def task() -> None:
-            buf = self._buffer(pool)
+            buf = None
             try:
+                buf = self._buffer(pool)
                 lead = self._read_to(buf, offset, part_nbytes * count)
             except BaseException as exc:
-                pool.put(buf)
+                if buf is not None:
+                    pool.put(buf)
                 for f in parts:
                     f.set_exception(exc)
                 return
@@ -230,7 +320,13 @@ class ExpertReader:
             return pool.get_nowait()
         except queue.Empty:
             t = time.perf_counter()
-            buf = pool.get()
+            try:
+                buf = pool.get(timeout=self.wait_s)
+            except queue.Empty:
+                raise self.error(
+                    f"no read buffer came free within {self.wait_s:g} s (the reads holding them are stuck); "
+                    "the disk is not responding"
+                ) from None
             with self._lock:
                 self.buffer_wait_s += time.perf_counter() - t
             return buf
@@ -262,3 +358,9 @@ class ExpertReader:
                 os.close(fd)
         self._fd_direct = None
         self._fd_buffered = -1
+
+
+def _describe(exc: OSError, retries: int) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "?")
+    tried = f" (tried {retries + 1} times)" if exc.errno in RETRIED_ERRNOS else ""
+    return f"{exc.strerror or exc} (errno {exc.errno}, {name}){tried}"
