@@ -257,7 +257,13 @@ class Engine:
             gen.tokens.append(step.token)
         return gen
 
+    def check_model_file(self) -> None:
+        """Raise DiskError if the model file was truncated, rewritten or replaced since it was opened: the
+        experts still to be read would no longer be the ones the resident weights belong to."""
+        self.reader.check_file()
+
     def _check_prompt(self, prompt: list[int]) -> None:
+        self.check_model_file()
         if not prompt:
             raise ContextError("the prompt is empty; give at least one token of text")
         if len(prompt) >= self.ctx:
