@@ -21,15 +21,6 @@ from tests.fuzz.runner import Worker, run_case, run_cli
 
 CORPUS_SEED = 7
 CORPUS_CASES = 240
-NATIVE = "compute/native: NaN/inf router logits abort in ms_route_topk (heap corruption)"
-MODELS = "models: config values of the wrong kind or out of range, tensor shapes not checked against the config"
-TOKENIZER = "formats/tokenizer.py: tokenizer metadata of the wrong kind"
-# cases of the CI corpus that fail today in other parts (measured); the marks go when those parts are fixed
-KNOWN = {
-    10: NATIVE, 34: NATIVE, 68: NATIVE, 109: NATIVE, 124: NATIVE, 142: NATIVE, 150: NATIVE, 195: NATIVE,
-    196: NATIVE, 93: TOKENIZER, 125: TOKENIZER, 103: MODELS, 168: MODELS, 178: MODELS,
-    223: MODELS,
-}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -233,14 +224,7 @@ def worker(seed_paths):
     w.stop()
 
 
-def _corpus_params():
-    return [
-        pytest.param(i, marks=pytest.mark.xfail(strict=False, reason=KNOWN[i])) if i in KNOWN else i
-        for i in range(CORPUS_CASES)
-    ]
-
-
-@pytest.mark.parametrize("index", _corpus_params())
+@pytest.mark.parametrize("index", range(CORPUS_CASES))
 def test_fuzz_corpus(index, seeds, worker, tmp_path):
     case = make_case(seeds, CORPUS_SEED, index)
     out = run_case(case, str(tmp_path), worker, timeout=60.0)

@@ -225,8 +225,11 @@ def _decode_flat(raw: np.ndarray, ggml_type: int, n_elems: int) -> np.ndarray:
     out = np.empty((blocks.shape[0], block), np.float32)
     # chunks keep the temporaries in cache; each chunk is still fully vectorised
     step = 1 << 14
-    for i in range(0, blocks.shape[0], step):
-        out[i : i + step] = _BLOCK_DECODERS[ggml_type](blocks[i : i + step])
+    # a damaged file's scales may be NaN/inf: its values are then too, which the router check reports in one
+    # line; numpy's warnings about it would only add noise to that line
+    with np.errstate(all="ignore"):
+        for i in range(0, blocks.shape[0], step):
+            out[i : i + step] = _BLOCK_DECODERS[ggml_type](blocks[i : i + step])
     return out.reshape(-1)
 
 

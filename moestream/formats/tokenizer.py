@@ -141,25 +141,29 @@ class Tokenizer:
             raise ModelFileError(
                 f"tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2', as Qwen and Llama 3 use) is supported"
             )
-        tokens = md.get("tokenizer.ggml.tokens")
+        tokens = _str_list(md, "tokens")
         if not tokens:
             raise ModelFileError("the model file has no tokenizer.ggml.tokens vocabulary; re-convert the model")
-
-        def opt_id(key: str) -> int | None:
-            v = md.get(f"tokenizer.ggml.{key}")
-            return None if v is None else int(v)
-
-        extra = [i for i in (opt_id("eot_token_id"), opt_id("eom_token_id")) if i is not None]
+        types = md.get("tokenizer.ggml.token_type")
+        if types is not None and not (isinstance(types, list) and all(_is_int(v) for v in types)):
+            raise _bad_key("token_type", "a list of integers")
+        extra = [i for i in (_opt_id(md, "eot_token_id"), _opt_id(md, "eom_token_id")) if i is not None]
+        pre = md.get("tokenizer.ggml.pre") or "default"
+        template = md.get("tokenizer.chat_template")
+        if not isinstance(pre, str):
+            raise _bad_key("pre", "a string")
+        if template is not None and not isinstance(template, str):
+            raise ModelFileError("tokenizer.chat_template should be a string; re-convert the model")
         return cls(
-            list(tokens),
-            md.get("tokenizer.ggml.token_type"),
-            list(md.get("tokenizer.ggml.merges") or []),
-            pre=md.get("tokenizer.ggml.pre") or "default",
-            bos_id=opt_id("bos_token_id"),
-            eos_id=opt_id("eos_token_id"),
-            pad_id=opt_id("padding_token_id"),
-            add_bos=bool(md.get("tokenizer.ggml.add_bos_token", False)),
-            chat_template=md.get("tokenizer.chat_template"),
+            tokens,
+            types,
+            _str_list(md, "merges"),
+            pre=pre,
+            bos_id=_opt_id(md, "bos_token_id"),
+            eos_id=_opt_id(md, "eos_token_id"),
+            pad_id=_opt_id(md, "padding_token_id"),
+            add_bos=_flag(md, "add_bos_token"),
+            chat_template=template,
             extra_stop_ids=extra,
         )
 
@@ -265,7 +269,8 @@ def _build_hf_tokenizer(tokens: list[str], types: list[int], merges: list[str], 
     try:
         model = BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges)
     except Exception as exc:  # a merge naming a token the vocabulary lacks
-        raise ModelFileError(f"the tokenizer vocabulary is inconsistent ({exc}); re-convert the model") from None
+        reason = " ".join(str(exc).split())[:200]  # the library's message may span lines
+        raise ModelFileError(f"the tokenizer vocabulary is inconsistent ({reason}); re-convert the model") from None
     tok = HFTokenizer(model)
     if nfc:
         tok.normalizer = normalizers.NFC()
@@ -437,3 +442,34 @@ def _learn_merges(words: Counter[str], n_merges: int) -> list[tuple[str, str]]:
                     seg[i : i + 2] = [a + b]
                 i += 1
     return merges
+
+
+def _bad_key(key: str, what: str) -> ModelFileError:
+    return ModelFileError(f"tokenizer.ggml.{key} should be {what}; re-convert the model")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _str_list(md: dict[str, Any], key: str) -> list[str]:
+    v = md.get(f"tokenizer.ggml.{key}")
+    if v is None:
+        return []
+    if not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+        raise _bad_key(key, "a list of strings")
+    return v
+
+
+def _opt_id(md: dict[str, Any], key: str) -> int | None:
+    v = md.get(f"tokenizer.ggml.{key}")
+    if v is not None and not _is_int(v):
+        raise _bad_key(key, "an integer token id")
+    return v
+
+
+def _flag(md: dict[str, Any], key: str) -> bool:
+    v = md.get(f"tokenizer.ggml.{key}", False)
+    if not isinstance(v, bool | int) or isinstance(v, float):
+        raise _bad_key(key, "true or false")
+    return bool(v)
