@@ -481,17 +481,22 @@ def test_disconnect_while_queued(server: str, client: openai.OpenAI) -> None:
         {"model": MODEL, "prompt": "When the cache", "max_tokens": budget, "temperature": 0},
     )
     _read_events(r, 1)  # generating
-    queued, q = _open_stream(
-        server,
-        "/v1/chat/completions",
-        {"model": MODEL, "messages": _chat("Me next"), "max_tokens": budget, "temperature": 0},
+    # a queued stream gets its status line only when the engine starts it: send it without waiting for one
+    u = urlsplit(server)
+    queued = socket.create_connection((u.hostname, u.port))
+    data = json.dumps(
+        {"model": MODEL, "messages": _chat("Me next"), "max_tokens": budget, "temperature": 0, "stream": True}
+    ).encode()
+    queued.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
     )
-    _read_events(q, 1)  # the role chunk comes at once, before the engine is free
     deadline = time.monotonic() + 30
     while _metrics(server)["moestream_requests_queued"] != 1:
         assert time.monotonic() < deadline, "the second request never queued"
         time.sleep(0.02)
-    _hang_up(queued)
+    queued.shutdown(socket.SHUT_RDWR)
+    queued.close()
     time.sleep(0.3)  # let the server notice before the engine frees up
     _hang_up(running)
     m1 = _wait_cancelled(server, m0["moestream_requests_cancelled_total"] + 1)

@@ -41,7 +41,10 @@ def _size(text: str, what: str) -> int:
         ok = True  # parse_size words its own error
     if not ok:
         raise MoestreamError(f"{what} must be a size like 4G or 512M, got {text!r}")
-    size = pr.parse_size(text)
+    try:
+        size = pr.parse_size(text)
+    except MoestreamError as exc:
+        raise MoestreamError(f"{what}: {exc}") from None
     if not 1 <= size <= 1 << 40:
         raise MoestreamError(f"{what} must be between 1 byte and 1T, got {text!r}")
     return size

@@ -91,7 +91,7 @@ def text(value: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise Bad("is not valid UTF-8 text; pass the text in UTF-8") from None
+        raise Bad("the text is not valid UTF-8; pass it in UTF-8") from None
     return value
 
 
