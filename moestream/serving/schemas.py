@@ -10,6 +10,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import ClientDisconnect
 
 MAX_BODY_BYTES = 32 << 20  # a request bigger than this is refused (413) before it is parsed
 MAX_DEPTH = 64  # JSON nested deeper than this is refused (400) before it is parsed
@@ -122,11 +123,14 @@ async def parse_body(request: Request, model: type[B], max_bytes: int) -> B:
     if length.isdigit() and int(length) > max_bytes:
         raise _too_large(max_bytes)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "the request body ended before its Content-Length", code="invalid_json") from None
     raw = b"".join(chunks)
     if json_depth(raw) > MAX_DEPTH:
         raise APIError(400, f"the request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json")
