@@ -660,6 +660,8 @@ class FailingEngine(ScriptedEngine):
     def stream(
         self, prompt: list[int], max_new_tokens: int, sampler: Any, stop_ids: set[int]
     ) -> Iterator[GenerationStep]:
+        if self.tokenizer.encode("crash")[0] in prompt:
+            raise RuntimeError("the model file is unreadable")
         if self.tokenizer.encode("boom")[0] in prompt:
             yield GenerationStep(self.tokenizer.encode("partial")[0], GenerationStats())
             raise RuntimeError("the disk went away")
@@ -674,9 +676,14 @@ def test_engine_failure_is_reported(tokenizer: Tokenizer) -> None:
         assert body["error"]["type"] == "server_error" and "disk went away" in body["error"]["message"]
         with pytest.raises(openai.APIError, match="disk went away"):
             list(c.chat.completions.create(model="failing", messages=_chat("boom"), stream=True))
+        # a failure before the first token is a proper error status, streaming or not: never a 200
+        for stream in (False, True):
+            status, body = _post(url, "/v1/completions", {"model": "failing", "prompt": "crash", "stream": stream})
+            _assert_error(status, body, 500)
+            assert "unreadable" in body["error"]["message"]
         # the worker survived
         assert c.completions.create(model="failing", prompt="ok").choices[0].text == "fine"
-        assert _metrics(url)["moestream_requests_failed_total"] == 2
+        assert _metrics(url)["moestream_requests_failed_total"] == 4
 
 
 def test_body_too_large(scripted: str) -> None:
