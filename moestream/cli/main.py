@@ -49,7 +49,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = argv[0] if argv and argv[0] in COMMANDS else ""
-    args = build_parser(command).parse_args(argv)
+    try:
+        args = build_parser(command).parse_args(argv)
+    except SystemExit as exc:  # --help, or a bad option (argparse printed it): a code for callers of main()
+        return exc.code if isinstance(exc.code, int) else EXIT_USER_ERROR
     try:
         return args.func(args)
     except MoestreamError as exc:

@@ -28,7 +28,7 @@ def whole(lo: int, hi: int = INT_MAX) -> Callable[[str], int]:
         except ValueError:
             raise Bad(f"must be a whole number, got {text!r}") from None
         if value < lo:
-            raise Bad(f"must be at least {lo}, got {value}")
+            raise Bad(f"must be a positive number, got {value}" if lo == 1 else f"must be at least {lo}, got {value}")
         if value > hi:
             raise Bad(f"must be at most {hi}, got {value}")
         return value
