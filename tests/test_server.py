@@ -481,17 +481,22 @@ def test_disconnect_while_queued(server: str, client: openai.OpenAI) -> None:
         {"model": MODEL, "prompt": "When the cache", "max_tokens": budget, "temperature": 0},
     )
     _read_events(r, 1)  # generating
-    queued, q = _open_stream(
-        server,
-        "/v1/chat/completions",
-        {"model": MODEL, "messages": _chat("Me next"), "max_tokens": budget, "temperature": 0},
+    # a queued stream gets its status line only when the engine starts it: send it without waiting for one
+    u = urlsplit(server)
+    queued = socket.create_connection((u.hostname, u.port))
+    data = json.dumps(
+        {"model": MODEL, "messages": _chat("Me next"), "max_tokens": budget, "temperature": 0, "stream": True}
+    ).encode()
+    queued.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
     )
-    _read_events(q, 1)  # the role chunk comes at once, before the engine is free
     deadline = time.monotonic() + 30
     while _metrics(server)["moestream_requests_queued"] != 1:
         assert time.monotonic() < deadline, "the second request never queued"
         time.sleep(0.02)
-    _hang_up(queued)
+    queued.shutdown(socket.SHUT_RDWR)
+    queued.close()
     time.sleep(0.3)  # let the server notice before the engine frees up
     _hang_up(running)
     m1 = _wait_cancelled(server, m0["moestream_requests_cancelled_total"] + 1)
@@ -655,6 +660,8 @@ class FailingEngine(ScriptedEngine):
     def stream(
         self, prompt: list[int], max_new_tokens: int, sampler: Any, stop_ids: set[int]
     ) -> Iterator[GenerationStep]:
+        if self.tokenizer.encode("crash")[0] in prompt:
+            raise RuntimeError("the model file is unreadable")
         if self.tokenizer.encode("boom")[0] in prompt:
             yield GenerationStep(self.tokenizer.encode("partial")[0], GenerationStats())
             raise RuntimeError("the disk went away")
@@ -669,9 +676,14 @@ def test_engine_failure_is_reported(tokenizer: Tokenizer) -> None:
         assert body["error"]["type"] == "server_error" and "disk went away" in body["error"]["message"]
         with pytest.raises(openai.APIError, match="disk went away"):
             list(c.chat.completions.create(model="failing", messages=_chat("boom"), stream=True))
+        # a failure before the first token is a proper error status, streaming or not: never a 200
+        for stream in (False, True):
+            status, body = _post(url, "/v1/completions", {"model": "failing", "prompt": "crash", "stream": stream})
+            _assert_error(status, body, 500)
+            assert "unreadable" in body["error"]["message"]
         # the worker survived
         assert c.completions.create(model="failing", prompt="ok").choices[0].text == "fine"
-        assert _metrics(url)["moestream_requests_failed_total"] == 2
+        assert _metrics(url)["moestream_requests_failed_total"] == 4
 
 
 def test_body_too_large(scripted: str) -> None:

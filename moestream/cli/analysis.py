@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -16,18 +17,37 @@ from moestream.analysis import replay as rp
 from moestream.analysis.profile import build_profile, load_profile, write_profile
 from moestream.analysis.trace import read_trace
 from moestream.analysis.workload import format_report, workload_stats
+from moestream.cli import values
 from moestream.engine.calibrate import measure_compute_ms, measure_pack_ms
 from moestream.errors import MoestreamError
 
 
-def _ints(text: str, what: str) -> list[int]:
+def _ints(text: str, what: str, most: int = values.INT_MAX) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise MoestreamError(f"{what} must be comma-separated whole numbers, got {text!r}") from None
-    if not out or min(out) < 1:
-        raise MoestreamError(f"{what} must be positive numbers, got {text!r}")
+    if not out or min(out) < 1 or max(out) > most:
+        raise MoestreamError(f"{what} must be whole numbers from 1 to {most}, got {text!r}")
     return out
+
+
+def _size(text: str, what: str) -> int:
+    """A byte size like 4G, 576K, at most 1 TiB (a larger read is a typo)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B").rstrip("KMGT")
+    try:
+        ok = math.isfinite(float(t))
+    except ValueError:
+        ok = True  # parse_size words its own error
+    if not ok:
+        raise MoestreamError(f"{what} must be a size like 4G or 512M, got {text!r}")
+    try:
+        size = pr.parse_size(text)
+    except MoestreamError as exc:
+        raise MoestreamError(f"{what}: {exc}") from None
+    if not 1 <= size <= 1 << 40:
+        raise MoestreamError(f"{what} must be between 1 byte and 1T, got {text!r}")
+    return size
 
 
 def _rate(text: str) -> float:
@@ -66,20 +86,20 @@ def cmd_probe(args: argparse.Namespace) -> int:
     if args.buffered_only or args.direct_only:
         modes = ("buffered",) if args.buffered_only else ("direct",)
     kw = dict(
-        inflight=tuple(_ints(args.inflight, "--inflight")),
+        inflight=tuple(_ints(args.inflight, "--inflight", most=1024)),
         modes=modes,
         reads_per_row=args.reads_per_row,
         seconds_per_row=args.seconds_per_row,
         progress=not args.json and sys.stderr.isatty(),
     )
-    if args.reads_per_row < 1 or args.seconds_per_row <= 0:
-        raise MoestreamError("--reads-per-row and --seconds-per-row must be positive")
     if args.sizes:
-        kw["sizes"] = tuple(pr.parse_size(x) for x in args.sizes.split(",") if x.strip())
+        kw["sizes"] = tuple(_size(x, "--sizes") for x in args.sizes.split(",") if x.strip())
+        if not kw["sizes"]:
+            raise MoestreamError(f"--sizes must list sizes like 576K,4M, got {args.sizes!r}")
     if args.file:
         result = pr.probe_file(args.file, **kw)
     else:
-        result = pr.probe_dir(args.dir, pr.parse_size(args.size), **kw)
+        result = pr.probe_dir(args.dir, _size(args.size, "--size"), **kw)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             json.dump(result.to_dict(), f, indent=1)
@@ -95,7 +115,18 @@ def cmd_probe(args: argparse.Namespace) -> int:
 # ---- replay --------------------------------------------------------------------------------------
 
 
+def _replay_plot_path(args: argparse.Namespace) -> str:
+    plot = args.plot or os.path.splitext(args.trace)[0] + ".replay.png"
+    try:
+        values.check_writable(plot)
+    except values.Bad as exc:
+        raise MoestreamError(f"cannot write the plot: {exc}; give --plot FILE or --no-plot") from None
+    return plot
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
+    if not args.no_plot:
+        _replay_plot_path(args)  # before the work, not after it
     meta, rows = _load_trace(args.trace)
     acc = rp.accesses_from_trace(meta, rows, phases=args.phases)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
@@ -107,8 +138,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     profile = None
     if args.profile:
         profile = load_profile(args.profile).ranked()
-    if args.half_life <= 0 or not 0 <= args.pin_fraction <= 1:
-        raise MoestreamError("--half-life must be positive and --pin-fraction between 0 and 1")
     results = rp.replay_many(
         acc,
         policies,
@@ -127,7 +156,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         check = {"slots": live.slots, "live_hits": live.hits, "replay_hits": own.hits, "exact": live.hits == own.hits}
     plot = None
     if not args.no_plot:
-        plot = args.plot or os.path.splitext(args.trace)[0] + ".replay.png"
+        plot = _replay_plot_path(args)
         rp.plot_replay(results, plot, title=os.path.basename(args.trace), live=live)
     if args.json:
         _print_json(
@@ -164,8 +193,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     meta, rows = _load_trace(args.trace)
     top = _ints(args.top, "--top") if args.top else None
-    if args.window < 1:
-        raise MoestreamError("--window must be at least 1 token")
     report = workload_stats(meta, rows, ks=tuple(_ints(args.k, "--k")), window=args.window, top_n=top)
     if args.json:
         _print_json(report)
@@ -238,17 +265,14 @@ def cmd_forecast(args: argparse.Namespace) -> int:
             "give the compute time per token: --compute-ms MS, --compute-from STATS.json "
             "(a run's decode time minus its read waits) or --measure-compute"
         )
-    if compute_ms < 0:
-        raise MoestreamError("--compute-ms must not be negative")
-
-    if args.io_threads < 1:
-        raise MoestreamError("--io-threads must be at least 1")
+    if not (math.isfinite(compute_ms) and compute_ms >= 0):
+        raise MoestreamError(f"the compute time per token must be a finite number >= 0, got {compute_ms}")
     direct = False if args.buffered else (True if args.direct else None)
     pack_ms = args.pack_ms
     if pack_ms is None:
         pack_ms = measure_pack_ms(args.model) if args.model else fc.DEFAULT_PACK_MS
-    if pack_ms < 0:
-        raise MoestreamError("--pack-ms must not be negative")
+    if not (math.isfinite(pack_ms) and pack_ms >= 0):
+        raise MoestreamError(f"the pack time must be a finite number >= 0, got {pack_ms}")
     kw = dict(io_threads=args.io_threads, direct=direct, pack_ms=pack_ms)
     cases: list[tuple[str, fc.Forecast]] = [
         ("no cache hits", fc.forecast(probe, geom, compute_ms, hit_rate=0.0, **kw)),
@@ -301,19 +325,23 @@ def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _probe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--file", help="a GGUF model (reads its own expert segment size) or any large file")
-    p.add_argument("--dir", help="write a temporary test file here, probe it and delete it")
+    p.add_argument(
+        "--file", type=values.input_file, help="a GGUF model (reads its own expert segment size) or any large file"
+    )
+    p.add_argument("--dir", type=values.directory, help="write a temporary test file here, probe it and delete it")
     p.add_argument(
         "--size", default="4G", help="test file size with --dir (default 4G; twice the RAM is representative)"
     )
     p.add_argument("--inflight", default="1,2,4,8,16,32", help="reads in flight per row (default 1,2,4,8,16,32)")
     p.add_argument(
         "--reads-per-row",
-        type=int,
+        type=values.whole(1, 10**7),
         default=128,
         help="reads per row for the expert size, 4x that for 4 KiB (default 128)",
     )
-    p.add_argument("--seconds-per-row", type=float, default=2.0, help="time limit per row (default 2)")
+    p.add_argument(
+        "--seconds-per-row", type=values.real(0, 86400, above=True), default=2.0, help="time limit per row (default 2)"
+    )
     p.add_argument(
         "--sizes",
         help="read sizes to probe, e.g. 576K,2M,4M (default: the model's expert segment and 4 KiB; a prompt's "
@@ -322,13 +350,15 @@ def _probe_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--buffered-only", action="store_true")
     g.add_argument("--direct-only", action="store_true")
-    p.add_argument("-o", "--output", help="also save the result as JSON (for moestream forecast --probe)")
+    p.add_argument(
+        "-o", "--output", type=values.output_file, help="also save the result as JSON (for moestream forecast --probe)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=cmd_probe)
 
 
 def _replay_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="a trace written with --trace")
+    p.add_argument("trace", type=values.input_file, help="a trace written with --trace")
     p.add_argument(
         "--policy",
         default="lru,fifo,lfu-decay,s3fifo,pin,belady",
@@ -351,49 +381,61 @@ def _replay_args(p: argparse.ArgumentParser) -> None:
         default="all",
         help="replay the prompt's accesses too (default: they warm the cache) or decode only",
     )
-    p.add_argument("--profile", help="profile to pin from (default: the trace's own decode counts)")
-    p.add_argument("--half-life", type=float, default=64.0, help="lfu-decay half-life in forward steps")
-    p.add_argument("--pin-fraction", type=float, default=0.5, help="share of slots pinned by pin+lru")
-    p.add_argument("--plot", help="PNG path (default: next to the trace, .replay.png)")
+    p.add_argument(
+        "--profile", type=values.input_file, help="profile to pin from (default: the trace's own decode counts)"
+    )
+    p.add_argument(
+        "--half-life", type=values.real(0, above=True), default=64.0, help="lfu-decay half-life in forward steps"
+    )
+    p.add_argument("--pin-fraction", type=values.real(0, 1), default=0.5, help="share of slots pinned by pin+lru")
+    p.add_argument("--plot", type=values.output_file, help="PNG path (default: next to the trace, .replay.png)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_replay)
 
 
 def _stats_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace")
+    p.add_argument("trace", type=values.input_file)
     p.add_argument("--k", default="1,2,4,8,16,32", help="batch sizes for U(k) (default 1,2,4,8,16,32)")
-    p.add_argument("--window", type=int, default=48, help="window for singletons, in tokens (default 48)")
+    p.add_argument("--window", type=values.positive, default=48, help="window for singletons, in tokens (default 48)")
     p.add_argument("--top", help="N for the top-N coverage (default powers of two and the trace's slots)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stats)
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace")
-    p.add_argument("-o", "--output", required=True, help="profile file (.json for JSON, else text)")
+    p.add_argument("trace", type=values.input_file)
+    p.add_argument(
+        "-o", "--output", required=True, type=values.output_file, help="profile file (.json for JSON, else text)"
+    )
     p.add_argument("--phases", choices=("decode", "all"), default="decode")
     p.set_defaults(func=cmd_profile)
 
 
 def _forecast_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--probe", help="JSON from moestream probe -o (default: a brief probe of --model)")
-    p.add_argument("--model", help="GGUF model: geometry (layers, top_k, expert bytes)")
-    p.add_argument("--layers", type=int, help="MoE layers (instead of --model)")
-    p.add_argument("--top-k", type=int, help="experts per token per layer")
-    p.add_argument("--expert-bytes", type=int, help="bytes one expert reads from disk")
-    p.add_argument("--trace", help="replay this trace for the hit rate and its per-layer misses")
-    p.add_argument("--slots", type=int, help="cache size to replay (default: the trace's)")
+    p.add_argument(
+        "--probe", type=values.input_file, help="JSON from moestream probe -o (default: a brief probe of --model)"
+    )
+    p.add_argument("--model", type=values.input_file, help="GGUF model: geometry (layers, top_k, expert bytes)")
+    p.add_argument("--layers", type=values.positive, help="MoE layers (instead of --model)")
+    p.add_argument("--top-k", type=values.positive, help="experts per token per layer")
+    p.add_argument("--expert-bytes", type=values.whole(1, 1 << 40), help="bytes one expert reads from disk")
+    p.add_argument(
+        "--trace", type=values.input_file, help="replay this trace for the hit rate and its per-layer misses"
+    )
+    p.add_argument("--slots", type=values.positive, help="cache size to replay (default: the trace's)")
     p.add_argument("--policy", default="lru", choices=rp.POLICIES, help="policy to replay (default lru)")
     p.add_argument("--hit-rate", help="or an assumed hit rate, e.g. 70%%")
     c = p.add_mutually_exclusive_group()
-    c.add_argument("--compute-ms", type=float, help="compute per token with every expert cached")
-    c.add_argument("--compute-from", help="stats JSON of a run: its decode time minus its read waits")
+    c.add_argument("--compute-ms", type=values.real(0), help="compute per token with every expert cached")
+    c.add_argument(
+        "--compute-from", type=values.input_file, help="stats JSON of a run: its decode time minus its read waits"
+    )
     c.add_argument("--measure-compute", action="store_true", help="measure it: run --model fully cached")
-    p.add_argument("--io-threads", type=int, default=4, help="reader threads to forecast for (default 4)")
+    p.add_argument("--io-threads", type=values.io_threads, default=4, help="reader threads to forecast for (default 4)")
     p.add_argument(
         "--pack-ms",
-        type=float,
+        type=values.real(0),
         default=None,
         help="ms to pack one expert read from disk (default: measured on --model, else 0.5)",
     )

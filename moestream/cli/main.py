@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from moestream.errors import MoestreamError
 
@@ -27,9 +28,16 @@ COMMANDS = {  # name: (module, help)
 }
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with its errors on one line (argparse prints the usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER_ERROR, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with `command`, that command's arguments too (None: all of them)."""
-    parser = argparse.ArgumentParser(prog="moestream", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="moestream", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
@@ -41,7 +49,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = argv[0] if argv and argv[0] in COMMANDS else ""
-    args = build_parser(command).parse_args(argv)
+    try:
+        args = build_parser(command).parse_args(argv)
+    except SystemExit as exc:  # --help, or a bad option (argparse printed it): a code for callers of main()
+        return exc.code if isinstance(exc.code, int) else EXIT_USER_ERROR
     try:
         return args.func(args)
     except MoestreamError as exc:
@@ -50,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # a file the command writes or reads failed on the way (disk full, I/O error)
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"error: {exc.strerror or exc}{where}; check the disk and the path", file=sys.stderr)
+        return EXIT_USER_ERROR
     except MemoryError:
         print("error: out of memory; lower --ram-budget-mb or --ctx", file=sys.stderr)
         return EXIT_USER_ERROR

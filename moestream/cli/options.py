@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from moestream.cli import values
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
@@ -11,20 +12,20 @@ from moestream.errors import MoestreamError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", required=True, help="GGUF model file")
+    p.add_argument("-m", "--model", required=True, type=values.input_file, help="GGUF model file")
     p.add_argument(
         "--ram-budget-mb",
-        type=int,
+        type=values.megabytes,
         default=None,
         help="RAM the whole process may use; experts are cached in what is left (default: what the "
         "machine has available, minus 1 GB)",
     )
-    p.add_argument("--ctx", type=int, default=None, help="context length (default: min(model's, 4096))")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
-    p.add_argument("--io-threads", type=int, default=4, help="parallel reads in flight (default 4)")
+    p.add_argument("--ctx", type=values.positive, default=None, help="context length (default: min(model's, 4096))")
+    p.add_argument("--threads", type=values.threads, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--io-threads", type=values.io_threads, default=4, help="parallel reads in flight (default 4)")
     p.add_argument(
         "--ubatch",
-        type=int,
+        type=values.whole(1, 4096),
         default=None,
         help="prompt tokens per micro-batch (default: the largest of 128/64/32/16 that fits the budget)",
     )
@@ -39,16 +40,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trace",
         default=None,
+        type=values.output_file,
         metavar="FILE",
         help="write one CSV row per expert access (see moestream/analysis/trace.py for the format)",
     )
     p.add_argument(
         "--pin-profile",
         default=None,
+        type=values.input_file,
         metavar="PROFILE",
         help="pin the hottest experts of a profile (moestream profile) in RAM at start",
     )
-    p.add_argument("--pin-mb", type=int, default=None, help="MB of the cache for the pinned profile part")
+    p.add_argument("--pin-mb", type=values.megabytes, default=None, help="MB of the cache for the pinned profile part")
     p.add_argument(
         "--prompt-admit",
         action=argparse.BooleanOptionalAction,
@@ -70,29 +73,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--admit-min-hits",
-        type=int,
+        type=values.count,
         default=0,
         help="admit an expert to the LRU only after it was requested N times (default 0: always)",
     )
     p.add_argument(
         "--keep-free-mb",
-        type=int,
+        type=values.megabytes,
         default=None,
         help="elastic cache: give expert slots back when available RAM falls below this",
     )
     p.add_argument(
         "--route-trace",
         default=None,
+        type=values.input_file,
         metavar="FILE",
         help="take the router's top-k choices from a recorded trace (benchmarks on synthetic models)",
     )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy, the default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temp", type=values.temperature, default=0.0, help="temperature (0 = greedy, the default)")
+    p.add_argument("--top-k", type=values.top_k, default=0, help="keep the K most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=values.top_p, default=1.0, help="keep the smallest set of this mass (1 = off)")
+    p.add_argument("--seed", type=values.seed, default=None, help="random seed, 0 to 2**64-1 (default: random)")
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
@@ -127,8 +131,3 @@ def sampler(args: argparse.Namespace) -> Sampler:
         return Sampler(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     except ValueError as exc:
         raise MoestreamError(f"{exc} (--temp, --top-k, --top-p)") from None
-
-
-def positive(name: str, value: int | None) -> None:
-    if value is not None and value <= 0:
-        raise MoestreamError(f"{name} must be a positive number, got {value}")

@@ -19,7 +19,8 @@ import time
 from tqdm import tqdm
 
 from moestream.analysis.synth import SHAPES, synth_nbytes, write_synth
-from moestream.cli.options import add_engine_args, add_sampling_args, open_engine, positive, sampler
+from moestream.cli import values
+from moestream.cli.options import add_engine_args, add_sampling_args, open_engine, sampler
 from moestream.engine.engine import Engine
 from moestream.engine.model_file import open_model
 from moestream.engine.options import EngineOptions
@@ -41,7 +42,6 @@ CACHE_SHARE = 0.33
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    positive("-n", args.n)
     pick = sampler(args)
     engine = open_engine(args)
     print(engine.lock_report.line(), file=sys.stderr)
@@ -100,8 +100,11 @@ def write_stats_json(path: str, engine: Engine, st: GenerationStats) -> None:
         ctx=snap.ctx,
         plan=dataclasses.asdict(engine.plan) if engine.plan is not None else None,
     )
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+    try:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+    except OSError as exc:
+        raise MoestreamError(f"cannot write --stats-json {path}: {exc.strerror or exc}") from None
 
 
 # ---- synth ---------------------------------------------------------------------------------------
@@ -110,8 +113,6 @@ def write_stats_json(path: str, engine: Engine, st: GenerationStats) -> None:
 def cmd_synth(args: argparse.Namespace) -> int:
     if args.shape not in SHAPES:
         raise MoestreamError(f"unknown shape {args.shape!r}; choose one of: {', '.join(SHAPES)}")
-    if args.layers is not None:
-        positive("--layers", args.layers)
     try:
         need = synth_nbytes(args.shape, args.quant, args.layers)
     except (KeyError, ValueError) as exc:
@@ -173,7 +174,6 @@ def demo_budget_mb(path: str) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    positive("--tokens", args.tokens)
     path = demo_model(args.shape, args.quant, args.layers, args.data_dir or str(cache_dir() / "models"))
     file_bytes = os.path.getsize(path)
     budget_mb = args.ram_budget_mb if args.ram_budget_mb is not None else demo_budget_mb(path)
@@ -232,10 +232,12 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
 def _run_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_sampling_args(p)
-    p.add_argument("-p", "--prompt", required=True)
-    p.add_argument("-n", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("-p", "--prompt", required=True, type=values.text)
+    p.add_argument("-n", type=values.positive, default=64, help="tokens to generate (default 64)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--stats-json", default=None, help="also write the stats as JSON to this file")
+    p.add_argument(
+        "--stats-json", default=None, type=values.output_file, help="also write the stats as JSON to this file"
+    )
     p.add_argument("--ignore-eos", action="store_true", help="generate all -n tokens (benchmarks)")
     p.add_argument(
         "--preload",
@@ -253,24 +255,28 @@ def _synth_args(p: argparse.ArgumentParser) -> None:
         help="expert weight type: Q4_0, Q4_K, Q4_K_M (Q4_K with llama.cpp's Q6_K exceptions), Q6_K, Q8_0, F16 "
         "(default Q4_0)",
     )
-    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--layers", type=values.positive, default=None, help="keep only the first N layers")
+    p.add_argument("--seed", type=values.seed, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("-o", "--output", required=True, type=values.output_file, help="the GGUF file to write")
     p.set_defaults(func=cmd_synth)
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default=DEFAULT_SHAPE, help=f"synthetic model shape (default {DEFAULT_SHAPE})")
-    p.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help=f"layers to keep (default {DEFAULT_LAYERS})")
+    p.add_argument(
+        "--layers", type=values.positive, default=DEFAULT_LAYERS, help=f"layers to keep (default {DEFAULT_LAYERS})"
+    )
     p.add_argument("--quant", default="Q4_0", help="expert weight type (default Q4_0)")
-    p.add_argument("--tokens", type=int, default=48, help="tokens to generate (default 48)")
+    p.add_argument("--tokens", type=values.positive, default=48, help="tokens to generate (default 48)")
     p.add_argument(
         "--ram-budget-mb",
-        type=int,
+        type=values.megabytes,
         default=None,
         help="RAM budget (default: dense weights plus a third of the experts)",
     )
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--prompt", default="Explain how a computer streams data from a disk into memory.")
-    p.add_argument("--data-dir", default=None, help="where the demo model is kept (default ~/.cache/moestream)")
+    p.add_argument("--threads", type=values.threads, default=None)
+    p.add_argument("--prompt", type=values.text, default="Explain how a computer streams data from a disk into memory.")
+    p.add_argument(
+        "--data-dir", default=None, type=values.text, help="where the demo model is kept (default ~/.cache/moestream)"
+    )
     p.set_defaults(func=cmd_demo)

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import argparse
 
-from moestream.cli.options import add_engine_args, add_sampling_args, open_engine, positive, sampler
-from moestream.errors import MoestreamError
-from moestream.serving.app import Defaults, default_model_name, serve
+from moestream.cli import values
+from moestream.cli.options import add_engine_args, add_sampling_args, open_engine, sampler
+from moestream.serving.app import DEFAULT_MAX_TOKENS, Defaults, default_model_name, serve
 from moestream.serving.chat import HELP, ChatSession, repl
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if not 0 <= args.port < 65536:
-        raise MoestreamError(f"--port must be between 0 and 65535, got {args.port}")
     engine = open_engine(args)
     try:
         name = args.model_name or default_model_name(args.model)
-        defaults = Defaults(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        defaults = Defaults(
+            temperature=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            max_tokens=args.max_tokens_default,
+        )
         if engine.plan is not None:
             print(engine.plan.describe(), flush=True)
         print(
@@ -31,7 +35,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    positive("-n", args.n)
     pick = sampler(args)
     engine = open_engine(args)
     try:
@@ -55,13 +58,22 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
 def _serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     # defaults for requests that leave them out; 1.0 is OpenAI's default temperature
-    p.add_argument("--temp", type=float, default=1.0, help="default temperature (default 1.0)")
-    p.add_argument("--top-k", type=int, default=0, help="default top-k (default 0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="default top-p (default 1.0)")
-    p.add_argument("--seed", type=int, default=None, help="default seed (default: random)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    p.add_argument("--model-name", default=None, help="model id clients use (default: the file name)")
+    p.add_argument("--temp", type=values.temperature, default=1.0, help="default temperature (default 1.0)")
+    p.add_argument("--top-k", type=values.top_k, default=0, help="default top-k (default 0 = off)")
+    p.add_argument("--top-p", type=values.top_p, default=1.0, help="default top-p (default 1.0)")
+    p.add_argument("--seed", type=values.seed, default=None, help="default seed (default: random)")
+    p.add_argument(
+        "--max-tokens-default",
+        type=values.positive,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"tokens a request that gives no max_tokens may generate (default {DEFAULT_MAX_TOKENS}; never more "
+        "than fits the context). A request's own max_tokens may be up to the context length; one above it is "
+        "refused with 400, and one that fits the context but not after its prompt is cut to what fits "
+        "(finish_reason 'length')",
+    )
+    p.add_argument("--host", type=values.text, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=values.port, default=8080, help="port (default 8080)")
+    p.add_argument("--model-name", type=values.text, default=None, help="model id clients use (default: the file name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -69,7 +81,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 def _chat_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_sampling_args(p)
-    p.add_argument("-n", type=int, default=None, help="most tokens per answer (default: up to the context)")
-    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("-n", type=values.positive, default=None, help="most tokens per answer (default: up to the context)")
+    p.add_argument("--system", type=values.text, default=None, help="system message")
     p.add_argument("--no-think", action="store_true", help="ask Qwen3-style models not to think first")
     p.set_defaults(func=cmd_chat)

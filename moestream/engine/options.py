@@ -17,6 +17,9 @@ _POSITIVE = {
     "keep_free_mb": "--keep-free-mb",
 }
 
+# Upper bounds: more is a typo, and would start that many threads or size buffers by it.
+_MAXIMUM = {"threads": 1024, "io_threads": 256, "ubatch": 4096}
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -53,5 +56,9 @@ class EngineOptions:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise MoestreamError(f"{option} must be a positive number, got {value}")
+        for name, most in _MAXIMUM.items():
+            value = getattr(self, name)
+            if value is not None and value > most:
+                raise MoestreamError(f"{_POSITIVE[name]} must be at most {most}, got {value}")
         if self.min_hits < 0:
             raise MoestreamError(f"--admit-min-hits must be 0 or more, got {self.min_hits}")

@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from moestream.errors import ModelFileError
+
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, seed: int | None) -> str | None:
+    """What is wrong with these settings, naming the field (None: they are fine). The front-ends word
+    it for their options (--temp) or request fields (temperature)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        return f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}"
+    if top_k < 0:
+        return f"top_k must be >= 0 (0 = off), got {top_k}"
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        return f"top_p must be greater than 0 and at most 1, got {top_p}"
+    if seed is not None and not 0 <= seed <= SEED_MAX:
+        return f"seed must be between 0 and 2**64-1, got {seed}"
+    return None
 
 
 class Sampler:
@@ -15,12 +35,9 @@ class Sampler:
     """
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        problem = check_sampling(temperature, top_k, top_p, seed)
+        if problem is not None:
+            raise ValueError(problem)
         self.temperature = temperature
         self.top_k = top_k
         self.top_p = top_p
@@ -57,7 +74,7 @@ class Sampler:
 
     def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Surviving ids (most likely first) and their unnormalized probabilities."""
-        scaled = logits / self.temperature
+        scaled = _scale(logits, self.temperature)
         if 0 < self.top_k < scaled.numel():
             values, ids = torch.topk(scaled, self.top_k)  # sorted, largest first
         else:
@@ -70,6 +87,16 @@ class Sampler:
             n = max(1, int((before < self.top_p).sum()))
             ids, probs = ids[:n], probs[:n]
         return ids, probs
+
+
+def _scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature, shifted so the largest is 0. Shifting first keeps a tiny temperature from
+    overflowing to inf - inf = NaN; a temperature that underflows (a denormal, flushed to 0 by the engine)
+    divides the others to -inf and leaves the maximum at 0, the greedy limit it stands for."""
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise ModelFileError("the model computed NaN or infinite logits; the model file is damaged")
+    diff = logits - logits.max()
+    return torch.where(diff == 0, torch.zeros_like(diff), diff / temperature)
 
 
 def _as_vector(logits: torch.Tensor) -> torch.Tensor:

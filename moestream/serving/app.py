@@ -27,6 +27,7 @@ from moestream.errors import MoestreamError
 from moestream.formats.chat_template import render_chat
 from moestream.serving.schemas import (
     MAX_BODY_BYTES,
+    MAX_STOP,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -38,6 +39,25 @@ from moestream.serving.text import Answer, ToolCallParser, finish_reason_with_ca
 from moestream.serving.worker import DoneEvent, ErrorEvent, Event, Job, TextEvent, Worker, metrics_text
 
 DISCONNECT_POLL_S = 0.1
+DEFAULT_MAX_TOKENS = 2048  # a request that gives no max_tokens generates at most this (and what fits)
+
+# Variables render_chat sets itself (its parameters, the `documents` it passes, the helpers it installs):
+# a request's chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "template",
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "raise_exception",
+        "strftime_now",
+        "namespace",
+        "dict",
+    }
+)
 
 
 @dataclass
@@ -48,6 +68,7 @@ class Defaults:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
 
 
 class Service:
@@ -121,6 +142,15 @@ class Service:
         use_tools = bool(req.tools) and req.tool_choice != "none"
         if use_tools and "tools" not in tok.chat_template:
             raise APIError(400, "this model's chat template does not support tools", param="tools")
+        extra = req.chat_template_kwargs or {}
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(extra))
+        if reserved:
+            raise APIError(
+                400,
+                f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them itself",
+                param="chat_template_kwargs",
+                code="invalid_value",
+            )
         messages = [message_dict(m, i) for i, m in enumerate(req.messages)]
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if use_tools else None
         try:
@@ -130,7 +160,7 @@ class Service:
                 tools=tools,
                 bos_token=tok.bos_token,
                 eos_token=tok.eos_token,
-                **(req.chat_template_kwargs or {}),
+                **extra,
             )
         except MoestreamError as exc:
             raise APIError(400, str(exc), param="messages") from None
@@ -190,11 +220,13 @@ class Service:
                 seed=d.seed if req.seed is None else req.seed,
             )
         except ValueError as exc:
-            param = next((p for p in ("temperature", "top_k", "top_p") if p in str(exc)), None)
+            param = next((p for p in ("temperature", "top_k", "top_p", "seed") if p in str(exc)), None)
             raise APIError(400, str(exc), param=param, code="invalid_value") from None
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > MAX_STOP:
+            raise APIError(400, f"at most {MAX_STOP} stop strings are supported", param="stop", code="invalid_value")
         # max_tokens that fits the context but not after this prompt is cut to what fits (finish 'length')
-        limit = ctx - len(prompt) if max_tokens is None else max_tokens
+        limit = min(d.max_tokens if max_tokens is None else max_tokens, ctx - len(prompt))
         return Job(prompt, limit, sampler, stop, asyncio.get_running_loop())
 
     # -- jobs -> answers ---------------------------------------------------------------------------
@@ -223,8 +255,19 @@ class Service:
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         fmt = Answer(chat, self.model_name, include_usage)
         if req.stream:
+            # the status line waits for the generation's first event: an error before the first token is
+            # a proper 4xx/5xx answer, never a 200 with the error inside the stream
+            events = self.run_job(job, request)
+            try:
+                first = await anext(events)
+            except BaseException:
+                await events.aclose()
+                raise
+            if isinstance(first, ErrorEvent):
+                await events.aclose()
+                raise first.error
             return StreamingResponse(
-                self.stream(request, job, fmt, ToolCallParser() if use_tools else None),
+                self.stream(first, events, fmt, ToolCallParser() if use_tools else None),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -240,13 +283,22 @@ class Service:
         raise APIError(500, "generation ended without a result", type="server_error")
 
     async def stream(
-        self, request: Request, job: Job, fmt: Answer, parser: ToolCallParser | None
+        self, first: Event, events: AsyncIterator[Event], fmt: Answer, parser: ToolCallParser | None
     ) -> AsyncIterator[str]:
+        """The SSE body of a generation whose first event (text or the end, not an error) is known."""
+
+        async def all_events() -> AsyncIterator[Event]:
+            yield first
+            async for ev in events:
+                yield ev
+
         for line in fmt.start():
             yield line
-        async with aclosing(self.run_job(job, request)) as events:
-            async for ev in events:
-                if isinstance(ev, ErrorEvent):  # the status line is sent already: the error goes in the stream
+        async with aclosing(events), aclosing(all_events()) as evs:
+            async for ev in evs:
+                if isinstance(ev, ErrorEvent):
+                    # a failure after the first token (a disk error mid-answer): the status line and part of
+                    # the answer are sent already, so the error can only end the stream, as an error event
                     yield sse(ev.error.body())
                     break
                 if isinstance(ev, DoneEvent) and ev.finish_reason == "cancelled":

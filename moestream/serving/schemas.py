@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import ClientDisconnect
 
 MAX_BODY_BYTES = 32 << 20  # a request bigger than this is refused (413) before it is parsed
+MAX_DEPTH = 64  # JSON nested deeper than this is refused (400) before it is parsed
+MAX_STOP = 16  # stop strings per request (OpenAI takes 4)
 
 # --------------------------------------------------------------------------------------------------
 # Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}
@@ -118,12 +123,17 @@ async def parse_body(request: Request, model: type[B], max_bytes: int) -> B:
     if length.isdigit() and int(length) > max_bytes:
         raise _too_large(max_bytes)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "the request body ended before its Content-Length", code="invalid_json") from None
     raw = b"".join(chunks)
+    if json_depth(raw) > MAX_DEPTH:
+        raise APIError(400, f"the request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json")
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -141,6 +151,21 @@ async def parse_body(request: Request, model: type[B], max_bytes: int) -> B:
             param=param,
             code="invalid_type" if err["type"] != "missing" else "missing_required_parameter",
         ) from None
+
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_OPEN = np.frombuffer(b"[{", np.uint8)
+_CLOSE = np.frombuffer(b"]}", np.uint8)
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest, counted on the bytes (brackets inside strings
+    do not count), so that a hostile body never reaches a recursive parser."""
+    if b"[" not in raw and b"{" not in raw:
+        return 0
+    code = np.frombuffer(_STRING.sub(b"", raw), np.uint8)
+    step = np.isin(code, _OPEN).astype(np.int32) - np.isin(code, _CLOSE).astype(np.int32)
+    return int(np.cumsum(step).max(initial=0))
 
 
 def _too_large(max_bytes: int) -> APIError:

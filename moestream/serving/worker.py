@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moestream.engine.sampling import Sampler
-from moestream.errors import MoestreamError
+from moestream.errors import ContextError
 from moestream.serving.schemas import APIError
 from moestream.serving.text import stream_text, usage_of
 from moestream.streaming.budget import rss_bytes
@@ -135,7 +135,8 @@ class Worker:
         except Exception as exc:  # every failure must reach the client, not kill the worker
             m.failed += 1
             self.engine.reset()  # a forward pass that died half-way may have left the KV cache inconsistent
-            status = 400 if isinstance(exc, MoestreamError) else 500
+            # only a request that cannot fit is the client's fault; a model or disk failure is the server's
+            status = 400 if isinstance(exc, ContextError) else 500
             kind = "invalid_request_error" if status == 400 else "server_error"
             job.emit(ErrorEvent(APIError(status, f"generation failed: {exc}", type=kind)))
             return

@@ -1,0 +1,132 @@
+"""Option value types for argparse: every value is checked while the command line is parsed, before
+anything is loaded, and a bad one ends as argparse's error naming the option (one line, exit 2).
+
+Each function takes the option's text and returns the value, or raises ArgumentTypeError saying what
+the value must be."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+
+from moestream.engine.sampling import SEED_MAX
+
+Bad = argparse.ArgumentTypeError
+
+INT_MAX = 2**31 - 1  # counts beyond this are typos, and C code below takes 32-bit ints
+MB_MAX = 2**30  # a petabyte, in MB: more than any machine has
+
+
+def whole(lo: int, hi: int = INT_MAX) -> Callable[[str], int]:
+    """A whole number in [lo, hi]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip(), 10)
+        except ValueError:
+            raise Bad(f"must be a whole number, got {text!r}") from None
+        if value < lo:
+            raise Bad(f"must be a positive number, got {value}" if lo == 1 else f"must be at least {lo}, got {value}")
+        if value > hi:
+            raise Bad(f"must be at most {hi}, got {value}")
+        return value
+
+    parse.__name__ = "whole number"
+    return parse
+
+
+def real(lo: float, hi: float = math.inf, *, above: bool = False) -> Callable[[str], float]:
+    """A finite number >= lo (> lo with above=True) and <= hi."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise Bad(f"must be a number, got {text!r}") from None
+        low_ok = value > lo if above else value >= lo
+        if not math.isfinite(value) or not low_ok or value > hi:
+            rel = ">" if above else ">="
+            span = f"{rel} {lo:g}" + (f" and <= {hi:g}" if math.isfinite(hi) else "")
+            raise Bad(f"must be a finite number {span}, got {text!r}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+positive = whole(1)
+count = whole(0)
+threads = whole(1, 1024)
+io_threads = whole(1, 256)
+megabytes = whole(1, MB_MAX)
+port = whole(0, 65535)
+seed = whole(0, SEED_MAX)
+
+
+def temperature(text: str) -> float:
+    try:
+        return real(0.0)(text)
+    except Bad:
+        raise Bad(f"must be a finite number >= 0 (0 = greedy), got {text!r}") from None
+
+
+def top_p(text: str) -> float:
+    try:
+        return real(0.0, 1.0, above=True)(text)
+    except Bad:
+        raise Bad(f"must be a number greater than 0 and at most 1 (1 = off), got {text!r}") from None
+
+
+def top_k(text: str) -> int:
+    try:
+        return whole(0)(text)
+    except Bad:
+        raise Bad(f"must be a whole number >= 0 (0 = off), got {text!r}") from None
+
+
+def text(value: str) -> str:
+    """Text from the command line; bytes that are not UTF-8 reach Python as lone surrogates."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Bad("the text is not valid UTF-8; pass it in UTF-8") from None
+    return value
+
+
+def input_file(path: str) -> str:
+    """A file that exists and can be read."""
+    if not os.path.exists(path):
+        raise Bad(f"{path}: not found")
+    if os.path.isdir(path):
+        raise Bad(f"{path} is a directory; give a file")
+    if not os.access(path, os.R_OK):
+        raise Bad(f"{path} is not readable (permission denied)")
+    return path
+
+
+def directory(path: str) -> str:
+    if not os.path.isdir(path):
+        raise Bad(f"{path} is not a directory")
+    return path
+
+
+def output_file(path: str) -> str:
+    """A file that can be written: its directory exists, and it is not a directory itself."""
+    if not path:
+        raise Bad("needs a file name")
+    check_writable(path)
+    return path
+
+
+def check_writable(path: str) -> None:
+    if os.path.isdir(path):
+        raise Bad(f"{path} is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise Bad(f"the directory {parent} does not exist; create it first")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise Bad(f"{path} is not writable (permission denied)")
+    if not os.path.exists(path) and not os.access(parent, os.W_OK | os.X_OK):
+        raise Bad(f"cannot create files in {parent} (permission denied)")
