@@ -580,6 +580,9 @@ class ScriptedEngine:
     def reset(self) -> None:
         pass
 
+    def check_model_file(self) -> None:
+        pass
+
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(model_path=self.model_path, ctx=self.ctx, n_slots=8)
 

@@ -6,6 +6,7 @@ import argparse
 
 from moestream.cli import values
 from moestream.cli.options import add_engine_args, add_sampling_args, open_engine, sampler
+from moestream.errors import MoestreamError
 from moestream.serving.app import DEFAULT_MAX_TOKENS, Defaults, default_model_name, serve
 from moestream.serving.chat import HELP, ChatSession, repl
 
@@ -28,9 +29,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"{engine.snapshot().n_slots} expert slots)",
             flush=True,
         )
-        serve(engine, name, host=args.host, port=args.port, log_level=args.log_level, defaults=defaults)
+        stopped_by = serve(engine, name, host=args.host, port=args.port, log_level=args.log_level, defaults=defaults)
     finally:
         engine.close()
+    if stopped_by is not None:
+        raise MoestreamError(stopped_by)
     return 0
 
 

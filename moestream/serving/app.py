@@ -11,7 +11,7 @@ import json
 import os
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -74,13 +74,20 @@ class Defaults:
 class Service:
     """The endpoints' logic: requests -> engine jobs -> OpenAI answers."""
 
-    def __init__(self, engine: Any, model_name: str, defaults: Defaults, max_body_bytes: int):
+    def __init__(
+        self,
+        engine: Any,
+        model_name: str,
+        defaults: Defaults,
+        max_body_bytes: int,
+        on_fatal: Callable[[str], None] | None = None,
+    ):
         self.engine = engine
         self.tok = engine.tokenizer
         self.model_name = model_name
         self.defaults = defaults
         self.max_body_bytes = max_body_bytes
-        self.worker = Worker(engine)
+        self.worker = Worker(engine, on_fatal)
         self.created = int(time.time())
 
     # -- endpoints ---------------------------------------------------------------------------------
@@ -318,10 +325,17 @@ class Service:
 
 
 def create_app(
-    engine: Any, model_name: str, *, defaults: Defaults | None = None, max_body_bytes: int = MAX_BODY_BYTES
+    engine: Any,
+    model_name: str,
+    *,
+    defaults: Defaults | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    on_fatal: Callable[[str], None] | None = None,
 ) -> FastAPI:
-    """The ASGI app. Its lifespan starts the engine worker and stops it (cancelling what is left)."""
-    svc = Service(engine, model_name, defaults or Defaults(), max_body_bytes)
+    """The ASGI app. Its lifespan starts the engine worker and stops it (cancelling what is left).
+    on_fatal(reason) is called from the worker when the server cannot answer any more (the model file
+    changed under it)."""
+    svc = Service(engine, model_name, defaults or Defaults(), max_body_bytes, on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -407,9 +421,18 @@ def default_model_name(path: str) -> str:
     return re.sub(r"\.gguf$", "", os.path.basename(path), flags=re.IGNORECASE)
 
 
-def serve(engine: Any, name: str, *, host: str, port: int, log_level: str, defaults: Defaults) -> None:
-    """Serve `engine` over HTTP until a signal ends it (the caller opens and closes the engine)."""
-    app = create_app(engine, name, defaults=defaults)
+def serve(engine: Any, name: str, *, host: str, port: int, log_level: str, defaults: Defaults) -> str | None:
+    """Serve `engine` over HTTP until a signal ends it (the caller opens and closes the engine). Returns
+    why the server stopped on its own (the model file changed), or None after a signal."""
+    fatal: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(reason: str) -> None:
+        fatal.append(reason)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(engine, name, defaults=defaults, on_fatal=on_fatal)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     handle_exit = server.handle_exit
@@ -422,3 +445,4 @@ def serve(engine: Any, name: str, *, host: str, port: int, log_level: str, defau
 
     server.handle_exit = on_signal  # type: ignore[method-assign]
     server.run()
+    return fatal[0] if fatal else None

@@ -12,15 +12,22 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
 from moestream.engine.sampling import Sampler
-from moestream.errors import ContextError
+from moestream.errors import ContextError, DiskError
 from moestream.serving.schemas import APIError
 from moestream.serving.text import stream_text, usage_of
 from moestream.streaming.budget import rss_bytes
+
+FILE_CHECK_S = 5.0  # how often an idle server checks that its model file is unchanged
+
+
+def _unavailable(reason: str) -> APIError:
+    return APIError(503, f"the server cannot answer any more: {reason}", type="server_error")
 
 
 @dataclass
@@ -75,17 +82,25 @@ class Metrics:
 class Worker:
     """The one thread that touches the engine. Jobs run in arrival order (FIFO is fair)."""
 
-    def __init__(self, engine: Any):
+    def __init__(
+        self, engine: Any, on_fatal: Callable[[str], None] | None = None, check_every_s: float = FILE_CHECK_S
+    ):
         self.engine = engine
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.current: Job | None = None
         self.metrics = Metrics()
+        self.fatal: str | None = None  # set when the model file changed: nothing more can be answered
+        self.on_fatal = on_fatal
+        self.check_every_s = check_every_s
         self.thread = threading.Thread(target=self._loop, name="moestream-engine", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
     def submit(self, job: Job) -> None:
+        if self.fatal is not None:
+            job.emit(ErrorEvent(_unavailable(self.fatal)))
+            return
         self.jobs.put(job)
 
     def cancel_all(self) -> None:
@@ -102,12 +117,35 @@ class Worker:
         self.thread.join(timeout=30)
 
     def _loop(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while True:
+            try:
+                job = self.jobs.get(timeout=self.check_every_s)
+            except queue.Empty:  # idle: make sure the file is still the one whose weights are resident
+                self._check_file()
+                continue
+            if job is None:
+                return
             self.current = job
             try:
-                self._run(job)
+                if self.fatal is not None:
+                    job.emit(ErrorEvent(_unavailable(self.fatal)))
+                else:
+                    self._run(job)
             finally:
                 self.current = None
+
+    def _check_file(self) -> bool:
+        """False (and the server winds down) when the model file changed under the process."""
+        if self.fatal is not None:
+            return False
+        try:
+            self.engine.check_model_file()
+        except DiskError as exc:
+            self.fatal = str(exc)
+            if self.on_fatal is not None:
+                self.on_fatal(self.fatal)
+            return False
+        return True
 
     def _run(self, job: Job) -> None:
         m = self.metrics
@@ -135,6 +173,9 @@ class Worker:
         except Exception as exc:  # every failure must reach the client, not kill the worker
             m.failed += 1
             self.engine.reset()  # a forward pass that died half-way may have left the KV cache inconsistent
+            if not self._check_file():
+                job.emit(ErrorEvent(_unavailable(self.fatal or str(exc))))
+                return
             # only a request that cannot fit is the client's fault; a model or disk failure is the server's
             status = 400 if isinstance(exc, ContextError) else 500
             kind = "invalid_request_error" if status == 400 else "server_error"
