@@ -201,8 +201,12 @@ def lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         if key in _libs:
             return _libs[key]
         result = None
+        override = os.environ.get("MOESTREAM_NATIVE_LIB", "")
         if os.environ.get("MOESTREAM_NO_NATIVE", "") not in ("", "0"):
             reason = "MOESTREAM_NO_NATIVE is set"
+        elif override and not key:
+            # a variant build_library made (the sanitized build the fuzz tests run the whole engine on)
+            result, reason = load_library(Path(override)), ""
         else:
             try:
                 result = _load(key)
