@@ -11,6 +11,7 @@ moestream file the traceback ended in.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -35,6 +36,7 @@ def main() -> int:
     ap.add_argument("--case", type=int, default=None, help="run only this case index")
     ap.add_argument("--keep", default=None, help="with --case: also write the case's file here")
     ap.add_argument("--seeds-dir", default=None, help="where the seed models live (default: a temp dir)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the outcomes per family as JSON")
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="fuzz_gguf_")
@@ -64,8 +66,34 @@ def main() -> int:
             results += f.result()
     for w in workers:
         w.stop()
-    report(results, args.seed, time.time() - t0)
+    seconds = time.time() - t0
+    report(results, args.seed, seconds)
+    if args.json:
+        write_json(args.json, results, args, seconds)
     return 1 if any(o.outcome in DEFECTS for _, o, _ in results) else 0
+
+
+def write_json(path: str, results, args: argparse.Namespace, seconds: float) -> None:
+    per_family: dict[str, Counter] = defaultdict(Counter)
+    for case, out, _ in results:
+        per_family[case.family][out.outcome] += 1
+        per_family["all"][out.outcome] += 1
+    doc = {
+        "tool": "tools/fuzz_gguf.py",
+        "seed": args.seed,
+        "cases": len(results),
+        "through_cli": sum(c for _, _, c in results),
+        "seconds": round(seconds, 1),
+        "outcomes": {fam: dict(row) for fam, row in per_family.items()},
+        "defects": [
+            {"case": c.index, "family": c.family, "kind": c.kind, "seed_model": c.seed_name, "outcome": o.outcome,
+             "where": o.where, "detail": o.detail[:300]}
+            for c, o, _ in results
+            if o.outcome in DEFECTS
+        ],
+    }  # fmt: skip
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
 
 
 def report(results, seed: int, seconds: float) -> None:

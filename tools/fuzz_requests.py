@@ -14,6 +14,7 @@ import json
 import sys
 import tempfile
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,6 +38,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--model", help="a model to serve (default: a tiny synthetic one)")
     ap.add_argument("--show", type=int, default=20, help="defects to list (default 20)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the outcomes per family as JSON")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,7 +68,29 @@ def main() -> int:
     print(f"{len(outcomes)} requests in {elapsed:.1f} s; server {'alive and answering' if alive else 'NOT answering'}")
     for o in defects[: args.show]:
         print(f"  {o.family} {o.status} {o.defect}: {o.detail}")
+    if args.json:
+        write_json(args.json, outcomes, args, elapsed, alive)
     return 0 if alive and not defects else 1
+
+
+def write_json(path: str, outcomes: list, args: argparse.Namespace, seconds: float, alive: bool) -> None:
+    per_family: dict[str, Counter] = defaultdict(Counter)
+    for o in outcomes:
+        for fam in (o.family, "all"):
+            per_family[fam][str(o.status)] += 1
+            per_family[fam]["defects"] += o.defect is not None
+    doc = {
+        "tool": "tools/fuzz_requests.py",
+        "seed": args.seed,
+        "requests": len(outcomes),
+        "seconds": round(seconds, 1),
+        "server_alive_after": alive,
+        "status_codes": {fam: dict(row) for fam, row in per_family.items()},
+        "defects": [{"family": o.family, "status": o.status, "defect": o.defect, "detail": o.detail} for o in outcomes
+                    if o.defect],
+    }  # fmt: skip
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":
