@@ -18,11 +18,23 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
-from tests.hf_gguf import QWEN3MOE, QWEN35MOE, TinyArch, one_torch_thread, random_tokens, rel_error, tiny_vocab_size
+from tests.hf_gguf import (
+    DEEPSEEK_V2,
+    DEEPSEEK_V2_LITE,
+    DEEPSEEK_V3,
+    QWEN3MOE,
+    QWEN35MOE,
+    TinyArch,
+    n_experts,
+    one_torch_thread,
+    random_tokens,
+    rel_error,
+    tiny_vocab_size,
+)
 
 transformers = pytest.importorskip("transformers")
 
-ARCH_CASES = [QWEN3MOE, QWEN35MOE]
+ARCH_CASES = [QWEN3MOE, QWEN35MOE, DEEPSEEK_V2_LITE, DEEPSEEK_V2, DEEPSEEK_V3]
 N_PROMPT, N_DECODE = 80, 16  # the prompt is longer than one DeltaNet chunk (64)
 
 
@@ -33,12 +45,12 @@ def _engine(path: str, **kw) -> Engine:
     return Engine(path, EngineOptions(n_slots=kw.pop("n_slots", 32), **kw))
 
 
-@pytest.fixture(scope="module", params=ARCH_CASES, ids=lambda a: a.name)
+@pytest.fixture(scope="module", params=ARCH_CASES, ids=lambda a: a.id)
 def tiny(request, tmp_path_factory):
     """(arch, model file, tokens, transformers' logits for every position of prompt + decoded tokens, model)."""
     arch: TinyArch = request.param
     model = arch.hf_model()
-    path = str(tmp_path_factory.mktemp(arch.name) / "m.gguf")
+    path = str(tmp_path_factory.mktemp(arch.id) / "m.gguf")
     arch.write(model, path)
     toks = random_tokens(N_PROMPT + N_DECODE, model.config.vocab_size)
     with torch.no_grad():
@@ -48,20 +60,11 @@ def tiny(request, tmp_path_factory):
 
 def test_config_reads_the_converters_metadata(tiny):
     arch, path, _, _, model = tiny
-    c = model.config
     eng = _engine(path)
     try:
-        cfg = eng.cfg
         assert type(eng.model).arch == arch.name
-        assert (cfg.n_layers, cfg.hidden, cfg.vocab_size) == (c.num_hidden_layers, c.hidden_size, c.vocab_size)
-        assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-        assert (cfg.n_experts, cfg.top_k, cfg.expert_ffn) == (
-            c.num_experts,
-            c.num_experts_per_tok,
-            c.moe_intermediate_size,
-        )
-        assert cfg.rms_eps == pytest.approx(c.rms_norm_eps)
-        assert cfg.rope_theta == pytest.approx(c.rope_parameters["rope_theta"])
+        for key, want in arch.expected(model.config).items():
+            assert getattr(eng.cfg, key) == pytest.approx(want), key
     finally:
         eng.close()
 
@@ -103,7 +106,7 @@ def test_whole_prompt_equals_token_by_token_and_micro_batches(tiny):
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["float", "quantized"])
-@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.name)
+@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.id)
 def test_streaming_never_changes_greedy_output(tmp_path, arch, which):
     dense_type, expert_type = arch.stream_types[which]
     model = arch.hf_model(seed=2)
@@ -112,7 +115,7 @@ def test_streaming_never_changes_greedy_output(tmp_path, arch, which):
     cfg = model.config
     prompt = random_tokens(40, cfg.vocab_size, seed=2)
     outputs, hit_rates = [], []
-    for slots in (cfg.num_experts_per_tok, cfg.num_experts_per_tok + 3, cfg.num_hidden_layers * cfg.num_experts):
+    for slots in (cfg.num_experts_per_tok, cfg.num_experts_per_tok + 3, cfg.num_hidden_layers * n_experts(cfg)):
         eng = Engine(path, EngineOptions(n_slots=slots, ubatch=16))
         try:
             gen = eng.generate(prompt, 12, Sampler())
@@ -217,7 +220,7 @@ def test_f32_file_reads_back_exactly(tiny):
     "dense,expert,tol",
     [(T.F16, T.Q8_0, 0.01), (T.Q8_0, T.Q4_0, 0.15), (T.Q8_0, T.Q4_K, 0.15), (T.BF16, T.F32, 0.01)],
 )
-@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.name)
+@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.id)
 def test_quantized_types(tmp_path, arch, dense, expert, tol):
     model = arch.hf_model(seed=1)
     f32_path, path = tmp_path / "f.gguf", tmp_path / "q.gguf"
@@ -233,7 +236,7 @@ def test_quantized_types(tmp_path, arch, dense, expert, tol):
         assert rel < (tol if kind != "f32" else 1e-7), (t.name, rel)
 
 
-@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.name)
+@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.id)
 def test_tied_embeddings_omit_output(tmp_path, arch):
     model = arch.hf_model(seed=2, tie_word_embeddings=True)
     path = tmp_path / "tied.gguf"
@@ -253,7 +256,7 @@ def test_tied_embeddings_omit_output(tmp_path, arch):
         eng.close()
 
 
-@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.name)
+@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.id)
 def test_vocab_mismatch_is_explained(tmp_path, arch):
     model = arch.hf_model(vocab_size=tiny_vocab_size() + 3)
     with pytest.raises(ValueError, match="tiny BPE vocab"):

@@ -49,7 +49,9 @@ def open_model(path: str, exact: bool | None = None, *, check_types: bool = True
             _check_types(f)
         exact = is_float_model(f) if exact is None else exact
         cfg = config_from_gguf(arch, f)
-        store = ExpertStore(f, cfg.n_layers, cfg.n_experts, exact)
+        # cfg.n_layers counts the layers with routed experts; an architecture with leading dense blocks
+        # says where they start
+        store = ExpertStore(f, cfg.n_layers, cfg.n_experts, exact, getattr(cfg, "first_moe_block", 0))
     except BaseException:
         f.close()
         raise

@@ -1,12 +1,15 @@
 """The model math. One file per architecture (its config, attention, block and forward); the GGUF
 `general.architecture` string picks the class. Shared once: loader.py (weights and metadata as the model
 names them, checked), base.py (embedding, head, engine attachments), moe.py (router and experts),
-deltanet.py (Gated DeltaNet and the hybrid cache), common.py (norms, RoPE, KV cache, routing)."""
+deltanet.py (Gated DeltaNet and the hybrid cache), mla.py (multi-head latent attention and its cache),
+common.py (norms, RoPE, KV cache, routing)."""
 
+from moestream.models.deepseek2 import DeepSeek2
 from moestream.models.qwen3moe import Qwen3Moe
 from moestream.models.qwen35moe import Qwen35Moe
 
 ARCHITECTURES = {
+    "deepseek2": DeepSeek2,
     "qwen3moe": Qwen3Moe,
     "qwen35moe": Qwen35Moe,
 }

@@ -120,12 +120,44 @@ def f32_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x @ w.T
 
 
-class RoPE:
-    """NeoX-style rotary embedding (rotate the two halves), optionally on the first `rot_dim` dims only."""
+def yarn_inv_freq(
+    rot_dim: int, theta: float, factor: float, orig_ctx: int, beta_fast: float = 32.0, beta_slow: float = 1.0
+) -> torch.Tensor:
+    """YaRN's per-pair frequencies (float64 [rot_dim/2]), as ggml's rope_yarn computes them: pairs that turn
+    more than beta_fast times over the original context keep their frequency, pairs that turn fewer than
+    beta_slow times are interpolated (divided by factor), with a linear ramp between."""
+    base = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
 
-    def __init__(self, head_dim: int, theta: float, rot_dim: int | None = None, max_pos: int = 0):
+    def corr_dim(n_rot: float) -> float:
+        return rot_dim * math.log(orig_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(0.0, math.floor(corr_dim(beta_fast)))
+    high = min(rot_dim - 1.0, math.ceil(corr_dim(beta_slow)))
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float64) - low) / max(0.001, high - low)).clamp(0, 1)
+    extrapolate = 1.0 - ramp
+    return base / factor * (1 - extrapolate) + base * extrapolate
+
+
+class RoPE:
+    """NeoX-style rotary embedding (rotate the two halves), optionally on the first `rot_dim` dims only.
+
+    inv_freq replaces the plain theta^(-2i/d) frequencies (YaRN); mscale multiplies cos and sin."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        rot_dim: int | None = None,
+        max_pos: int = 0,
+        *,
+        inv_freq: torch.Tensor | None = None,
+        mscale: float = 1.0,
+    ):
         self.rot_dim = rot_dim or head_dim
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.rot_dim, 2, dtype=torch.float64) / self.rot_dim))
+        if inv_freq is None:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, self.rot_dim, 2, dtype=torch.float64) / self.rot_dim))
+        self.inv_freq = inv_freq.to(torch.float64)
+        self.mscale = mscale
         self._cos = self._sin = torch.empty(0, 1, self.rot_dim // 2)
         if max_pos:
             self._table(max_pos)
@@ -133,8 +165,8 @@ class RoPE:
     def _table(self, n: int) -> None:
         # Computed once in float64 for every position: each layer's call is then two slices.
         ang = torch.outer(torch.arange(n, dtype=torch.float64), self.inv_freq)
-        self._cos = ang.cos().float()[:, None, :]
-        self._sin = ang.sin().float()[:, None, :]
+        self._cos = (ang.cos() * self.mscale).float()[:, None, :]
+        self._sin = (ang.sin() * self.mscale).float()[:, None, :]
 
     def ensure(self, n: int) -> None:
         """Tables cover positions 0..n-1."""

@@ -41,6 +41,10 @@ class Weights(Protocol):
         """Small matrices kept exact (routers, conv kernels): float32 [rows, cols]."""
         ...
 
+    def array(self, name: str, shape: Shape) -> torch.Tensor:
+        """Any other tensor (per-head 3-D weights) as float32 of `shape`."""
+        ...
+
     def linear(self, name: str, out_features: int, in_features: int) -> QLinear: ...
 
     def fused(self, parts: Sequence[tuple[str, int, int]]) -> Fused:
@@ -107,6 +111,9 @@ class GGUFWeights:
 
     def matrix(self, name: str, rows: int, cols: int) -> torch.Tensor:
         return self._floats(name, (rows, cols))
+
+    def array(self, name: str, shape: Shape) -> torch.Tensor:
+        return self._floats(name, tuple(shape))
 
     def linear(self, name: str, out_features: int, in_features: int) -> QLinear:
         info = self._checked(name, (out_features, in_features))

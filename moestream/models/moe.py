@@ -1,17 +1,86 @@
-"""The mixture-of-experts FFN every architecture here uses: a softmax router picks the top-k routed experts
+"""The mixture-of-experts FFN every architecture here uses: a router picks the top-k routed experts
 (streamed in by the expert provider), each a SwiGLU (down(silu(gate(x)) * up(x))); optionally one always-on
-shared expert, optionally scaled by a sigmoid gate of its own."""
+shared expert, optionally scaled by a sigmoid gate of its own.
+
+The router is a softmax over all experts (Qwen) or, as DeepSeek-V2/V3 and their kin configure it
+(Routing), a softmax or sigmoid whose top-k is chosen within the best groups of experts, optionally after
+adding a correction bias that steers the choice but not the weights, the weights renormalised and scaled.
+"""
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from moestream.compute import linear
+from moestream.errors import ModelFileError
 from moestream.models.common import ExpertProvider, Fused, f32_matmul, route_topk
 from moestream.models.loader import Weights
+
+# llama.cpp clamps the sum of the chosen weights to the smallest normal F16 before dividing by it
+MIN_WEIGHT_SUM = 6.103515625e-5
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a router turns its logits into (weights, experts); the default is the plain softmax top-k."""
+
+    gating: str = "softmax"  # "softmax" over all experts, or an independent "sigmoid" per expert
+    norm: bool = True  # renormalise the k chosen weights to sum to 1
+    scale: float = 1.0  # then multiply them by this (routed_scaling_factor)
+    n_group: int = 1  # experts split into this many groups of consecutive ids
+    topk_group: int = 1  # the top-k is taken only within this many best groups
+    # a group's score: "top2", the sum of its two best (biased) scores (DeepSeek-V3's noaux_tc, and what
+    # llama.cpp computes), or "max", its best one (DeepSeek-V2's group_limited_greedy)
+    group_score: str = "top2"
+
+    @property
+    def plain(self) -> bool:
+        return self.gating == "softmax" and self.scale == 1.0 and self.n_group == 1
+
+
+def route_general(
+    logits: torch.Tensor,
+    k: int,
+    r: Routing,
+    bias: torch.Tensor | None = None,
+    forced: torch.Tensor | None = None,
+    layer: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) [T, k] under any Routing. `bias` [E] is added to the scores for choosing only; the
+    weights are the unbiased scores of the chosen experts. Groups left out are masked with -inf (as
+    llama.cpp and DeepSeek's reference code do), so a negative biased score never loses to a masked one."""
+    if not torch.isfinite(logits).all():
+        where = "" if layer is None else f"layer {layer}: "
+        raise ModelFileError(
+            f"{where}the router's output is not finite (NaN/inf); "
+            "the model file is broken (corrupted weights or hyperparameters)"
+        )
+    T, E = logits.shape
+    probs = torch.sigmoid(logits) if r.gating == "sigmoid" else torch.softmax(logits, dim=-1)
+    if forced is None:
+        select = probs if bias is None else probs + bias
+        if r.n_group > 1:
+            groups = select.view(T, r.n_group, E // r.n_group)
+            if r.group_score == "max":
+                score = groups.max(dim=-1).values
+            else:
+                score = groups.topk(min(2, E // r.n_group), dim=-1).values.sum(dim=-1)
+            keep = torch.zeros(T, r.n_group, dtype=torch.bool)
+            keep.scatter_(1, score.topk(r.topk_group, dim=-1).indices, True)
+            select = select.masked_fill(~keep.repeat_interleave(E // r.n_group, dim=1), float("-inf"))
+        ids = select.topk(k, dim=-1).indices
+    else:
+        ids = forced
+    weights = probs.gather(-1, ids)
+    if r.norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(MIN_WEIGHT_SUM)
+    if r.scale != 1.0:
+        weights = weights * r.scale
+    return weights, ids
 
 
 def route(
@@ -104,9 +173,20 @@ class MoE:
         norm_topk: bool,
         shared_ffn: int = 0,
         shared_gate: bool = False,
+        routing: Routing | None = None,
+        expert_layer: int | None = None,
     ):
+        """layer: the block (tensor names); expert_layer: the index the expert provider and route traces
+        know the layer's experts by (the MoE layers counted from 0 where leading blocks are dense).
+        routing: None for the plain softmax top-k (renormalised when norm_topk); a file with a correction
+        bias (`exp_probs_b.bias`) has it added to the scores for choosing."""
         p = f"blk.{layer}."
         self.layer, self.n_experts, self.top_k, self.norm_topk = layer, n_experts, top_k, norm_topk
+        self.expert_layer = layer if expert_layer is None else expert_layer
+        self.bias = w.vector(p + "exp_probs_b.bias", n_experts) if w.has(p + "exp_probs_b.bias") else None
+        plain = routing is None or (routing.plain and routing.norm == norm_topk)
+        # the plain softmax keeps its native top-k (one C call a decode step)
+        self.routing = None if plain and self.bias is None else (routing or Routing(norm=norm_topk))
         gates = w.matrix(p + "ffn_gate_inp.weight", n_experts, hidden)
         if shared_gate:
             gates = torch.cat([gates, w.vector(p + "ffn_gate_inp_shexp.weight", hidden).reshape(1, -1)])
@@ -126,11 +206,14 @@ class MoE:
         """forced [T, k]: expert ids that replace the router's choice (route traces); weights stay its own."""
         E = self.n_experts
         logits = f32_matmul(x, self.gates)
-        weights, ids = route(logits[:, :E], self.top_k, self.norm_topk, forced, self.layer)
+        if self.routing is None:
+            weights, ids = route(logits[:, :E], self.top_k, self.norm_topk, forced, self.layer)
+        else:
+            weights, ids = route_general(logits[:, :E], self.top_k, self.routing, self.bias, forced, self.layer)
         if self.shared is None:
-            return run_experts(x, weights, ids, self.layer, experts)
+            return run_experts(x, weights, ids, self.expert_layer, experts)
         gate, up = self.shared(x)
         shared = self.shared_down(F.silu(gate) * up)
         if self.shared_gate:
             shared = shared * torch.sigmoid(logits[:, E:])
-        return run_experts(x, weights, ids, self.layer, experts) + shared
+        return run_experts(x, weights, ids, self.expert_layer, experts) + shared

@@ -58,7 +58,9 @@ PROJECTIONS = ("gate", "up", "down")
 
 
 class ExpertStore:
-    def __init__(self, gguf: GGUFFile, n_layers: int, n_experts: int, exact: bool):
+    def __init__(self, gguf: GGUFFile, n_layers: int, n_experts: int, exact: bool, first_block: int = 0):
+        """Expert layer L is block first_block + L: where the leading blocks are dense FFNs (DeepSeek), the
+        engine and the cache number only the MoE layers."""
         self.path = gguf.path
         self.n_layers = n_layers
         self.n_experts = n_experts
@@ -68,7 +70,7 @@ class ExpertStore:
         for layer in range(n_layers):
             segs = []
             for proj in PROJECTIONS:
-                info = gguf.tensor(f"blk.{layer}.ffn_{proj}_exps.weight")
+                info = gguf.tensor(f"blk.{first_block + layer}.ffn_{proj}_exps.weight")
                 if len(info.shape) != 3 or info.shape[0] != n_experts:
                     raise ModelFileError(
                         f"{gguf.path}: {info.name} has shape {info.shape}, expected [{n_experts}, rows, cols]"

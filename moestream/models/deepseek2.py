@@ -1,0 +1,250 @@
+"""DeepSeek-V2/V2-Lite/V3/R1 and Kimi-K2 (GGUF arch `deepseek2`).
+
+Decoder layer: x += MLA(RMSNorm(x)); x += FFN(RMSNorm(x)), where the FFN of the first
+leading_dense_block_count blocks is a dense SwiGLU and of the others a MoE: routed SwiGLU experts (streamed)
+plus always-on shared experts (one SwiGLU of n_shared x the expert size).
+Attention: multi-head latent attention (mla.py), with YaRN rotary scaling where the file sets it.
+Routing (moe.Routing): softmax (V2) or sigmoid (V3, Kimi-K2) scores; V3's correction bias
+(`exp_probs_b.bias`) added for the choice only; the top-k taken within the best expert_group_used_count of
+expert_group_count groups; the k weights renormalised (expert_weights_norm) and scaled
+(expert_weights_scale).
+
+The engine numbers only the MoE layers (expert layer L is block leading_dense_block_count + L), so
+cfg.n_layers counts those; cfg.n_blocks counts every block the model runs. Multi-token-prediction blocks
+a file may carry after the trunk (nextn_predict_layers) are never loaded.
+
+YaRN as llama.cpp applies it to these files: the file stores rope.scaling.yarn_log_multiplier as 0.1 x
+mscale_all_dim; the rotation keeps unit magnitude (the config's mscale equals its mscale_all_dim), and
+softmax's scale becomes mscale^2 / sqrt(qk head size) with mscale = 1 + 0.1 mscale_all_dim ln(factor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moestream.compute import linear
+from moestream.models.base import MoEModel
+from moestream.models.common import RoPE, rms_norm, yarn_inv_freq
+from moestream.models.loader import ArchMetadata, Weights
+from moestream.models.mla import MLACache, MLAttention
+from moestream.models.moe import MoE, Routing
+
+ARCH = "deepseek2"
+GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
+
+
+@dataclass
+class DeepSeek2Config:
+    n_layers: int  # MoE layers: what the expert cache and route traces number
+    n_blocks: int  # every block of the trunk
+    first_moe_block: int  # leading dense blocks before the first MoE one
+    hidden: int
+    n_heads: int
+    q_lora_rank: int  # 0: the query is one projection (V2-Lite)
+    kv_lora_rank: int
+    qk_nope: int
+    qk_rope: int
+    v_head_dim: int
+    n_experts: int
+    top_k: int
+    expert_ffn: int
+    shared_ffn: int
+    dense_ffn: int
+    vocab_size: int
+    context_length: int
+    routing: Routing
+    rope_theta: float = 10_000.0
+    rope_inv_freq: tuple[float, ...] = ()  # YaRN's frequencies; empty: plain theta^(-2i/d)
+    rope_mscale: float = 1.0
+    kq_scale: float = 0.0
+    rms_eps: float = 1e-6
+
+    @classmethod
+    def from_metadata(
+        cls, md: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str = "model file"
+    ) -> DeepSeek2Config:
+        m = ArchMetadata(md, ARCH, shapes, source)
+        blocks = m.int("block_count")
+        nextn = m.int("nextn_predict_layers", 0, low=0)
+        n_blocks = blocks - nextn
+        n_dense = m.int("leading_dense_block_count", 0, low=0)
+        m.require(n_dense < n_blocks, "leading_dense_block_count",
+                  f"is {n_dense} of {n_blocks} blocks; there would be no MoE layer")  # fmt: skip
+        hidden, n_heads = m.int("embedding_length"), m.int("attention.head_count", per_layer=True)
+        kv_lora, rope_dim = m.int("attention.kv_lora_rank"), m.int("rope.dimension_count")
+        m.require(rope_dim % 2 == 0, "rope.dimension_count", f"is {rope_dim}; rotary embedding needs it even")
+        if f"{ARCH}.attention.key_length_mla" in md:  # the converter's MLA form: keys are [latent | rope]
+            qk, v = m.int("attention.key_length_mla"), m.int("attention.value_length_mla")
+            key = m.int("attention.key_length", kv_lora + rope_dim)
+            m.require(key == kv_lora + rope_dim, "attention.key_length",
+                      f"is {key}, not kv_lora_rank + rope.dimension_count = {kv_lora + rope_dim}")  # fmt: skip
+        else:
+            qk, v = m.int("attention.key_length"), m.int("attention.value_length")
+        m.require(qk > rope_dim, "attention.key_length", f"({qk}) leaves no room for {rope_dim} rotary dims")
+        n_experts, top_k = m.experts()
+        expert_ffn = m.int("expert_feed_forward_length", per_layer=True)
+        shexp = f"blk.{n_dense}.ffn_gate_shexp.weight"
+        n_shared = m.int("expert_shared_count", 0, low=0)
+        shared_ffn = m.tensor_shape(shexp)[0] if shexp in shapes else n_shared * expert_ffn
+        dense_ffn = m.tensor_shape("blk.0.ffn_gate.weight")[0] if n_dense else 0
+        return cls(
+            n_layers=n_blocks - n_dense,
+            n_blocks=n_blocks,
+            first_moe_block=n_dense,
+            hidden=hidden,
+            n_heads=n_heads,
+            q_lora_rank=m.int("attention.q_lora_rank", 0, low=0) if "blk.0.attn_q_a.weight" in shapes else 0,
+            kv_lora_rank=kv_lora,
+            qk_nope=qk - rope_dim,
+            qk_rope=rope_dim,
+            v_head_dim=v,
+            n_experts=n_experts,
+            top_k=top_k,
+            expert_ffn=expert_ffn,
+            shared_ffn=shared_ffn,
+            dense_ffn=dense_ffn,
+            vocab_size=m.tensor_shape("token_embd.weight")[0],
+            context_length=m.int("context_length", 4096),
+            routing=_routing(m, n_experts, top_k),
+            rope_theta=m.float("rope.freq_base", 10_000.0),
+            rms_eps=m.float("attention.layer_norm_rms_epsilon", 1e-6),
+            **_rope_scaling(m, md, rope_dim, qk),
+        )
+
+
+def _routing(m: ArchMetadata, n_experts: int, top_k: int) -> Routing:
+    func = m.int("expert_gating_func", 1)
+    m.require(func in GATING, "expert_gating_func", f"is {func}; moestream runs 1 (softmax) and 2 (sigmoid)")
+    n_group = m.int("expert_group_count", 1)
+    topk_group = m.int("expert_group_used_count", n_group)
+    if n_group > 1:
+        m.require(n_experts % n_group == 0, "expert_group_count",
+                  f"({n_group}) does not divide the {n_experts} experts")  # fmt: skip
+        m.require(topk_group <= n_group and top_k <= topk_group * (n_experts // n_group),
+                  "expert_group_used_count", f"({topk_group} of {n_group} groups) leaves fewer than "
+                  f"{top_k} experts to choose from")  # fmt: skip
+    scale = m.float("expert_weights_scale", 1.0)
+    return Routing(
+        gating=GATING[func],
+        norm=m.flag("expert_weights_norm", False),
+        scale=scale,
+        n_group=n_group,
+        topk_group=topk_group,
+        # DeepSeek-V2's grouped softmax routing (group_limited_greedy) ranks groups by their best expert;
+        # V3's sigmoid routing (noaux_tc) by the sum of their best two
+        group_score="max" if GATING[func] == "softmax" else "top2",
+    )
+
+
+def _rope_scaling(m: ArchMetadata, md: Mapping[str, Any], rope_dim: int, qk: int) -> dict[str, Any]:
+    kind = md.get(f"{ARCH}.rope.scaling.type", "none")
+    factor = m.float("rope.scaling.factor", 1.0) if kind in ("yarn", "linear") else 1.0
+    theta = m.float("rope.freq_base", 10_000.0)
+    out: dict[str, Any] = {"kq_scale": 1.0 / math.sqrt(qk)}
+    if factor <= 1.0:
+        return out
+    if kind == "linear":
+        base = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim))
+        return out | {"rope_inv_freq": tuple((base / factor).tolist())}
+    orig = m.int("rope.scaling.original_context_length", m.int("context_length", 4096))
+    inv = yarn_inv_freq(rope_dim, theta, factor, orig, m.float("rope.scaling.yarn_beta_fast", 32.0),
+                        m.float("rope.scaling.yarn_beta_slow", 1.0))  # fmt: skip
+    log_mul = md.get(f"{ARCH}.rope.scaling.yarn_log_multiplier", 0.0)
+    if isinstance(log_mul, bool) or not isinstance(log_mul, (int, float)) or not math.isfinite(log_mul):
+        raise m.error("rope.scaling.yarn_log_multiplier", f"is {log_mul!r}, not a finite number; the file is damaged")
+    mscale_all_dim = log_mul / 0.1  # the converter stores 0.1 x mscale_all_dim
+    # llama.cpp: with a log multiplier the rotation keeps unit magnitude; without, YaRN's own 1 + 0.1 ln(factor)
+    rope_mscale = 1.0 if mscale_all_dim else 1.0 + 0.1 * math.log(factor)
+    mscale = rope_mscale * (1.0 + 0.1 * mscale_all_dim * math.log(factor))
+    return {"kq_scale": mscale * mscale / math.sqrt(qk), "rope_inv_freq": tuple(inv.tolist()),
+            "rope_mscale": rope_mscale}  # fmt: skip
+
+
+class DenseFFN:
+    """A leading block's SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, w: Weights, i: int, hidden: int, ffn: int):
+        p = f"blk.{i}."
+        self.gate_up = w.fused([(p + "ffn_gate.weight", ffn, hidden), (p + "ffn_up.weight", ffn, hidden)])
+        self.down = w.linear(p + "ffn_down.weight", hidden, ffn)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x)
+        return self.down(F.silu(gate) * up)
+
+
+class DeepSeek2(MoEModel):
+    arch = ARCH
+    Config = DeepSeek2Config
+
+    def __init__(self, cfg: DeepSeek2Config, w: Weights):
+        super().__init__(cfg, w)
+        H = cfg.hidden
+        self.layers = []
+        for i in range(cfg.n_blocks):
+            attn_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
+            attn = MLAttention(w, i, cfg)
+            ffn_norm = w.vector(f"blk.{i}.ffn_norm.weight", H)
+            if i < cfg.first_moe_block:
+                ffn: DenseFFN | MoE = DenseFFN(w, i, H, cfg.dense_ffn)
+            else:
+                ffn = MoE(w, i, hidden=H, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
+                          norm_topk=cfg.routing.norm, shared_ffn=cfg.shared_ffn, routing=cfg.routing,
+                          expert_layer=i - cfg.first_moe_block)  # fmt: skip
+            self.layers.append((attn_norm, attn, ffn_norm, ffn))
+        self._load_head(w)
+        inv = torch.tensor(cfg.rope_inv_freq, dtype=torch.float64) if cfg.rope_inv_freq else None
+        self.rope = RoPE(cfg.qk_rope, cfg.rope_theta, max_pos=min(cfg.context_length, 4096), inv_freq=inv,
+                         mscale=cfg.rope_mscale)  # fmt: skip
+
+    @staticmethod
+    def kv_nbytes(cfg: DeepSeek2Config, ctx: int, exact: bool) -> int:
+        """The latent cache: kv_lora_rank + qk_rope values a token a block (576 for V3)."""
+        return MLACache.bytes_for(cfg.n_blocks, cfg.kv_lora_rank, cfg.qk_rope, ctx, exact)
+
+    @staticmethod
+    def compute_nbytes(cfg: DeepSeek2Config, ubatch: int, ctx: int) -> int:
+        """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions.
+
+        Attention holds the span's latents and rotary keys in float32, and per token and head either the
+        absorbed query, its [latent | rope] key-sized copy and the latent-sized output, or (the naive form,
+        chosen only while it is no larger) the decompressed keys and values; SDPA's flash kernel never
+        builds the [T, S] scores. The MoE's per-token part is Qwen3Moe's plus the shared experts.
+        """
+        L, R, nh = cfg.kv_lora_rank, cfg.qk_rope, cfg.n_heads
+        span = 2 * ctx * (L + R) * 4
+        max_in = max(cfg.hidden, nh * cfg.v_head_dim, cfg.q_lora_rank, cfg.shared_ffn, cfg.dense_ffn)
+        scratch = linear.kernel_scratch_bytes(ubatch, cfg.top_k, cfg.hidden, cfg.expert_ffn, max_in)
+        residual = 6 * cfg.hidden
+        attn = 2 * nh * (cfg.qk_nope + R) + 2 * nh * (2 * L + R) + nh * cfg.v_head_dim + cfg.q_lora_rank + L + R
+        moe = (2 * cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2
+               + 3 * max(cfg.shared_ffn, cfg.dense_ffn))  # fmt: skip
+        per_token = 4 * (residual + max(attn, moe)) * 3 // 2
+        runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
+        return span + scratch + ubatch * per_token + cfg.vocab_size * 4 * 2 + runtime
+
+    def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> MLACache:
+        cfg = self.cfg
+        dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
+        return MLACache(cfg.n_blocks, cfg.kv_lora_rank, cfg.qk_rope, ctx, dtype)
+
+    def forward(self, tokens: list[int], kv: MLACache, pos: int, all_logits: bool = False) -> torch.Tensor:
+        """Run tokens at positions pos..pos+T-1; returns logits of the last position ([V]) or all ([T, V])."""
+        assert self.experts is not None, "no expert provider attached"
+        eps, T = self.cfg.rms_eps, len(tokens)
+        x = self.embed(tokens)
+        for i, (attn_norm, attn, ffn_norm, ffn) in enumerate(self.layers):
+            x = x + attn(rms_norm(x, attn_norm, eps), i, kv, pos, self.rope)
+            h = rms_norm(x, ffn_norm, eps)
+            if isinstance(ffn, MoE):
+                x = x + ffn(h, self.experts, self.forced_routes(ffn.expert_layer, pos, T))
+            else:
+                x = x + ffn(h)
+        kv.advance(pos + T)
+        return self.logits(x, all_logits)

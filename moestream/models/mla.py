@@ -1,0 +1,157 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2: GGUF arch `deepseek2`).
+
+Each token's keys and values come from one compressed latent c = RMSNorm(W_DKV x) of kv_lora_rank values
+plus one rotary key k_pe shared by every head; head h's key is [W_UK_h c | k_pe] and its value W_UV_h c.
+The cache holds only c and k_pe (576 values a token a layer for V3, against 2 x 128 heads x 192/128 for
+full keys and values). Attention then runs in one of two equal forms:
+  - absorbed (decode, and long spans): W_UK_h folds into the query (q_lat_h = W_UK_h^T q_nope_h), so the
+    scores are q_lat_h . c_s + q_pe_h . k_pe_s and the output W_UV_h sum_s p_s c_s, one key of 576 values
+    shared by all heads, as llama.cpp computes it;
+  - naive (a prompt's first micro-batches): the span's keys and values decompressed, then ordinary
+    attention; fewer operations while the span is no longer than about twice the micro-batch.
+The rotary dims are interleaved pairs (x0, x1), (x2, x3)... in the file; they are de-interleaved into
+halves before the NeoX-style rotation, in queries and keys alike, which leaves every dot product the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moestream.models.common import RoPE, rms_norm, wide_torch
+from moestream.models.loader import Weights
+
+
+class MLACache:
+    """Latents and rotary keys of every layer at the full context, allocated once up front."""
+
+    def __init__(self, n_layers: int, kv_lora: int, rope_dim: int, ctx: int, dtype: torch.dtype):
+        self.ctx, self.dtype, self.length = ctx, dtype, 0
+        self.latent = [torch.zeros(ctx, kv_lora, dtype=dtype) for _ in range(n_layers)]
+        self.rope = [torch.zeros(ctx, rope_dim, dtype=dtype) for _ in range(n_layers)]
+
+    @staticmethod
+    def bytes_for(n_layers: int, kv_lora: int, rope_dim: int, ctx: int, exact: bool) -> int:
+        return n_layers * ctx * (kv_lora + rope_dim) * (4 if exact else 2)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.latent + self.rope)
+
+    def update(self, layer: int, pos: int, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store positions pos..pos+T-1; returns every position's latents [S, L] and rotary keys [S, R]."""
+        T = c.shape[0]
+        self.latent[layer][pos : pos + T] = c.to(self.dtype)
+        self.rope[layer][pos : pos + T] = k_pe.to(self.dtype)
+        return self.latent[layer][: pos + T], self.rope[layer][: pos + T]
+
+    def advance(self, length: int) -> None:
+        self.length = length
+
+    def truncate(self, length: int) -> int:
+        self.length = min(self.length, length)
+        return self.length
+
+
+def deinterleave(rope_dim: int) -> torch.Tensor:
+    """Indices taking interleaved pairs (x0, x1), (x2, x3)... to halves (x0, x2, ... | x1, x3, ...)."""
+    return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+
+
+class MLAttention:
+    """One layer's attention. cfg: n_heads, q_lora_rank (0: one plain attn_q), kv_lora_rank, qk_nope, qk_rope,
+    v_head_dim, hidden, rms_eps, kq_scale."""
+
+    def __init__(self, w: Weights, i: int, cfg: Any):
+        p = f"blk.{i}."
+        H, nh, L, R = cfg.hidden, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope
+        nope, v, qk = cfg.qk_nope, cfg.v_head_dim, cfg.qk_nope + cfg.qk_rope
+        self.cfg = cfg
+        # the query's first projection and the kv compression read the same input: one matmul
+        if cfg.q_lora_rank:
+            self.a = w.fused([(p + "attn_q_a.weight", cfg.q_lora_rank, H), (p + "attn_kv_a_mqa.weight", L + R, H)])
+            self.q_a_norm = w.vector(p + "attn_q_a_norm.weight", cfg.q_lora_rank)
+            self.q_b = w.linear(p + "attn_q_b.weight", nh * qk, cfg.q_lora_rank)
+        else:
+            self.a = w.fused([(p + "attn_q.weight", nh * qk, H), (p + "attn_kv_a_mqa.weight", L + R, H)])
+        self.kv_a_norm = w.vector(p + "attn_kv_a_norm.weight", L)
+        # k_b [H, L, nope] (W_UK_h transposed) and v_b [H, v, L] (W_UV_h): newer converters store them split,
+        # older ones as one attn_kv_b [H * (nope + v), L]
+        if w.has(p + "attn_k_b.weight"):
+            self.k_b = w.array(p + "attn_k_b.weight", (nh, L, nope))
+            self.v_b = w.array(p + "attn_v_b.weight", (nh, v, L))
+        else:
+            kv_b = w.matrix(p + "attn_kv_b.weight", nh * (nope + v), L).view(nh, nope + v, L)
+            self.k_b = kv_b[:, :nope].transpose(1, 2).contiguous()
+            self.v_b = kv_b[:, nope:].contiguous()
+        self.o = w.linear(p + "attn_output.weight", H, nh * v)
+        self.perm = deinterleave(R)
+
+    def project(self, x: torch.Tensor, pos: int, rope: RoPE) -> tuple[torch.Tensor, ...]:
+        """(q_nope [T, H, nope], q_pe [T, H, R] rotated, latent c [T, L], k_pe [T, R] rotated)."""
+        cfg = self.cfg
+        T, L = x.shape[0], cfg.kv_lora_rank
+        if cfg.q_lora_rank:
+            qa, kv = self.a(x)
+            q = self.q_b(rms_norm(qa, self.q_a_norm, cfg.rms_eps))
+        else:
+            q, kv = self.a(x)
+        q = q.reshape(T, cfg.n_heads, cfg.qk_nope + cfg.qk_rope)
+        c = rms_norm(kv[:, :L], self.kv_a_norm, cfg.rms_eps)
+        q_pe = rope(q[..., cfg.qk_nope :][..., self.perm], pos)
+        k_pe = rope(kv[:, None, L:][..., self.perm], pos)[:, 0]
+        return q[..., : cfg.qk_nope], q_pe, c, k_pe
+
+    def __call__(self, x: torch.Tensor, layer: int, cache: MLACache, pos: int, rope: RoPE) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        q_nope, q_pe, c, k_pe = self.project(x, pos, rope)
+        latents, keys = cache.update(layer, pos, c, k_pe)
+        S, L = latents.shape[0], cfg.kv_lora_rank
+        if T > 1 and S * (cfg.qk_nope + cfg.qk_rope + cfg.v_head_dim) <= T * (2 * L + cfg.qk_rope):
+            out = self.naive(q_nope, q_pe, latents, keys, pos)
+        else:
+            out = self.absorbed(q_nope, q_pe, latents, keys, pos)
+        return self.o(out.reshape(T, cfg.n_heads * cfg.v_head_dim))
+
+    def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor,
+                 pos: int) -> torch.Tensor:  # fmt: skip
+        """Attention over the cached latents without decompressing them; returns [T, H, v]."""
+        scale = self.cfg.kq_scale
+        T = q_nope.shape[0]
+        lat, kpe = latents.float(), keys.float()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.k_b.transpose(1, 2))  # [H, T, L]
+        if T == 1:
+            scores = (q_lat[:, 0] @ lat.T + q_pe[0] @ kpe.T) * scale  # [H, S]
+            o_lat = torch.softmax(scores, dim=-1) @ lat  # [H, L]
+            return torch.bmm(o_lat[:, None], self.v_b.transpose(1, 2)).transpose(0, 1)  # [1, H, v]
+        # one shared key [c | k_pe] of L + R values for every head: multi-query attention
+        q = torch.cat([q_lat, q_pe.transpose(0, 1)], dim=-1)[None]  # [1, H, T, L + R]
+        k = torch.cat([lat, kpe], dim=-1)[None, None]
+        with wide_torch():
+            o_lat = F.scaled_dot_product_attention(
+                q, k, lat[None, None], attn_mask=_causal(T, lat.shape[0], pos), scale=scale, enable_gqa=True
+            )[0]  # [H, T, L]
+            return torch.bmm(o_lat, self.v_b.transpose(1, 2)).transpose(0, 1)
+
+    def naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor,
+              pos: int) -> torch.Tensor:  # fmt: skip
+        """Attention with the span's keys and values decompressed from the latents; returns [T, H, v]."""
+        T, H = q_nope.shape[0], q_nope.shape[1]
+        lat, kpe = latents.float(), keys.float()
+        S = lat.shape[0]
+        with wide_torch():
+            k_nope = torch.matmul(lat[None], self.k_b)  # [H, S, nope]
+            v = torch.matmul(lat[None], self.v_b.transpose(1, 2))  # [H, S, v]
+            k = torch.cat([k_nope, kpe[None].expand(H, S, -1)], dim=-1)[None]
+            q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)[None]
+            out = F.scaled_dot_product_attention(q, k, v[None], attn_mask=_causal(T, S, pos), scale=self.cfg.kq_scale)
+        return out[0].transpose(0, 1)
+
+
+def _causal(T: int, S: int, pos: int) -> torch.Tensor | None:
+    if T == 1:
+        return None
+    return torch.arange(S)[None, :] <= torch.arange(pos, pos + T)[:, None]
