@@ -131,7 +131,8 @@ def test_a_norm_of_the_wrong_length_is_refused_before_use(tiny, header, tmp_path
     msg = _refused(bad)
     assert f"tensor blk.1.ffn_norm.weight has shape [{H - 1}]" in msg and f"makes it [{H}]" in msg
     rewrite_gguf(tiny, bad, tensors={"blk.0.attn_q_norm.weight": np.ones(0, np.float32)})
-    assert "tensor blk.0.attn_q_norm.weight has shape [0]" in _refused(bad)
+    msg = _refused(bad)  # the file's parser refuses a zero dimension before any shape is compared
+    assert "blk.0.attn_q_norm.weight" in msg and "dimension of 0" in msg
 
 
 def test_a_router_of_the_wrong_shape_is_refused(tiny, header, tmp_path):
