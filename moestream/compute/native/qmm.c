@@ -19,9 +19,13 @@
  *     Q8_0: bytes   [8][L][4] | d f16 [L]                                   34 L bytes (as GGUF)
  *     Q5_K: nibbles [4][L][4] | fifth bits [L][4] | then as Q4_K                     22.5 L bytes (GGUF: 22)
  *     Q6_K: nibbles [4][L][4] | high bits [2][L][4] | sc s8 [2][L] | d f16 [L/8]   26.25 L bytes (as GGUF)
+ *     IQ4_XS: nibbles [4][L][4] | sc s8 [L] | d f16 [L/8]                           17.25 L bytes (GGUF: 17)
  *
  *   Q4_0 weight = d (q - 8); Q4_K and Q5_K weight = d sc q - dmin m; Q8_0 weight = d q;
- *   Q6_K weight = d sc (q - 32).
+ *   Q6_K weight = d sc (q - 32); IQ4_XS weight = d sc kvalues[q].
+ *
+ *   IQ4_XS's nibbles index a table of 16 int8 values; the kernel looks them up (vpshufb) as kvalues + 128,
+ *   unsigned as the VNNI product wants, and takes 128 * sum(x) back off, as Q8_0 does.
  *
  *   Q5_K's fifth-bit byte (j, t) holds, in bits 2c and 2c+1, the fifth bit of the weights of chunk c's low
  *   and high nibble.
@@ -64,7 +68,10 @@
 #define PF_DIST 16384
 #define PF_HINT _MM_HINT_T1
 
-enum { QT_Q4_0 = 2, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
+enum { QT_Q4_0 = 2, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_XS = 23 };
+
+/* IQ4_NL / IQ4_XS's 16 non-linear values (ggml's kvalues_iq4nl) */
+static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* ---------------------------------------------------------------------------------------------------- */
 /* layout sizes */
@@ -76,6 +83,7 @@ static inline int64_t group_bytes(int type, int L) {
     case QT_Q4_0: return 18 * L;
     case QT_Q4_K: return 18 * L + L / 2;
     case QT_Q5_K: return 22 * L + L / 2;
+    case QT_IQ4_XS: return 17 * L + L / 4;
     default: return 26 * L + L / 4; /* Q6_K */
     }
 }
@@ -87,6 +95,7 @@ static int64_t super_bytes(int type) { /* bytes per 256 weights (8 lanes) of a r
     case QT_Q5_K: return 180;
     case QT_Q8_0: return 272;
     case QT_Q6_K: return 210;
+    case QT_IQ4_XS: return 138;
     default: return -1;
     }
 }
@@ -316,8 +325,31 @@ static void pack_row_q6_k(const uint8_t *src, int64_t k, uint8_t *dst) {
     }
 }
 
-static const int64_t gguf_block_bytes[] = {[QT_Q4_0] = 18, [QT_Q8_0] = 34, [QT_Q4_K] = 144, [QT_Q5_K] = 176, [QT_Q6_K] = 210};
-static const int64_t gguf_block_elems[] = {[QT_Q4_0] = 32, [QT_Q8_0] = 32, [QT_Q4_K] = 256, [QT_Q5_K] = 256, [QT_Q6_K] = 256};
+/* IQ4_XS: its sub-blocks' 16 nibble bytes are laid out as Q4_0's; the 6-bit scales are unpacked to int8 */
+static void pack_row_iq4_xs(const uint8_t *src, int64_t k, uint8_t *dst) {
+    int64_t nsup = k / 256;
+    for (int64_t b0 = 0; b0 < nsup; b0 += 2) {
+        int nb = nsup - b0 >= 2 ? 2 : 1, L = 8 * nb;
+        uint8_t *nib = dst, *dd = dst + 17 * L;
+        int8_t *sc = (int8_t *)(dst + 16 * L);
+        for (int bi = 0; bi < nb; bi++) {
+            const uint8_t *b = src + (b0 + bi) * 136;
+            const uint16_t sh = rd16(b + 2);
+            memcpy(dd + 2 * bi, b, 2);
+            for (int ib = 0; ib < 8; ib++) {
+                int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4);
+                sc[8 * bi + ib] = (int8_t)(ls - 32);
+                put_nibble_lane(b + 8 + 16 * ib, nib, L, 8 * bi + ib);
+            }
+        }
+        dst += group_bytes(QT_IQ4_XS, L);
+    }
+}
+
+static const int64_t gguf_block_bytes[] = {[QT_Q4_0] = 18, [QT_Q8_0] = 34, [QT_Q4_K] = 144, [QT_Q5_K] = 176,
+                                           [QT_Q6_K] = 210, [QT_IQ4_XS] = 136};
+static const int64_t gguf_block_elems[] = {[QT_Q4_0] = 32, [QT_Q8_0] = 32, [QT_Q4_K] = 256, [QT_Q5_K] = 256,
+                                           [QT_Q6_K] = 256, [QT_IQ4_XS] = 256};
 
 /* rows [0, n) of a GGUF [n, k] tensor -> the lane layout at dst (ms_lane_row_bytes(type, k) per row) */
 int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
@@ -332,6 +364,7 @@ int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *ds
         if (type == QT_Q4_0) pack_row_q4_0(s, k, d);
         else if (type == QT_Q8_0) pack_row_q8_0(s, k, d);
         else if (type == QT_Q4_K || type == QT_Q5_K) pack_row_k(s, k, d, type == QT_Q5_K);
+        else if (type == QT_IQ4_XS) pack_row_iq4_xs(s, k, d);
         else pack_row_q6_k(s, k, d);
     }
     return MS_OK;
@@ -364,6 +397,10 @@ int ms_lane_unpack(int type, const uint8_t *w, int64_t n, int64_t k, float *out)
                             int q = (s & 1) ? (byte >> 4) | (((h >> 2) & 3) << 4) : (byte & 0xF) | ((h & 3) << 4);
                             const int8_t *sc = (const int8_t *)(g + 24 * L);
                             v = rd_fp16((g + 26 * L + 2 * (j / 8))) * (float)sc[(s & 1) * L + j] * (float)(q - 32);
+                        } else if (type == QT_IQ4_XS) {
+                            uint8_t byte = g[((s >> 1) * L + j) * 4 + t];
+                            const int8_t *sc = (const int8_t *)(g + 16 * L);
+                            v = rd_fp16((g + 17 * L + 2 * (j / 8))) * (float)sc[j] * (float)iq4_values[(s & 1) ? byte >> 4 : byte & 0xF];
                         } else {
                             uint8_t byte = g[((s >> 1) * L + j) * 4 + t];
                             int q = (s & 1) ? byte >> 4 : byte & 0xF;
@@ -689,8 +726,8 @@ static inline __attribute__((always_inline)) void group_scales(int T, const uint
                                                                __m512 *scale, __m512 *mins) {
     if (T == QT_Q8_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 32 * L));
     else if (T == QT_Q4_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 16 * L));
-    else if (T == QT_Q6_K) {
-        const uint8_t *sc = g + 24 * L, *dd = sc + 2 * L;
+    else if (T == QT_Q6_K || T == QT_IQ4_XS) { /* int8 scales per lane (Q6_K: two halves), d per 8 lanes */
+        const uint8_t *sc = g + (T == QT_Q6_K ? 24 : 16) * L, *dd = sc + (T == QT_Q6_K ? 2 : 1) * L;
         __m512 dv;
         if (L == 16) {
             __m512 d2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(rd_i32(dd))));
@@ -699,7 +736,8 @@ static inline __attribute__((always_inline)) void group_scales(int T, const uint
             dv = _mm512_set1_ps(rd_fp16((dd)));
         }
         *scale = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mf, sc))));
-        *mins = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mf, sc + L))));
+        if (T == QT_Q6_K)
+            *mins = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mf, sc + L))));
     } else {
         const uint8_t *sc = g + (T == QT_Q5_K ? 20 : 16) * L, *mn = sc + L, *dd = mn + L, *dm = dd + L / 4;
         __m512 dv, mv;
@@ -725,6 +763,12 @@ static inline __attribute__((always_inline)) void group_scales(int T, const uint
 
 /* Q6_K chunk c of a group: its 6-bit weights for the even step (w0) and the odd step (w1), from the chunk's
  * nibbles v and its pair's high-bit bytes h (already shifted right by 4 for an odd chunk) */
+/* IQ4_XS's values + 128 (unsigned, for vpdpbusd) in each 128-bit lane, for vpshufb lookups by nibble */
+static inline __m512i iq4_table(void) {
+    return _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153,
+                                                (char)166, (char)181, (char)197, (char)217, (char)241));
+}
+
 static inline __attribute__((always_inline)) void q6_weights(__m512i v, __m512i h, __m512i *w0, __m512i *w1) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     *w0 = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
@@ -757,7 +801,7 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
         a0 = b0 = LDI(L, x->n32lo + s0);
     } else {
         a0 = LDI(L, x->n8sx + s0);
-        if (T == QT_Q8_0) a0 = _mm512_slli_epi32(a0, 4);
+        if (T == QT_Q8_0 || T == QT_IQ4_XS) a0 = _mm512_slli_epi32(a0, 4);
         b0 = a0;
     }
     a1 = b1 = T == QT_Q6_K ? LDI(L, x->n32hi + s0) : _mm512_setzero_si512();
@@ -788,6 +832,16 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
             a1 = _mm512_dpbusd_epi32(a1, wa1, xh);
             b0 = _mm512_dpbusd_epi32(b0, wb0, xl);
             b1 = _mm512_dpbusd_epi32(b1, wb1, xh);
+        }
+    } else if (T == QT_IQ4_XS) {
+        const __m512i tbl = iq4_table();
+        for (int c = 0; c < 4; c++) {
+            __m512i xl = LDB(L, xq + 2 * c * cb), xh = LDB(L, xq + (2 * c + 1) * cb);
+            __m512i va = LDB(L, ga + c * cb), vb = LDB(L, gb + c * cb);
+            a0 = _mm512_dpbusd_epi32(a0, _mm512_shuffle_epi8(tbl, _mm512_and_si512(va, m4)), xl);
+            a1 = _mm512_dpbusd_epi32(a1, _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(va, 4), m4)), xh);
+            b0 = _mm512_dpbusd_epi32(b0, _mm512_shuffle_epi8(tbl, _mm512_and_si512(vb, m4)), xl);
+            b1 = _mm512_dpbusd_epi32(b1, _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(vb, 4), m4)), xh);
         }
     } else if (T == QT_Q8_0) {
         for (int s = 0; s < 8; s += 2) {
@@ -853,6 +907,7 @@ static void qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) {
     else if (J->type == QT_Q4_K) qmv2(QT_Q4_K, J, r0, r1);
     else if (J->type == QT_Q5_K) qmv2(QT_Q5_K, J, r0, r1);
     else if (J->type == QT_Q6_K) qmv2(QT_Q6_K, J, r0, r1);
+    else if (J->type == QT_IQ4_XS) qmv2(QT_IQ4_XS, J, r0, r1);
     else qmv2(QT_Q8_0, J, r0, r1);
 }
 
@@ -896,6 +951,10 @@ static void qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                         __m512i v = _mm512_maskz_loadu_epi8(mb, g + c * cb);
                         w[2 * c] = _mm512_and_si512(v, m4);
                         w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                        if (type == QT_IQ4_XS) {
+                            w[2 * c] = _mm512_shuffle_epi8(iq4_table(), w[2 * c]);
+                            w[2 * c + 1] = _mm512_shuffle_epi8(iq4_table(), w[2 * c + 1]);
+                        }
                     }
                 }
                 group_scales(type, g, L, mf, &scale, &mins);
@@ -910,7 +969,7 @@ static void qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                         a0 = _mm512_maskz_loadu_epi32(mf, J->x->n32lo + xi);
                     } else {
                         a0 = _mm512_maskz_loadu_epi32(mf, J->x->n8sx + xi);
-                        if (type == QT_Q8_0) a0 = _mm512_slli_epi32(a0, 4);
+                        if (type == QT_Q8_0 || type == QT_IQ4_XS) a0 = _mm512_slli_epi32(a0, 4);
                     }
                     a1 = type == QT_Q6_K ? _mm512_maskz_loadu_epi32(mf, J->x->n32hi + xi) : _mm512_setzero_si512();
                     for (int s = 0; s < 8; s += 2) {
