@@ -148,11 +148,8 @@ def float_model(tmp_path_factory):
     return path, model.config
 
 
-@pytest.mark.parametrize("ggml_type", [T.IQ2_XXS, T.Q3_K, T.IQ1_M], ids=lambda t: t.name)
-def test_model_with_slow_type_experts(float_model, tmp_path, capfd, ggml_type):
-    """Experts in `ggml_type`: the same logits as a file holding those experts already widened to BF16, a
-    note on stderr naming the type, and the same greedy tokens streamed through 2 slots as all resident."""
-    src, cfg = float_model
+def _low_and_wide(src: str, tmp_path, ggml_type: int) -> tuple[str, str]:
+    """Copies of `src` with its experts as random `ggml_type` blocks, and as those blocks widened to BF16."""
     rng = np.random.default_rng(int(ggml_type))
     low, wide = {}, {}
     f = GGUFFile(src)
@@ -168,7 +165,32 @@ def test_model_with_slow_type_experts(float_model, tmp_path, capfd, ggml_type):
     p_low, p_wide = str(tmp_path / "low.gguf"), str(tmp_path / "wide.gguf")
     _with_experts(src, p_low, low)
     _with_experts(src, p_wide, wide)
+    return p_low, p_wide
 
+
+def _run(paths_slots: list[tuple[str, int]], prompt: list[int]) -> list[tuple[torch.Tensor, list[int], float]]:
+    """(prompt logits, 10 greedy tokens, hit rate) of each (file, expert slots)."""
+    out = []
+    for path, slots in paths_slots:
+        eng = Engine(path, EngineOptions(n_slots=slots, ubatch=16))
+        try:
+            with torch.inference_mode():
+                logits = eng.model.forward(prompt, eng.kv, 0, all_logits=True)
+            assert torch.isfinite(logits).all()
+            eng.kv.truncate(0)
+            gen = eng.generate(prompt, 10, Sampler())
+            out.append((logits, gen.tokens, gen.stats.hit_rate))
+        finally:
+            eng.close()
+    return out
+
+
+@pytest.mark.parametrize("ggml_type", [T.IQ2_XXS, T.IQ3_S, T.IQ1_M], ids=lambda t: t.name)
+def test_model_with_slow_type_experts(float_model, tmp_path, capfd, ggml_type):
+    """Experts in `ggml_type`: the same logits as a file holding those experts already widened to BF16, a
+    note on stderr naming the type, and the same greedy tokens streamed through 2 slots as all resident."""
+    src, cfg = float_model
+    p_low, p_wide = _low_and_wide(src, tmp_path, ggml_type)
     capfd.readouterr()
     m = open_model(p_low)
     m.close()
@@ -181,20 +203,36 @@ def test_model_with_slow_type_experts(float_model, tmp_path, capfd, ggml_type):
     assert slot_low == m.store.slot_nbytes  # a slot holds the widened expert
 
     prompt = random_tokens(30, cfg.vocab_size, seed=4)
-    outputs = []
-    for path, slots in ((p_wide, 64), (p_low, 64), (p_low, cfg.num_experts_per_tok)):
-        eng = Engine(path, EngineOptions(n_slots=slots, ubatch=16))
-        try:
-            with torch.inference_mode():
-                logits = eng.model.forward(prompt, eng.kv, 0, all_logits=True)
-            assert torch.isfinite(logits).all()
-            eng.kv.truncate(0)
-            gen = eng.generate(prompt, 10, Sampler())
-            outputs.append((logits, gen.tokens, gen.stats.hit_rate))
-        finally:
-            eng.close()
-    (l_wide, t_wide, _), (l_low, t_low, hit_all), (l_stream, t_stream, hit_two) = outputs
+    runs = _run([(p_wide, 64), (p_low, 64), (p_low, cfg.num_experts_per_tok)], prompt)
+    (l_wide, t_wide, _), (l_low, t_low, hit_all), (l_stream, t_stream, hit_two) = runs
     torch.testing.assert_close(l_low, l_wide, rtol=0, atol=0)
     torch.testing.assert_close(l_stream, l_wide, rtol=0, atol=0)
     assert t_low == t_wide == t_stream
+    assert hit_two < hit_all
+
+
+@pytest.mark.skipif(not native.lane_ok(), reason="needs AVX-512 VNNI and the native library")
+@pytest.mark.parametrize("ggml_type", [T.Q2_K, T.Q3_K, T.IQ4_XS], ids=lambda t: t.name)
+def test_model_with_native_low_bit_experts(float_model, tmp_path, capfd, ggml_type):
+    """Q2_K, Q3_K and IQ4_XS experts computed at their own bits: no note, slots of about their GGUF size, the
+    logits of the widened file up to the int8 rounding of the activations, and streaming changes nothing."""
+    src, cfg = float_model
+    p_low, p_wide = _low_and_wide(src, tmp_path, ggml_type)
+    capfd.readouterr()
+    m = open_model(p_low)
+    m.close()
+    assert capfd.readouterr().err == ""
+    f = GGUFFile(p_low)
+    try:
+        gguf_bytes = max(t.nbytes for n, t in f.tensors.items() if "_exps." in n) // cfg.num_experts
+    finally:
+        f.close()
+    assert m.store.slot_nbytes <= 4 * gguf_bytes  # three projections at about their own bits, not bf16's
+
+    prompt = random_tokens(30, cfg.vocab_size, seed=4)
+    runs = _run([(p_wide, 64), (p_low, 64), (p_low, cfg.num_experts_per_tok)], prompt)
+    (l_wide, _, _), (l_low, t_low, hit_all), (l_stream, t_stream, hit_two) = runs
+    assert float((l_low - l_wide).norm() / l_wide.norm()) < 2e-2
+    torch.testing.assert_close(l_stream, l_low, rtol=0, atol=0)
+    assert t_low == t_stream
     assert hit_two < hit_all

@@ -1,9 +1,10 @@
 """The compute form of one weight matrix: GGUF bytes in, `y = x @ W.T` out.
 
 Four forms, picked per tensor by `compute_kind`:
-  lane  Q4_0 / Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS kept at their own bits in the lane layout of native/qmm.c
-        (a reshuffle of the GGUF blocks, about the same size) and multiplied by its VNNI kernel against int8-quantized activations, as
-        llama.cpp does. Needs AVX-512 VNNI and rows of a multiple of 256; else one of:
+  lane  Q4_0 / Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS / Q3_K / Q2_K kept at their own bits in the lane layout of
+        native/qmm.c (a reshuffle of the GGUF blocks, about the same size) and multiplied by its VNNI kernel
+        against int8-quantized activations, as llama.cpp does. Needs AVX-512 VNNI and rows of a multiple of
+        256; else one of:
   int4  Q4_0 / Q4_K kept at 4 bits in torch's CPU int4pack layout and multiplied with
         `_weight_int4pack_mm_for_cpu` (the fastest CPU matvec we measured; both formats map onto it
         exactly up to bf16 rounding of each group's scale and zero).
@@ -43,7 +44,7 @@ INT4_GEMM_MIN_ROWS = 48
 EXPAND_SCRATCH_BYTES = 8 << 20  # bf16 scratch for one slice of an expanded weight
 
 INT4_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K)})
-LANE_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K), int(T.Q5_K), int(T.Q6_K), int(T.Q8_0), int(T.IQ4_XS)})
+LANE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q3_K, T.Q2_K))
 LANE_K = 256  # rows must be whole groups of the lane layout
 F32_TYPES = frozenset({int(T.F32), int(T.F16)})
 DECODED_TYPES = frozenset(lowbit.DECODERS)  # no native decoder: numpy widens them (see slow_path)
