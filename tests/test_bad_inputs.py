@@ -95,9 +95,9 @@ def test_unsupported_architecture(tiny, tmp_path, capsys):
 
 
 def test_unsupported_weight_type(tiny, tmp_path, capsys):
-    p = str(tmp_path / "q2k.gguf")
-    _rewrite(tiny, p, retype={"blk.0.attn_q.weight": T.Q2_K})
-    _one_line_error(capsys, run(p), "Q2_K")
+    p = str(tmp_path / "q8k.gguf")  # Q8_K: llama.cpp's activation type, never a weight's
+    _rewrite(tiny, p, retype={"blk.0.attn_q.weight": T.Q8_K})
+    _one_line_error(capsys, run(p), "Q8_K")
 
 
 def test_budget_too_small(tiny, capsys):

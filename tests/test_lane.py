@@ -16,7 +16,7 @@ from moestream.errors import ComputeError
 from moestream.formats import quants
 
 pytestmark = pytest.mark.skipif(not native.lane_ok(), reason="needs AVX-512 VNNI and the native library")
-LANE_TYPES = [T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0]
+LANE_TYPES = [T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q3_K, T.Q2_K]
 
 
 def reference(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> np.ndarray:
@@ -54,7 +54,16 @@ def test_matmul_is_the_quantized_product(ggml_type, n, k, m):
 
 def test_sizes_match_the_gguf_blocks():
     # as their GGUF blocks but for Q4_K's and Q5_K's d/dmin pairs (one per 256 weights, stored per 8 lanes)
-    per_256 = ((T.Q4_0, 144), (T.Q8_0, 272), (T.Q4_K, 148), (T.Q5_K, 180), (T.Q6_K, 210))
+    per_256 = (
+        (T.Q4_0, 144),
+        (T.Q8_0, 272),
+        (T.Q4_K, 148),
+        (T.Q5_K, 180),
+        (T.Q6_K, 210),
+        (T.IQ4_XS, 138),
+        (T.Q3_K, 114),
+        (T.Q2_K, 84),
+    )
     for t, per_row in ((t, 2048 // 256 * b) for t, b in per_256):
         assert linear.compute_kind(t, 768, 2048, False) == "lane"
         assert linear.packed_nbytes(t, 768, 2048, False) == 768 * per_row
@@ -89,7 +98,7 @@ def test_concat_stacks_rows():
     assert linear.concat([parts[0], mixed]) is None  # one kernel per type
 
 
-@pytest.mark.parametrize("down_type", [T.Q4_0, T.Q8_0, T.Q5_K, T.Q6_K])
+@pytest.mark.parametrize("down_type", [T.Q4_0, T.Q8_0, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q3_K, T.Q2_K])
 def test_swiglu_group_equals_expert_by_expert(down_type):
     h, f = 512, 256
     rng = np.random.default_rng(7)
@@ -140,11 +149,12 @@ def test_bad_shapes_are_refused():
         lib.ms_lane_pack(int(T.Q4_K), ctypes.c_void_p(0), 0, 256, ctypes.c_void_p(0))
 
 
-@pytest.mark.parametrize("count", [1, 2, 5])
+@pytest.mark.parametrize("count", [1, 2, 8])
 def test_packing_many_segments_at_once_equals_one_by_one(count):
     rng = np.random.default_rng(count)
     lib = native.lib()
-    shapes = [(T.Q4_0, 96, 512), (T.Q6_K, 33, 768), (T.Q8_0, 64, 256), (T.Q5_K, 128, 2048), (T.Q4_K, 7, 256)][:count]
+    shapes = [(T.Q4_0, 96, 512), (T.Q6_K, 33, 768), (T.Q8_0, 64, 256), (T.Q5_K, 128, 2048), (T.Q4_K, 7, 256),
+              (T.IQ4_XS, 40, 768), (T.Q3_K, 9, 512), (T.Q2_K, 24, 1280)][:count]  # fmt: skip
     raws = [quants.random_gguf(t, n * k, rng) for t, n, k in shapes]
     sizes = [n * lib.ms_lane_row_bytes(int(t), k) for t, n, k in shapes]
     one = [np.zeros(sz, np.uint8) for sz in sizes]

@@ -77,8 +77,10 @@ def test_compute_kind_and_sizes(no_lane):
     assert linear.packed_nbytes(T.Q4_K, 768, 2048, False) == 768 * 1024 + 64 * 768 * 4
     assert linear.packed_nbytes(T.Q8_0, 768, 2048, False) == 768 * 2048 * 2
     assert linear.packed_nbytes(T.Q4_0, 768, 2048, True) == 768 * 2048 * 4
+    assert linear.compute_kind(T.IQ2_XXS, 768, 2048, False) == "bf16"  # decoded by numpy (slow path)
+    assert linear.packed_nbytes(T.IQ2_XXS, 768, 2048, False) == 768 * 2048 * 2
     with pytest.raises(ModelFileError):
-        linear.compute_kind(T.IQ2_XXS, 256, 256, False)
+        linear.compute_kind(T.Q8_K, 256, 256, False)
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K, T.F16], ids=lambda t: t.name)

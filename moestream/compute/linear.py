@@ -1,13 +1,16 @@
 """The compute form of one weight matrix: GGUF bytes in, `y = x @ W.T` out.
 
 Four forms, picked per tensor by `compute_kind`:
-  lane  Q4_0 / Q4_K / Q8_0 kept at their own bits in the lane layout of native/qmm.c (a reshuffle of the
-        GGUF blocks, same size) and multiplied by its VNNI kernel against int8-quantized activations, as
-        llama.cpp does. Needs AVX-512 VNNI and rows of a multiple of 256; else one of:
+  lane  Q4_0 / Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS / Q3_K / Q2_K kept at their own bits in the lane layout of
+        native/qmm.c (a reshuffle of the GGUF blocks, about the same size) and multiplied by its VNNI kernel
+        against int8-quantized activations, as llama.cpp does. Needs AVX-512 VNNI and rows of a multiple of
+        256; else one of:
   int4  Q4_0 / Q4_K kept at 4 bits in torch's CPU int4pack layout and multiplied with
         `_weight_int4pack_mm_for_cpu` (the fastest CPU matvec we measured; both formats map onto it
         exactly up to bf16 rounding of each group's scale and zero).
-  bf16  every other quantized type (and BF16): decoded once, F.linear in bf16.
+  bf16  every other quantized type (and BF16): decoded once, F.linear in bf16. The types the C library
+        cannot decode (the 1-3 bit K/IQ/ternary types, IQ4, MXFP4: `DECODED_TYPES`) are decoded by numpy,
+        once per cache fill for an expert and once at load for a resident weight: correct, but slower.
   f32   F32/F16 weights, and everything when exact=True (logits checked against a float reference).
 
 `pack_into` writes the form into memory the caller owns (the expert cache's slots) and returns views of
@@ -28,7 +31,7 @@ from gguf import GGMLQuantizationType as T
 
 from moestream.compute import native
 from moestream.errors import ComputeError
-from moestream.formats import quants
+from moestream.formats import lowbit, quants
 
 GROUP = 32  # int4 group size along K: one Q4_0 block or one Q4_K sub-block
 INT4_BLOCK_N = 64  # rows per block of torch's CPU int4 layout
@@ -41,9 +44,11 @@ INT4_GEMM_MIN_ROWS = 48
 EXPAND_SCRATCH_BYTES = 8 << 20  # bf16 scratch for one slice of an expanded weight
 
 INT4_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K)})
-LANE_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K), int(T.Q5_K), int(T.Q6_K), int(T.Q8_0)})
+LANE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q3_K, T.Q2_K))
 LANE_K = 256  # rows must be whole groups of the lane layout
 F32_TYPES = frozenset({int(T.F32), int(T.F16)})
+DECODED_TYPES = frozenset(lowbit.DECODERS)  # no native decoder: numpy widens them (see slow_path)
+DECODE_ROWS_BYTES = 4 << 20  # float32 rows decoded at a time by the numpy path (bounds its temporaries)
 
 
 @dataclass(eq=False)
@@ -179,6 +184,12 @@ def compute_kind(ggml_type: int, n: int, k: int, exact: bool) -> str:
     return "bf16"
 
 
+def slow_path(ggml_type: int, n: int, k: int, exact: bool) -> bool:
+    """True when a [n, k] weight of `ggml_type` is widened by numpy rather than computed at its own bits or
+    decoded by the C library (the load-time note names these types)."""
+    return ggml_type in DECODED_TYPES and compute_kind(ggml_type, n, k, exact) in ("bf16", "f32")
+
+
 def lane_row_bytes(ggml_type: int, k: int) -> int:
     """Bytes of one row of a [*, k] weight in the lane layout (the same as its GGUF row for Q4_0 and Q8_0);
     the C library's own table, so the two cannot disagree."""
@@ -279,6 +290,29 @@ def _dequant_torch(raw: np.ndarray, ggml_type: int, n: int, k: int, w: torch.Ten
     w.copy_(torch.from_numpy(quants.dequantize(raw, ggml_type, (n, k))))
 
 
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounded to nearest even as torch and pack.c do; NaN stays NaN."""
+    u = x.view(np.uint32)
+    out = ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if nan.any():
+        out[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return out
+
+
+def _dequant_numpy(raw: np.ndarray, ggml_type: int, n: int, k: int, w: torch.Tensor) -> None:
+    """GGUF rows -> `w` (bf16 or float32 [n, k]) by the numpy decoders, a slice of rows at a time. Only numpy
+    runs here (no torch op), so a reader thread starts no OpenMP team of its own (see pack_int4_rows)."""
+    rb = quants.row_nbytes(ggml_type, k)
+    step = max(1, DECODE_ROWS_BYTES // (4 * k))
+    bf16 = w.dtype == torch.bfloat16
+    dst = w.view(torch.int16).numpy().view(np.uint16) if bf16 else w.numpy()
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        rows = quants.dequantize(raw[r0 * rb : r1 * rb], ggml_type, (r1 - r0, k))
+        dst[r0:r1] = f32_to_bf16_bits(rows) if bf16 else rows
+
+
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -305,7 +339,9 @@ def pack_into(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, out:
         return QLinear(n, k, kind, packed, sz)
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
     w = out[:nbytes].view(dtype).view(n, k)
-    if lib is not None:
+    if ggml_type in DECODED_TYPES:
+        _dequant_numpy(src, ggml_type, n, k, w)
+    elif lib is not None:
         lib.ms_dequant(ggml_type, src.ctypes.data, n * k, w.data_ptr(), int(kind == "bf16"))
     else:
         _dequant_torch(src, ggml_type, n, k, w)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,9 +46,11 @@ def open_model(path: str, exact: bool | None = None, *, check_types: bool = True
                 f"{path}: architecture {f.arch or '(none)'!r} is not supported "
                 f"(supported: {', '.join(sorted(ARCHITECTURES))})"
             )
+        exact = is_float_model(f) if exact is None else exact
         if check_types:
             _check_types(f)
-        exact = is_float_model(f) if exact is None else exact
+            if note := slow_path_note(f, exact):
+                print(note, file=sys.stderr)
         cfg = config_from_gguf(arch, f)
         # cfg.n_layers counts the layers with routed experts; an architecture with leading dense blocks
         # says where they start
@@ -65,10 +68,25 @@ def is_float_model(f: GGUFFile) -> bool:
 def _check_types(f: GGUFFile) -> None:
     for t in f.tensors.values():
         if t.ggml_type not in quants.SUPPORTED_TYPES:
+            supported = ", ".join(quants.type_name(x) for x in sorted(quants.SUPPORTED_TYPES))
             raise ModelFileError(
                 f"{f.path}: tensor {t.name} has weight type {t.type_name}, which moestream does not support yet "
-                "(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K); use a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file"
+                f"(supported: {supported}); use a file quantized to one of those"
             )
+
+
+def slow_path_note(f: GGUFFile, exact: bool) -> str:
+    """One line naming the weight types this file holds that no native kernel computes (decoded to bf16 by
+    numpy when loaded, an expert at each cache fill), or '' when there are none."""
+    slow = set()
+    for t in f.tensors.values():
+        if len(t.shape) >= 2 and linear.slow_path(t.ggml_type, t.shape[-2], t.shape[-1], exact):
+            slow.add(t.ggml_type)
+    if not slow:
+        return ""
+    names = ", ".join(quants.type_name(x) for x in sorted(slow))
+    form = "float32" if exact else "bf16"
+    return f"note: {names} tensors are decoded to {form} when loaded (slower than the native kernels)"
 
 
 def tokenizer_if_any(f: GGUFFile) -> Tokenizer | None:

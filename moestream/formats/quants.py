@@ -13,6 +13,8 @@ Block layouts (llama.cpp ggml-common.h), one block = `BLOCK_SIZE` weights in `TY
   Q4_K  [d f16][dmin f16][scales 12][qs 128]        8 sub-blocks of 32: w = d*sc[j]*q - dmin*m[j]
   Q5_K  [d f16][dmin f16][scales 12][qh 32][qs 128] as Q4_K, 5th bit of sub-block j in bit j of qh
   Q6_K  [ql 128][qh 64][scales i8 x16][d f16]       16 groups of 16: w = d*sc[i]*(q - 32)
+
+The 1- to 3-bit, IQ, ternary and MXFP4 types are decoded by `lowbit` (same interface, registered below).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
 from moestream.errors import ModelFileError
+from moestream.formats import lowbit
 
 QK_K = 256
 
@@ -40,6 +43,7 @@ BLOCK_SIZES: dict[int, tuple[int, int]] = {
     T.Q4_K: (256, 144),
     T.Q5_K: (256, 176),
     T.Q6_K: (256, 210),
+    **lowbit.BLOCK_SIZES,
 }
 
 SUPPORTED_TYPES: frozenset[int] = frozenset(int(t) for t in BLOCK_SIZES)
@@ -60,7 +64,7 @@ def _check_type(ggml_type: int) -> tuple[int, int]:
         supported = ", ".join(sorted(type_name(t) for t in SUPPORTED_TYPES))
         raise ModelFileError(
             f"weights of GGUF type {type_name(ggml_type)} are not supported (supported: {supported}); "
-            "use a model quantized as Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, BF16, F16 or F32"
+            "use a model in one of those types"
         )
     return BLOCK_SIZES[ggml_type]
 
@@ -199,6 +203,7 @@ _BLOCK_DECODERS = {
     T.Q4_K: _dq_q4_k,
     T.Q5_K: _dq_q5_k,
     T.Q6_K: _dq_q6_k,
+    **lowbit.DECODERS,
 }
 
 
@@ -278,6 +283,9 @@ def random_gguf(ggml_type: int, n_elems: int, rng: np.random.Generator) -> np.nd
         bits = rng.standard_normal(n_elems).astype(np.float32).view(np.uint32) >> 16
         return bits.astype(np.uint16).view(np.uint8)
     b = rng.integers(0, 256, (n_elems // block, size), dtype=np.uint8)
+    if ggml_type in lowbit.DECODERS:
+        lowbit.fix_random_blocks(ggml_type, b, rng.standard_normal(b.shape[0]))
+        return b.reshape(-1)
     for off in _FP16_FIELDS[ggml_type]:
         b[:, off : off + 2] = rng.standard_normal((b.shape[0], 1)).astype(np.float16).view(np.uint8)
     return b.reshape(-1)

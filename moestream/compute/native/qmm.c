@@ -19,9 +19,20 @@
  *     Q8_0: bytes   [8][L][4] | d f16 [L]                                   34 L bytes (as GGUF)
  *     Q5_K: nibbles [4][L][4] | fifth bits [L][4] | then as Q4_K                     22.5 L bytes (GGUF: 22)
  *     Q6_K: nibbles [4][L][4] | high bits [2][L][4] | sc s8 [2][L] | d f16 [L/8]   26.25 L bytes (as GGUF)
+ *     IQ4_XS: nibbles [4][L][4] | sc s8 [L] | d f16 [L/8]                           17.25 L bytes (GGUF: 17)
+ *     Q3_K: pairs [2][L][4] | high bits [L][4] | sc s8 [2][L] | d f16 [L/8]         14.25 L bytes (GGUF: 13.75)
+ *     Q2_K: pairs [2][L][4] | sc|m<<4 u8 [2][L] | d f16 [L/8] | dmin f16 [L/8]      10.5 L bytes (as GGUF)
  *
  *   Q4_0 weight = d (q - 8); Q4_K and Q5_K weight = d sc q - dmin m; Q8_0 weight = d q;
- *   Q6_K weight = d sc (q - 32).
+ *   Q6_K weight = d sc (q - 32); IQ4_XS weight = d sc kvalues[q].
+ *
+ *   Q2_K and Q3_K keep 2 bits a weight: pair byte (p, j, t) holds in bits 2i, 2i+1 the weight of step 4p + i.
+ *   Q3_K's high-bit byte (j, t) holds in bit s the third bit of step s's weight, so its weights are 0..7 and
+ *   weight = d sc (q - 4). Both have a scale per 16 weights, kept for the two halves apart as Q6_K's;
+ *   Q2_K weight = d sc q - dmin m, its mins taken off with the activations' per-half sums.
+ *
+ *   IQ4_XS's nibbles index a table of 16 int8 values; the kernel looks them up (vpshufb) as kvalues + 128,
+ *   unsigned as the VNNI product wants, and takes 128 * sum(x) back off, as Q8_0 does.
  *
  *   Q5_K's fifth-bit byte (j, t) holds, in bits 2c and 2c+1, the fifth bit of the weights of chunk c's low
  *   and high nibble.
@@ -64,7 +75,10 @@
 #define PF_DIST 16384
 #define PF_HINT _MM_HINT_T1
 
-enum { QT_Q4_0 = 2, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14 };
+enum { QT_Q4_0 = 2, QT_Q8_0 = 8, QT_Q2_K = 10, QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_XS = 23 };
+
+/* IQ4_NL / IQ4_XS's 16 non-linear values (ggml's kvalues_iq4nl) */
+static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* ---------------------------------------------------------------------------------------------------- */
 /* layout sizes */
@@ -76,6 +90,9 @@ static inline int64_t group_bytes(int type, int L) {
     case QT_Q4_0: return 18 * L;
     case QT_Q4_K: return 18 * L + L / 2;
     case QT_Q5_K: return 22 * L + L / 2;
+    case QT_IQ4_XS: return 17 * L + L / 4;
+    case QT_Q3_K: return 14 * L + L / 4;
+    case QT_Q2_K: return 10 * L + L / 2;
     default: return 26 * L + L / 4; /* Q6_K */
     }
 }
@@ -87,6 +104,9 @@ static int64_t super_bytes(int type) { /* bytes per 256 weights (8 lanes) of a r
     case QT_Q5_K: return 180;
     case QT_Q8_0: return 272;
     case QT_Q6_K: return 210;
+    case QT_IQ4_XS: return 138;
+    case QT_Q3_K: return 114;
+    case QT_Q2_K: return 84;
     default: return -1;
     }
 }
@@ -316,8 +336,88 @@ static void pack_row_q6_k(const uint8_t *src, int64_t k, uint8_t *dst) {
     }
 }
 
-static const int64_t gguf_block_bytes[] = {[QT_Q4_0] = 18, [QT_Q8_0] = 34, [QT_Q4_K] = 144, [QT_Q5_K] = 176, [QT_Q6_K] = 210};
-static const int64_t gguf_block_elems[] = {[QT_Q4_0] = 32, [QT_Q8_0] = 32, [QT_Q4_K] = 256, [QT_Q5_K] = 256, [QT_Q6_K] = 256};
+/* IQ4_XS: its sub-blocks' 16 nibble bytes are laid out as Q4_0's; the 6-bit scales are unpacked to int8 */
+static void pack_row_iq4_xs(const uint8_t *src, int64_t k, uint8_t *dst) {
+    int64_t nsup = k / 256;
+    for (int64_t b0 = 0; b0 < nsup; b0 += 2) {
+        int nb = nsup - b0 >= 2 ? 2 : 1, L = 8 * nb;
+        uint8_t *nib = dst, *dd = dst + 17 * L;
+        int8_t *sc = (int8_t *)(dst + 16 * L);
+        for (int bi = 0; bi < nb; bi++) {
+            const uint8_t *b = src + (b0 + bi) * 136;
+            const uint16_t sh = rd16(b + 2);
+            memcpy(dd + 2 * bi, b, 2);
+            for (int ib = 0; ib < 8; ib++) {
+                int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4);
+                sc[8 * bi + ib] = (int8_t)(ls - 32);
+                put_nibble_lane(b + 8 + 16 * ib, nib, L, 8 * bi + ib);
+            }
+        }
+        dst += group_bytes(QT_IQ4_XS, L);
+    }
+}
+
+/* Q2_K / Q3_K: the 256 values of a super-block (Q3_K: with its third bit, 0..7), then sub-block js's 32 of them
+ * into lane j's pair bytes (and Q3_K's high-bit bytes) in step order */
+static void put_pair_lanes(const uint8_t q[256], uint8_t *pairs, uint8_t *hb, int L, int lane0) {
+    for (int js = 0; js < 8; js++) {
+        const uint8_t *w = q + 32 * js;
+        const int j = lane0 + js;
+        for (int t = 0; t < 4; t++) {
+            uint8_t p[2] = {0, 0}, h = 0;
+            for (int s = 0; s < 8; s++) {
+                uint8_t v = w[16 * (s & 1) + 4 * (s >> 1) + t];
+                p[s >> 2] |= (uint8_t)((v & 3) << (2 * (s & 3)));
+                h |= (uint8_t)(((v >> 2) & 1) << s);
+            }
+            pairs[j * 4 + t] = p[0];
+            pairs[(L + j) * 4 + t] = p[1];
+            if (hb) hb[j * 4 + t] = h;
+        }
+    }
+}
+
+static void pack_row_q2_q3(const uint8_t *src, int64_t k, uint8_t *dst, int three) {
+    int64_t nsup = k / 256;
+    for (int64_t b0 = 0; b0 < nsup; b0 += 2) {
+        int nb = nsup - b0 >= 2 ? 2 : 1, L = 8 * nb;
+        uint8_t *pairs = dst, *hb = three ? dst + 8 * L : NULL, *sc = dst + (three ? 12 : 8) * L, *dd = sc + 2 * L;
+        for (int bi = 0; bi < nb; bi++) {
+            const uint8_t *b = src + (b0 + bi) * (three ? 110 : 84);
+            const uint8_t *qs = b + (three ? 32 : 16);
+            uint8_t q[256];
+            /* weight 128h + 32j + l: bits 2j of qs[32h + l]; Q3_K's third bit: bit 4h + j of hmask[l] */
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 4; j++)
+                    for (int l = 0; l < 32; l++) {
+                        uint8_t v = (qs[32 * h + l] >> (2 * j)) & 3;
+                        if (three) v |= (uint8_t)(((b[l] >> (4 * h + j)) & 1) << 2);
+                        q[128 * h + 32 * j + l] = v;
+                    }
+            put_pair_lanes(q, pairs, hb, L, 8 * bi);
+            /* scale i covers weights 16i..16i+15: sub-block i / 2, half i % 2 */
+            for (int i = 0; i < 16; i++) {
+                uint8_t v;
+                if (three) {
+                    const uint8_t *s3 = b + 96;
+                    int lo = (s3[i & 7] >> (4 * (i >> 3))) & 0xF, hi = (s3[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+                    v = (uint8_t)(int8_t)((lo | (hi << 4)) - 32);
+                } else {
+                    v = b[i];
+                }
+                sc[(i & 1) * L + 8 * bi + i / 2] = v;
+            }
+            memcpy(dd + 2 * bi, b + (three ? 108 : 80), 2);
+            if (!three) memcpy(dd + 2 * nb + 2 * bi, b + 82, 2);
+        }
+        dst += group_bytes(three ? QT_Q3_K : QT_Q2_K, L);
+    }
+}
+
+static const int64_t gguf_block_bytes[] = {[QT_Q4_0] = 18, [QT_Q8_0] = 34, [QT_Q2_K] = 84, [QT_Q3_K] = 110,
+                                           [QT_Q4_K] = 144, [QT_Q5_K] = 176, [QT_Q6_K] = 210, [QT_IQ4_XS] = 136};
+static const int64_t gguf_block_elems[] = {[QT_Q4_0] = 32, [QT_Q8_0] = 32, [QT_Q2_K] = 256, [QT_Q3_K] = 256,
+                                           [QT_Q4_K] = 256, [QT_Q5_K] = 256, [QT_Q6_K] = 256, [QT_IQ4_XS] = 256};
 
 /* rows [0, n) of a GGUF [n, k] tensor -> the lane layout at dst (ms_lane_row_bytes(type, k) per row) */
 int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
@@ -332,6 +432,8 @@ int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *ds
         if (type == QT_Q4_0) pack_row_q4_0(s, k, d);
         else if (type == QT_Q8_0) pack_row_q8_0(s, k, d);
         else if (type == QT_Q4_K || type == QT_Q5_K) pack_row_k(s, k, d, type == QT_Q5_K);
+        else if (type == QT_IQ4_XS) pack_row_iq4_xs(s, k, d);
+        else if (type == QT_Q2_K || type == QT_Q3_K) pack_row_q2_q3(s, k, d, type == QT_Q3_K);
         else pack_row_q6_k(s, k, d);
     }
     return MS_OK;
@@ -364,6 +466,21 @@ int ms_lane_unpack(int type, const uint8_t *w, int64_t n, int64_t k, float *out)
                             int q = (s & 1) ? (byte >> 4) | (((h >> 2) & 3) << 4) : (byte & 0xF) | ((h & 3) << 4);
                             const int8_t *sc = (const int8_t *)(g + 24 * L);
                             v = rd_fp16((g + 26 * L + 2 * (j / 8))) * (float)sc[(s & 1) * L + j] * (float)(q - 32);
+                        } else if (type == QT_Q2_K || type == QT_Q3_K) {
+                            int q = (g[((s >> 2) * L + j) * 4 + t] >> (2 * (s & 3))) & 3;
+                            if (type == QT_Q3_K) {
+                                q |= ((g[8 * L + j * 4 + t] >> s) & 1) << 2;
+                                const int8_t *sc = (const int8_t *)(g + 12 * L);
+                                v = rd_fp16((g + 14 * L + 2 * (j / 8))) * (float)sc[(s & 1) * L + j] * (float)(q - 4);
+                            } else {
+                                const uint8_t scm = g[8 * L + (s & 1) * L + j], *dd = g + 10 * L;
+                                float d = rd_fp16((dd + 2 * (j / 8))), dmin = rd_fp16((dd + L / 4 + 2 * (j / 8)));
+                                v = d * (float)(scm & 0xF) * (float)q - dmin * (float)(scm >> 4);
+                            }
+                        } else if (type == QT_IQ4_XS) {
+                            uint8_t byte = g[((s >> 1) * L + j) * 4 + t];
+                            const int8_t *sc = (const int8_t *)(g + 16 * L);
+                            v = rd_fp16((g + 17 * L + 2 * (j / 8))) * (float)sc[j] * (float)iq4_values[(s & 1) ? byte >> 4 : byte & 0xF];
                         } else {
                             uint8_t byte = g[((s >> 1) * L + j) * 4 + t];
                             int q = (s & 1) ? byte >> 4 : byte & 0xF;
@@ -685,21 +802,52 @@ static inline int32_t rd_i32(const uint8_t *p) {
     return v;
 }
 
+/* an f16 per 8 lanes (L = 16: two) broadcast over its lanes */
+static inline __attribute__((always_inline)) __m512 per8(const uint8_t *dd, int L) {
+    if (L == 16) {
+        __m512 d2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(rd_i32(dd))));
+        return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), d2);
+    }
+    return _mm512_set1_ps(rd_fp16((dd)));
+}
+
+/* Q2_K: dmin * m / 32 of each half, to multiply the activations' -32 * (half sums) */
+static inline __attribute__((always_inline)) void q2k_mins(const uint8_t *g, int L, __mmask16 mf, __m512 *lo, __m512 *hi) {
+    const uint8_t *scm = g + 8 * L;
+    const __m512 mv = _mm512_mul_ps(per8(g + 10 * L + L / 4, L), _mm512_set1_ps(1.0f / 32));
+    *lo = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, scm)), 4)));
+    *hi = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, scm + L)), 4)));
+}
+
+/* Q2_K / Q3_K step s's weights from its pair byte v (Q3_K: and its high-bit byte h) */
+static inline __attribute__((always_inline)) __m512i q23_weights(int T, __m512i v, __m512i h, int s) {
+    __m512i w = _mm512_and_si512(_mm512_srli_epi16(v, 2 * (s & 3)), _mm512_set1_epi8(3));
+    if (T == QT_Q3_K) {
+        const __m512i b2 = _mm512_set1_epi8(4);
+        __m512i hb = s >= 2 ? _mm512_srli_epi16(h, s - 2) : _mm512_slli_epi16(h, 2 - s);
+        w = _mm512_or_si512(w, _mm512_and_si512(hb, b2));
+    }
+    return w;
+}
+
 static inline __attribute__((always_inline)) void group_scales(int T, const uint8_t *g, int L, __mmask16 mf,
                                                                __m512 *scale, __m512 *mins) {
     if (T == QT_Q8_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 32 * L));
     else if (T == QT_Q4_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 16 * L));
-    else if (T == QT_Q6_K) {
-        const uint8_t *sc = g + 24 * L, *dd = sc + 2 * L;
-        __m512 dv;
-        if (L == 16) {
-            __m512 d2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(rd_i32(dd))));
-            dv = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), d2);
-        } else {
-            dv = _mm512_set1_ps(rd_fp16((dd)));
-        }
+    else if (T == QT_Q6_K || T == QT_Q3_K || T == QT_IQ4_XS) {
+        /* int8 scales per lane (Q6_K, Q3_K: per half, the second half's in `mins`), d per 8 lanes */
+        const int halves = T == QT_IQ4_XS ? 1 : 2;
+        const uint8_t *sc = g + (T == QT_Q6_K ? 24 : T == QT_Q3_K ? 12 : 16) * L, *dd = sc + halves * L;
+        const __m512 dv = per8(dd, L);
         *scale = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mf, sc))));
-        *mins = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mf, sc + L))));
+        if (halves == 2)
+            *mins = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mf, sc + L))));
+    } else if (T == QT_Q2_K) { /* d * sc of each half (the second in `mins`); q2k_mins gives the mins */
+        const uint8_t *scm = g + 8 * L;
+        const __m512 dv = per8(g + 10 * L, L);
+        const __m512i m4 = _mm512_set1_epi32(0xF);
+        *scale = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, scm)), m4)));
+        *mins = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, scm + L)), m4)));
     } else {
         const uint8_t *sc = g + (T == QT_Q5_K ? 20 : 16) * L, *mn = sc + L, *dd = mn + L, *dm = dd + L / 4;
         __m512 dv, mv;
@@ -725,6 +873,12 @@ static inline __attribute__((always_inline)) void group_scales(int T, const uint
 
 /* Q6_K chunk c of a group: its 6-bit weights for the even step (w0) and the odd step (w1), from the chunk's
  * nibbles v and its pair's high-bit bytes h (already shifted right by 4 for an odd chunk) */
+/* IQ4_XS's values + 128 (unsigned, for vpdpbusd) in each 128-bit lane, for vpshufb lookups by nibble */
+static inline __m512i iq4_table(void) {
+    return _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153,
+                                                (char)166, (char)181, (char)197, (char)217, (char)241));
+}
+
 static inline __attribute__((always_inline)) void q6_weights(__m512i v, __m512i h, __m512i *w0, __m512i *w1) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     *w0 = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
@@ -751,17 +905,32 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
         _mm_prefetch((const char *)gb + PF_DIST + o, PF_HINT);
     }
     __m512i a0, a1, b0, b1;
-    if (T == QT_Q4_K || T == QT_Q5_K) {
+    if (T == QT_Q4_K || T == QT_Q5_K || T == QT_Q2_K) {
         a0 = b0 = _mm512_setzero_si512();
     } else if (T == QT_Q6_K) {
         a0 = b0 = LDI(L, x->n32lo + s0);
+    } else if (T == QT_Q3_K) { /* -4 * (half sums) */
+        a0 = b0 = _mm512_srai_epi32(LDI(L, x->n32lo + s0), 3);
     } else {
         a0 = LDI(L, x->n8sx + s0);
-        if (T == QT_Q8_0) a0 = _mm512_slli_epi32(a0, 4);
+        if (T == QT_Q8_0 || T == QT_IQ4_XS) a0 = _mm512_slli_epi32(a0, 4);
         b0 = a0;
     }
-    a1 = b1 = T == QT_Q6_K ? LDI(L, x->n32hi + s0) : _mm512_setzero_si512();
-    if (T == QT_Q6_K) {
+    a1 = b1 = T == QT_Q6_K ? LDI(L, x->n32hi + s0)
+              : T == QT_Q3_K ? _mm512_srai_epi32(LDI(L, x->n32hi + s0), 3)
+                             : _mm512_setzero_si512();
+    if (T == QT_Q2_K || T == QT_Q3_K) {
+        const __m512i ha = T == QT_Q3_K ? LDB(L, ga + 8 * L) : _mm512_setzero_si512();
+        const __m512i hb = T == QT_Q3_K ? LDB(L, gb + 8 * L) : _mm512_setzero_si512();
+        for (int s = 0; s < 8; s += 2) {
+            __m512i xl = LDB(L, xq + s * cb), xh = LDB(L, xq + (s + 1) * cb);
+            __m512i va = LDB(L, ga + (s >> 2) * cb), vb = LDB(L, gb + (s >> 2) * cb);
+            a0 = _mm512_dpbusd_epi32(a0, q23_weights(T, va, ha, s), xl);
+            a1 = _mm512_dpbusd_epi32(a1, q23_weights(T, va, ha, s + 1), xh);
+            b0 = _mm512_dpbusd_epi32(b0, q23_weights(T, vb, hb, s), xl);
+            b1 = _mm512_dpbusd_epi32(b1, q23_weights(T, vb, hb, s + 1), xh);
+        }
+    } else if (T == QT_Q6_K) {
         for (int c = 0; c < 4; c++) {
             __m512i xl = LDB(L, xq + 2 * c * cb), xh = LDB(L, xq + (2 * c + 1) * cb);
             __m512i ha = LDB(L, ga + 16 * L + (c >> 1) * cb), hb = LDB(L, gb + 16 * L + (c >> 1) * cb);
@@ -789,6 +958,16 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
             b0 = _mm512_dpbusd_epi32(b0, wb0, xl);
             b1 = _mm512_dpbusd_epi32(b1, wb1, xh);
         }
+    } else if (T == QT_IQ4_XS) {
+        const __m512i tbl = iq4_table();
+        for (int c = 0; c < 4; c++) {
+            __m512i xl = LDB(L, xq + 2 * c * cb), xh = LDB(L, xq + (2 * c + 1) * cb);
+            __m512i va = LDB(L, ga + c * cb), vb = LDB(L, gb + c * cb);
+            a0 = _mm512_dpbusd_epi32(a0, _mm512_shuffle_epi8(tbl, _mm512_and_si512(va, m4)), xl);
+            a1 = _mm512_dpbusd_epi32(a1, _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(va, 4), m4)), xh);
+            b0 = _mm512_dpbusd_epi32(b0, _mm512_shuffle_epi8(tbl, _mm512_and_si512(vb, m4)), xl);
+            b1 = _mm512_dpbusd_epi32(b1, _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(vb, 4), m4)), xh);
+        }
     } else if (T == QT_Q8_0) {
         for (int s = 0; s < 8; s += 2) {
             __m512i xl = LDB(L, xq + s * cb), xh = LDB(L, xq + (s + 1) * cb);
@@ -811,11 +990,20 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
     group_scales(T, ga, L, mf, &sa, &ma);
     group_scales(T, gb, L, mf, &sb, &mbv);
     __m512 dxv = LDF(L, x->dx + s0);
-    if (T == QT_Q6_K) { /* the second half's scale is in the mins slot */
+    if (T == QT_Q6_K || T == QT_Q3_K || T == QT_Q2_K) { /* the second half's scale is in the mins slot */
         *acca = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(sa, dxv), *acca);
         *acca = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(ma, dxv), *acca);
         *accb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b0), _mm512_mul_ps(sb, dxv), *accb);
         *accb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b1), _mm512_mul_ps(mbv, dxv), *accb);
+        if (T == QT_Q2_K) {
+            __m512 lo_a, hi_a, lo_b, hi_b;
+            q2k_mins(ga, L, mf, &lo_a, &hi_a);
+            q2k_mins(gb, L, mf, &lo_b, &hi_b);
+            __m512 nlo = _mm512_mul_ps(_mm512_cvtepi32_ps(LDI(L, x->n32lo + s0)), dxv);
+            __m512 nhi = _mm512_mul_ps(_mm512_cvtepi32_ps(LDI(L, x->n32hi + s0)), dxv);
+            *acca = _mm512_fmadd_ps(nlo, lo_a, _mm512_fmadd_ps(nhi, hi_a, *acca));
+            *accb = _mm512_fmadd_ps(nlo, lo_b, _mm512_fmadd_ps(nhi, hi_b, *accb));
+        }
         return;
     }
     *acca = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), _mm512_mul_ps(sa, dxv), *acca);
@@ -853,6 +1041,9 @@ static void qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) {
     else if (J->type == QT_Q4_K) qmv2(QT_Q4_K, J, r0, r1);
     else if (J->type == QT_Q5_K) qmv2(QT_Q5_K, J, r0, r1);
     else if (J->type == QT_Q6_K) qmv2(QT_Q6_K, J, r0, r1);
+    else if (J->type == QT_IQ4_XS) qmv2(QT_IQ4_XS, J, r0, r1);
+    else if (J->type == QT_Q3_K) qmv2(QT_Q3_K, J, r0, r1);
+    else if (J->type == QT_Q2_K) qmv2(QT_Q2_K, J, r0, r1);
     else qmv2(QT_Q8_0, J, r0, r1);
 }
 
@@ -881,6 +1072,12 @@ static void qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                 __m512 scale, mins = _mm512_setzero_ps();
                 if (type == QT_Q8_0) {
                     for (int s = 0; s < 8; s++) w[s] = _mm512_maskz_loadu_epi8(mb, g + s * cb);
+                } else if (type == QT_Q2_K || type == QT_Q3_K) {
+                    const __m512i h = type == QT_Q3_K ? _mm512_maskz_loadu_epi8(mb, g + 8 * L) : _mm512_setzero_si512();
+                    for (int s = 0; s < 8; s++) {
+                        const __m512i v = _mm512_maskz_loadu_epi8(mb, g + (s >> 2) * cb);
+                        w[s] = type == QT_Q3_K ? q23_weights(QT_Q3_K, v, h, s) : q23_weights(QT_Q2_K, v, h, s);
+                    }
                 } else if (type == QT_Q5_K) {
                     __m512i h = _mm512_maskz_loadu_epi8(mb, g + 16 * L);
                     for (int c = 0; c < 4; c++)
@@ -896,31 +1093,46 @@ static void qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                         __m512i v = _mm512_maskz_loadu_epi8(mb, g + c * cb);
                         w[2 * c] = _mm512_and_si512(v, m4);
                         w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                        if (type == QT_IQ4_XS) {
+                            w[2 * c] = _mm512_shuffle_epi8(iq4_table(), w[2 * c]);
+                            w[2 * c + 1] = _mm512_shuffle_epi8(iq4_table(), w[2 * c + 1]);
+                        }
                     }
                 }
                 group_scales(type, g, L, mf, &scale, &mins);
+                __m512 q2lo = _mm512_setzero_ps(), q2hi = _mm512_setzero_ps();
+                if (type == QT_Q2_K) q2k_mins(g, L, mf, &q2lo, &q2hi);
                 g += group_bytes(type, L);
                 for (int i = 0; i < mt; i++) {
                     const int64_t xi = (m0 + i) * nsub + s0;
                     const int8_t *xp = xq[i];
                     __m512i a0, a1;
-                    if (type == QT_Q4_K || type == QT_Q5_K) {
+                    if (type == QT_Q4_K || type == QT_Q5_K || type == QT_Q2_K) {
                         a0 = _mm512_setzero_si512();
                     } else if (type == QT_Q6_K) {
                         a0 = _mm512_maskz_loadu_epi32(mf, J->x->n32lo + xi);
+                    } else if (type == QT_Q3_K) {
+                        a0 = _mm512_srai_epi32(_mm512_maskz_loadu_epi32(mf, J->x->n32lo + xi), 3);
                     } else {
                         a0 = _mm512_maskz_loadu_epi32(mf, J->x->n8sx + xi);
-                        if (type == QT_Q8_0) a0 = _mm512_slli_epi32(a0, 4);
+                        if (type == QT_Q8_0 || type == QT_IQ4_XS) a0 = _mm512_slli_epi32(a0, 4);
                     }
-                    a1 = type == QT_Q6_K ? _mm512_maskz_loadu_epi32(mf, J->x->n32hi + xi) : _mm512_setzero_si512();
+                    a1 = type == QT_Q6_K   ? _mm512_maskz_loadu_epi32(mf, J->x->n32hi + xi)
+                         : type == QT_Q3_K ? _mm512_srai_epi32(_mm512_maskz_loadu_epi32(mf, J->x->n32hi + xi), 3)
+                                           : _mm512_setzero_si512();
                     for (int s = 0; s < 8; s += 2) {
                         a0 = _mm512_dpbusd_epi32(a0, w[s], _mm512_maskz_loadu_epi8(mb, xp + s * cb));
                         a1 = _mm512_dpbusd_epi32(a1, w[s + 1], _mm512_maskz_loadu_epi8(mb, xp + (s + 1) * cb));
                     }
                     __m512 dxv = _mm512_maskz_loadu_ps(mf, J->x->dx + xi);
-                    if (type == QT_Q6_K) { /* the second half's scale is in mins */
+                    if (type == QT_Q6_K || type == QT_Q3_K || type == QT_Q2_K) { /* the second half's scale is in mins */
                         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(scale, dxv), acc[i]);
                         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(mins, dxv), acc[i]);
+                        if (type == QT_Q2_K) {
+                            __m512 nlo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mf, J->x->n32lo + xi)), dxv);
+                            __m512 nhi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mf, J->x->n32hi + xi)), dxv);
+                            acc[i] = _mm512_fmadd_ps(nlo, q2lo, _mm512_fmadd_ps(nhi, q2hi, acc[i]));
+                        }
                         xq[i] += 32 * L;
                         continue;
                     }
