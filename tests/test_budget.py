@@ -15,7 +15,7 @@ from moestream.engine.options import EngineOptions
 from moestream.errors import BudgetError
 from moestream.models.qwen3moe import Qwen3Moe, Qwen3MoeConfig
 from moestream.streaming import budget
-from moestream.streaming.budget import MB, UBATCH_CHOICES, choose_ubatch, plan_slots
+from moestream.streaming.budget import MB, UBATCH_CHOICES, choose_span, choose_ubatch, plan_slots
 
 SLOT = 3 * MB
 PLAN = dict(resident=300 * MB, compute=40 * MB, reader=10 * MB, slot_nbytes=SLOT, min_slots=8, max_slots=256)
@@ -61,6 +61,17 @@ def test_choose_ubatch_takes_the_largest_that_fits_with_the_minimum_slots():
     assert choose_ubatch(budget_mb=floor, **kw) == 16  # nothing fits: the smallest, and plan_slots says why
 
 
+def test_choose_span_takes_the_longest_whose_activations_fit_a_share_of_the_room():
+    kw = dict(resident=300 * MB, compute_for=_compute, reader=10 * MB, slot_nbytes=SLOT, min_slots=8, reserve_mb=100)
+    floor = 300 + 10 + 100 + 8 * 3 + 128  # 562 MB with the micro-batch's buffers
+    # the span's buffers beyond the micro-batch's (1 MB a token) may take a quarter of the room above that
+    assert choose_span(budget_mb=floor + 4 * 128, ubatch=128, longest=4096, **kw) == 256
+    assert choose_span(budget_mb=floor + 4 * 127, ubatch=128, longest=4096, **kw) == 128  # 256 does not fit
+    assert choose_span(budget_mb=floor + 4 * 384, ubatch=128, longest=4096, **kw) == 512
+    assert choose_span(budget_mb=floor + 10**6, ubatch=128, longest=3000, **kw) == 3000  # the whole context
+    assert choose_span(budget_mb=floor, ubatch=128, longest=4096, **kw) == 128  # no room: the micro-batch path
+
+
 def test_compute_estimate_grows_with_the_micro_batch_not_with_a_score_matrix():
     cfg = Qwen3MoeConfig(48, 2048, 32, 4, 128, 128, 8, 768, 151936, 40960)
     sizes = [Qwen3Moe.compute_nbytes(cfg, ub, 4096) for ub in (16, 32, 64, 128)]
@@ -78,7 +89,10 @@ def test_engine_picks_the_micro_batch_the_budget_fits(tiny):
     eng = Engine(tiny, EngineOptions(ram_budget_mb=least + 8, ctx=512))
     try:
         assert eng.ubatch in UBATCH_CHOICES and eng.plan.n_slots >= eng.cfg.top_k
-        assert eng.plan.compute == Qwen3Moe.compute_nbytes(eng.cfg, eng.ubatch, 512)
+        # the plan counts the prompt span's activations (a span of at least the micro-batch, at most the context)
+        assert eng.ubatch <= eng.span == eng.plan.span <= 512
+        assert eng.plan.compute == Qwen3Moe.compute_nbytes(eng.cfg, eng.span, 512)
+        assert f"(prompt span {eng.span} tokens)" in eng.plan.describe()
     finally:
         eng.close()
     eng = Engine(tiny, EngineOptions(ram_budget_mb=least + 200, ctx=512))

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from moestream.analysis.trace import DISK, PROMPT, read_trace
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
@@ -126,6 +127,56 @@ def test_streaming_never_changes_greedy_output(tmp_path, arch, which):
             eng.close()
     assert outputs[0] == outputs[1] == outputs[2]
     assert hit_rates[0] < hit_rates[2]
+
+
+class _KeepLogits:
+    """Greedy, keeping the logits it chose from: the first are the prompt's last position's."""
+
+    def __init__(self) -> None:
+        self.logits: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        self.logits.append(logits.clone())
+        return int(logits.argmax())
+
+
+def _disk_reads_per_layer(trace: str) -> dict[int, tuple[int, int]]:
+    """Per layer: (expert reads of the prompt, distinct experts the prompt routed to)."""
+    _, rows = read_trace(trace)
+    rows = rows[rows["phase"] == PROMPT]
+    out = {}
+    for layer in np.unique(rows["layer"]).tolist():
+        mine = rows[rows["layer"] == layer]
+        out[layer] = (int((mine["source"] == DISK).sum()), len(np.unique(mine["expert"])))
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streaming"])
+def test_layer_major_prefill_equals_micro_batch_major(tiny, tmp_path, stream):
+    """Prompts of 1, 2 and 10 micro-batches run as one span through every layer give the tokens and the last
+    position's logits of the micro-batch-major path, with every expert cached and under a budget that
+    streams; the span reads each expert of a layer at most once, where the micro-batches read them again."""
+    _, path, toks, _, model = tiny
+    cfg, ub = model.config, 8
+    slots = cfg.num_experts_per_tok + 3 if stream else cfg.num_hidden_layers * n_experts(cfg)
+    for n in (1, 2, 10):
+        runs = {}
+        for span in (ub, None):
+            trace = str(tmp_path / f"{n}-{span}.csv")
+            eng = Engine(path, EngineOptions(n_slots=slots, ubatch=ub, prefill_span=span, trace_path=trace))
+            keep = _KeepLogits()
+            try:
+                assert eng.span == (span or eng.ctx)
+                tokens = eng.generate(toks[: n * ub], 4, keep).tokens
+            finally:
+                eng.close()
+            runs[span] = tokens, keep.logits[0], _disk_reads_per_layer(trace)
+        (mb_tokens, mb_logits, mb_reads), (tokens, logits, reads) = runs[ub], runs[None]
+        assert tokens == mb_tokens, n
+        assert rel_error(logits, mb_logits) < 1e-4, n
+        assert all(got <= distinct for got, distinct in reads.values()), reads
+        if stream and n == 10:  # the micro-batches read some experts of a layer more than once
+            assert sum(r for r, _ in mb_reads.values()) > sum(r for r, _ in reads.values())
 
 
 def test_prompt_reuse_gives_samerandom_tokens(tiny):

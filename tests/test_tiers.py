@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from moestream.analysis.replay import Admission, accesses_from_trace, live_result, replay
@@ -217,3 +218,37 @@ def test_while_generating_each_step_grows_the_cache_by_its_allowance(tiny, basel
     unruled = {k: v for k, v in meta.items() if k not in ("prompt_slots", "decode_slots")}
     old = replay(accesses_from_trace(unruled, rows), "lru", 64)
     assert (old.decode_hits, old.prompt_hits) != (live.decode_hits, live.prompt_hits)  # the rule matters here
+
+
+def test_a_long_prompt_span_grows_by_its_micro_batches_and_replays_exactly(tiny, tmp_path):
+    """A 200-token prompt runs as one span of 25 micro-batches: its step number advances by 25 and the cache
+    may grow by 25 prompt allowances in it, the micro-batch-major path giving the same tokens. The replay reads
+    the units back from the step numbers and reproduces the live hits exactly; one that counts each step as a
+    single micro-batch does not."""
+    long_prompt = list(range(5, 205))
+    path = str(tmp_path / "t.csv")
+    opts = dict(n_slots=48, growth_slots=(1, 2), ubatch=8)
+    eng = Engine(tiny, EngineOptions(trace_path=path, **opts))
+    try:
+        first = eng.generate(long_prompt, N, Sampler()).tokens
+        second = eng.generate(PROMPT_B, N, Sampler()).tokens  # a span of 5 after the decode steps
+        assert eng.span == eng.ctx and 25 < eng.cache.used_slots <= 48
+    finally:
+        eng.close()
+    micro = Engine(tiny, EngineOptions(prefill_span=8, **opts))
+    try:
+        assert micro.generate(long_prompt, N, Sampler()).tokens == first
+        assert micro.generate(PROMPT_B, N, Sampler()).tokens == second
+    finally:
+        micro.close()
+    meta, rows = read_trace(path)
+    prompt_steps = sorted(set(rows["step"][rows["phase"] == 0].tolist()))
+    assert prompt_steps == [25, 25 + N - 1 + 5]  # 25 units, N - 1 decode steps, then 5 units
+    acc = accesses_from_trace(meta, rows)
+    live = live_result(acc)
+    got = replay(acc, "lru", int(meta["n_slots"]))
+    assert (got.decode_hits, got.prompt_hits) == (live.decode_hits, live.prompt_hits)
+    one_unit = rows.copy()
+    one_unit["step"] = np.unique(rows["step"], return_inverse=True)[1] + 1  # every step one micro-batch
+    old = replay(accesses_from_trace(meta, one_unit), "lru", int(meta["n_slots"]))
+    assert (old.decode_hits, old.prompt_hits) != (live.decode_hits, live.prompt_hits)

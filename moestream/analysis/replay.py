@@ -174,8 +174,9 @@ def _simulate(
     """Misses per group. ahead: model the engine's prompt read-ahead (moestream.streaming.read_ahead): a prompt group
     asking for nearly all of a layer's experts also admits the next layer's first uncached experts, the
     next layer's resident keys pinned meanwhile; the next group's first access to such a key is a miss.
-    growth: (per prompt step, per decode step): how many keys each step may add to the cache beyond the
-    limit so far (ExpertCache.begin_step); past it, a miss evicts instead."""
+    growth: (per prompt micro-batch, per decode step): how many keys each step may add to the cache beyond
+    the limit so far (ExpertCache.begin_step; a prompt span's step number advances by its micro-batches, and
+    its allowance is that many times the per-micro-batch one); past it, a miss evicts instead."""
     keys = acc.keys.tolist()
     starts = acc.starts.tolist()
     decode = acc.group_decode.tolist()
@@ -191,7 +192,9 @@ def _simulate(
         pol = pols[layer[g]] if per_layer else pols[0]
         pol.begin(g, step[g])
         if growth is not None and (g == 0 or step[g] != step[g - 1]):  # a forward step begins
-            limit = min(pol.capacity, max(limit, len(pol)) + growth[0 if not decode[g] else 1])
+            # a prompt step's number advanced by the micro-batches it ran (a span: several), a token's by one
+            units = 1 if decode[g] else max(1, step[g] - (step[g - 1] if g else 0))
+            limit = min(pol.capacity, max(limit, len(pol)) + growth[0 if not decode[g] else 1] * units)
         limit = min(limit, pol.capacity)
         s, e = starts[g], starts[g + 1]
         prev = read_ahead if ahead_layer == layer[g] else set()

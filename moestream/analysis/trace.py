@@ -9,9 +9,11 @@ Format (version 1), a text file any spreadsheet or `pandas.read_csv(comment='#')
     0,prompt,1,0,3,0,disk,2654208,1834
     ...
 
-token       index in the session of the token (of a prompt micro-batch: of its first token)
+token       index in the session of the token (of a prompt span: of its first token)
 phase       prompt | decode
-step        forward-call counter: one per prompt micro-batch, one per decoded token
+step        forward-step counter in micro-batch units: a prompt span advances it by the micro-batches it
+            holds (ceil(tokens / ubatch); the replay reads the step's growth allowance from that), a decoded
+            token by one
 layer       MoE layer
 expert      expert id within the layer
 rank        position of the expert in the layer's request list; disk rows are written when their read

@@ -30,6 +30,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="prompt tokens per micro-batch (default: the largest of 128/64/32/16 that fits the budget)",
     )
     p.add_argument(
+        "--prefill-span",
+        type=values.whole(1, 1 << 20),
+        default=None,
+        help="prompt tokens that run through every layer at once, each layer's experts read once for all of "
+        "them (default: the longest span the budget holds; --prefill-span equal to --ubatch runs the prompt "
+        "micro-batch by micro-batch)",
+    )
+    p.add_argument(
         "--mlock",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -107,6 +115,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         threads=args.threads,
         io_threads=args.io_threads,
         ubatch=args.ubatch,
+        prefill_span=args.prefill_span,
         mlock=args.mlock,
         direct=False if args.buffered else None,
         trace_path=args.trace,

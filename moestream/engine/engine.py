@@ -56,13 +56,17 @@ class Engine:
         self._kv_tokens: list[int] = []
         self.plan: BudgetPlan | None = None
         self.ubatch, n_slots = o.ubatch or DEFAULT_UBATCH, o.n_slots
+        self.span = o.prefill_span or self.ctx  # without a budget to fit: the whole prompt
         if n_slots is None:
             self.plan, self.ubatch, read_ahead = planner.plan(read_ahead)
-            n_slots = self.plan.n_slots
+            n_slots, self.span = self.plan.n_slots, self.plan.span
+        self.kv.query_chunk = self.ubatch  # a span's attention runs a micro-batch of queries at a time
         self.reader = self._open_reader(read_ahead)
         self.cache = self._open_cache(n_slots, read_ahead)
         self.elastic = ElasticWatcher(self.cache, o.keep_free_mb).start() if o.keep_free_mb is not None else None
-        self._step = 0  # forward calls so far: one per prompt micro-batch or decoded token
+        # forward steps so far in micro-batch units: a prompt span counts its micro-batches (the cache's growth
+        # allowance, which the replay reads back from the steps' numbers in a trace), a decoded token one
+        self._step = 0
         self._torch_threads = 0  # set by the first forward call
         self._spin_us = 0
         self._token = 0  # session index of the first token of the current forward call
@@ -305,7 +309,9 @@ class Engine:
             with torch.inference_mode(), self.cache.generation():
                 logits = None
                 while pos < len(prompt):
-                    chunk = prompt[pos : pos + self.ubatch]
+                    # layer-major: the span's tokens go through layer l, then l + 1, each layer's experts
+                    # fetched once for all of them
+                    chunk = prompt[pos : pos + self.span]
                     logits = self._forward(chunk, pos)
                     pos += len(chunk)
                     self._kv_tokens.extend(chunk)
@@ -360,9 +366,10 @@ class Engine:
         if spin != self._spin_us:
             native.set_spin_us(spin)
             self._spin_us = spin
-        self._step += 1
+        units = -(-len(tokens) // self.ubatch)  # the micro-batches this step stands for
+        self._step += units
         self._token = pos
-        self.cache.begin_step()
+        self.cache.begin_step(units)
         return self.model.forward(tokens, self.kv, pos)
 
     def close(self) -> None:

@@ -13,12 +13,13 @@ _POSITIVE = {
     "threads": "--threads",
     "io_threads": "--io-threads",
     "ubatch": "--ubatch",
+    "prefill_span": "--prefill-span",
     "pin_mb": "--pin-mb",
     "keep_free_mb": "--keep-free-mb",
 }
 
 # Upper bounds: more is a typo, and would start that many threads or size buffers by it.
-_MAXIMUM = {"threads": 1024, "io_threads": 256, "ubatch": 4096}
+_MAXIMUM = {"threads": 1024, "io_threads": 256, "ubatch": 4096, "prefill_span": 1 << 20}
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class EngineOptions:
     threads: int | None = None  # None: all cores
     exact: bool | None = None  # None: float32 compute for float files, the quantized kernels otherwise
     ubatch: int | None = None  # None: the largest micro-batch of UBATCH_CHOICES the budget fits
+    # prompt tokens that run through every layer at once, each layer's experts read once for all of them
+    # (attention in chunks of ubatch). None: the longest span the budget holds (choose_span), the whole
+    # prompt with n_slots; the micro-batch: the micro-batch-major path (every micro-batch through every layer)
+    prefill_span: int | None = None
     # reads
     io_threads: int = 4
     direct: bool | None = None  # None: O_DIRECT where the file system allows

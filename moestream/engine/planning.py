@@ -6,6 +6,7 @@ nothing), then against the measured resident size once the dense weights and the
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from moestream.engine.model_file import OpenModel, dense_estimate, open_model
@@ -13,8 +14,10 @@ from moestream.engine.options import EngineOptions
 from moestream.streaming.budget import (
     DEFAULT_RESERVE_MB,
     MB,
+    SPAN_SHARE,
     UBATCH_CHOICES,
     BudgetPlan,
+    choose_span,
     choose_ubatch,
     plan_slots,
     rss_bytes,
@@ -88,32 +91,42 @@ class SlotPlanner:
         plan_slots(resident=rss_bytes() + estimate, **self.kw)
 
     def plan(self, read_ahead: bool) -> tuple[BudgetPlan, int, bool]:
-        """(the plan, the micro-batch, whether the read-ahead runs), measured with the weights loaded."""
+        """(the plan, the micro-batch, whether the read-ahead runs), measured with the weights loaded; the
+        plan's span is the prompt span (choose_span, or the one the options give)."""
         m, o, kw = self.model, self.options, self.kw
         ubatch = o.ubatch or DEFAULT_UBATCH
+        fit = {k: v for k, v in kw.items() if k not in ("compute", "max_slots")}
         if o.ubatch is None:
-            fit = {k: v for k, v in kw.items() if k not in ("compute", "max_slots")}
-            ubatch = choose_ubatch(
-                resident=rss_bytes(), compute_for=lambda u: m.arch.compute_nbytes(m.cfg, u, self.ctx), **fit
-            )
-            kw["compute"] = m.arch.compute_nbytes(m.cfg, ubatch, self.ctx)
-        plan = plan_slots(resident=rss_bytes(), **kw)
+            ubatch = choose_ubatch(resident=rss_bytes(), compute_for=self._compute, **fit)
+        span = o.prefill_span or choose_span(
+            resident=rss_bytes(), compute_for=self._compute, ubatch=ubatch, longest=self.ctx, **fit
+        )
+        # the span's activations (a span shorter than the micro-batch still runs the micro-batch's chunks)
+        kw["compute"] = self._compute(max(span, ubatch))
+        plan = replace(plan_slots(resident=rss_bytes(), **kw), span=span)
         # the read-ahead's buffers only where the cache keeps room to read ahead with them; else the memory
         # stays with the slots
         room = AHEAD_MIN_LAYERS * m.cfg.n_experts
         if not read_ahead or plan.n_slots < room:
             return plan, ubatch, False
         kw["reader"] = reader_nbytes(m.cfg, m.store, o.io_threads, True, o.run_reads)
-        with_ahead = plan_slots(resident=rss_bytes(), **kw)
+        with_ahead = replace(plan_slots(resident=rss_bytes(), **kw), span=span)
         if with_ahead.n_slots < room:
             return plan, ubatch, False
         return with_ahead, ubatch, True
+
+    def _compute(self, tokens: int) -> int:
+        """Compute buffers of a forward call over `tokens` prompt tokens (a span's attention runs in chunks,
+        so this bounds it from above)."""
+        return self.model.arch.compute_nbytes(self.model.cfg, tokens, self.ctx)
 
 
 def budget_for_slots(
     model_path: str, n_slots: int, *, ctx: int | None = None, io_threads: int = 4, ubatch: int = DEFAULT_UBATCH
 ) -> int:
-    """Estimated --ram-budget-mb that buys `n_slots` expert slots for this model (from the header alone)."""
+    """Estimated --ram-budget-mb that buys at least `n_slots` expert slots for this model (from the header
+    alone). The prompt span may take SPAN_SHARE of the room beyond the minimum slots, so that room is sized for
+    the slots to keep the rest."""
     m = open_model(model_path, check_types=False)
     try:
         cfg = m.cfg
@@ -126,7 +139,8 @@ def budget_for_slots(
             + kw["compute"]
             + kw["reader"]
             + DEFAULT_RESERVE_MB * MB
-            + n_slots * m.store.slot_nbytes
+            + cfg.top_k * m.store.slot_nbytes
+            + int(max(0, n_slots - cfg.top_k) * m.store.slot_nbytes / (1 - SPAN_SHARE))
         )
         return total // MB + 64  # slack: the runtime grows a little while loading
     finally:

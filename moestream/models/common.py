@@ -18,6 +18,7 @@ from moestream.errors import ComputeError, ModelFileError
 from moestream.formats import quants
 
 SMALL_OP = 1 << 16  # elements up to which a float32 op goes to the native helpers
+QUERY_CHUNK = 128  # queries attended at once unless the engine sets its micro-batch (KVCache.query_chunk)
 # torch's threads for the few big torch ops (a prompt's attention) when the engine otherwise keeps torch at
 # one thread so that the lane pool has the cores (engine._torch_threads_for); 0: leave torch alone
 WIDE_THREADS = 0
@@ -203,15 +204,33 @@ class RoPE:
         return torch.cat([rotated, x[..., r:]], dim=-1)
 
 
+def query_chunks(T: int, chunk: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of at most `chunk` of T query positions: a long span's attention runs one at a time, so
+    that its buffers (scores, mask, output blocks) are chunk x keys, never T x keys."""
+    chunk = max(1, chunk)
+    return [(a, min(T, a + chunk)) for a in range(0, T, chunk)]
+
+
+def causal_mask(T: int, S: int, pos: int) -> torch.Tensor | None:
+    """[T, S] True where query pos + t may see key s (none for one query: it sees every key)."""
+    if T == 1:
+        return None
+    return torch.arange(S)[None, :] <= torch.arange(pos, pos + T)[:, None]
+
+
 class KVCache:
     """Keys and values for every attention layer at the full context, allocated once up front.
 
     Allocating at the full context is what keeps the memory budget honest: the cache cannot grow after the
     expert cache has been sized around it.
+
+    query_chunk: queries of one call attended at a time (the engine sets its micro-batch): a prompt span of
+    thousands of tokens runs through every layer at once, its attention in chunks of this many queries.
     """
 
     def __init__(self, kv_heads: list[int], head_dim: int, ctx: int, dtype: torch.dtype):
         self.ctx = ctx
+        self.query_chunk = QUERY_CHUNK
         self.dtype = dtype
         self.length = 0  # positions filled
         self.k: list[torch.Tensor | None] = []
@@ -259,17 +278,21 @@ class KVCache:
             )  # fmt: skip
             if rc == 0:
                 return out
-        qh = q.transpose(0, 1).unsqueeze(0)
+        # keys and values in float once for the whole span; its queries then run `query_chunk` at a time, each
+        # over the keys up to its own last position, as the micro-batch of those tokens would
         kh = keys.float().transpose(0, 1).unsqueeze(0)
         vh = values.float().transpose(0, 1).unsqueeze(0)
-        mask = None
-        if T > 1:
-            qpos = torch.arange(pos, pos + T)[:, None]
-            mask = torch.arange(S)[None, :] <= qpos
         gqa = q.shape[1] != keys.shape[1]
-        with wide_torch():
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
-        return out.squeeze(0).transpose(0, 1)
+        out = torch.empty(T, q.shape[1], values.shape[2])
+        for a, b in query_chunks(T, self.query_chunk):
+            qh = q[a:b].transpose(0, 1).unsqueeze(0)
+            end = S - T + b  # keys through this chunk's last query
+            with wide_torch():
+                o = F.scaled_dot_product_attention(
+                    qh, kh[:, :, :end], vh[:, :, :end], attn_mask=causal_mask(b - a, end, pos + a), enable_gqa=gqa
+                )
+            out[a:b] = o.squeeze(0).transpose(0, 1)
+        return out
 
     def advance(self, length: int) -> None:
         self.length = length

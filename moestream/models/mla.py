@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moestream.models.common import RoPE, rms_norm, wide_torch
+from moestream.models.common import QUERY_CHUNK, RoPE, causal_mask, query_chunks, rms_norm, wide_torch
 from moestream.models.loader import Weights
 
 
@@ -29,6 +29,7 @@ class MLACache:
 
     def __init__(self, n_layers: int, kv_lora: int, rope_dim: int, ctx: int, dtype: torch.dtype):
         self.ctx, self.dtype, self.length = ctx, dtype, 0
+        self.query_chunk = QUERY_CHUNK  # queries attended at once (see KVCache.query_chunk)
         self.latent = [torch.zeros(ctx, kv_lora, dtype=dtype) for _ in range(n_layers)]
         self.rope = [torch.zeros(ctx, rope_dim, dtype=dtype) for _ in range(n_layers)]
 
@@ -110,10 +111,15 @@ class MLAttention:
         q_nope, q_pe, c, k_pe = self.project(x, pos, rope)
         latents, keys = cache.update(layer, pos, c, k_pe)
         S, L = latents.shape[0], cfg.kv_lora_rank
-        if T > 1 and S * (cfg.qk_nope + cfg.qk_rope + cfg.v_head_dim) <= T * (2 * L + cfg.qk_rope):
-            out = self.naive(q_nope, q_pe, latents, keys, pos)
-        else:
-            out = self.absorbed(q_nope, q_pe, latents, keys, pos)
+        # a long span attends `query_chunk` queries at a time, each chunk over the positions up to its own
+        # last one and in the form its micro-batch would take: buffers stay chunk-sized
+        out = torch.empty(T, cfg.n_heads, cfg.v_head_dim)
+        for a, b in query_chunks(T, cache.query_chunk):
+            n, end = b - a, S - T + b
+            if n > 1 and end * (cfg.qk_nope + cfg.qk_rope + cfg.v_head_dim) <= n * (2 * L + cfg.qk_rope):
+                out[a:b] = self.naive(q_nope[a:b], q_pe[a:b], latents[:end], keys[:end], pos + a)
+            else:
+                out[a:b] = self.absorbed(q_nope[a:b], q_pe[a:b], latents[:end], keys[:end], pos + a)
         return self.o(out.reshape(T, cfg.n_heads * cfg.v_head_dim))
 
     def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor,
@@ -132,7 +138,7 @@ class MLAttention:
         k = torch.cat([lat, kpe], dim=-1)[None, None]
         with wide_torch():
             o_lat = F.scaled_dot_product_attention(
-                q, k, lat[None, None], attn_mask=_causal(T, lat.shape[0], pos), scale=scale, enable_gqa=True
+                q, k, lat[None, None], attn_mask=causal_mask(T, lat.shape[0], pos), scale=scale, enable_gqa=True
             )[0]  # [H, T, L]
             return torch.bmm(o_lat, self.v_b.transpose(1, 2)).transpose(0, 1)
 
@@ -147,11 +153,6 @@ class MLAttention:
             v = torch.matmul(lat[None], self.v_b.transpose(1, 2))  # [H, S, v]
             k = torch.cat([k_nope, kpe[None].expand(H, S, -1)], dim=-1)[None]
             q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)[None]
-            out = F.scaled_dot_product_attention(q, k, v[None], attn_mask=_causal(T, S, pos), scale=self.cfg.kq_scale)
+            mask = causal_mask(T, S, pos)
+            out = F.scaled_dot_product_attention(q, k, v[None], attn_mask=mask, scale=self.cfg.kq_scale)
         return out[0].transpose(0, 1)
-
-
-def _causal(T: int, S: int, pos: int) -> torch.Tensor | None:
-    if T == 1:
-        return None
-    return torch.arange(S)[None, :] <= torch.arange(pos, pos + T)[:, None]

@@ -142,19 +142,38 @@ def run_experts(
     needed, counts = needed_t.tolist(), counts_t.tolist()
     starts = dict(zip(needed, itertools.accumulate([0, *counts[:-1]]), strict=True))
     count = dict(zip(needed, counts, strict=True))
+    # Y holds every (token, slot) result until the fixed-order sum; the inputs are gathered a batch of experts
+    # at a time, so that a long span's T x k rows are held once, not three times.
     rows = order // k
-    X = x[rows]
-    Y = torch.empty_like(X)
+    Y = torch.empty(rows.shape[0], x.shape[1], dtype=x.dtype)
     for group in experts.fetch_groups(layer, needed):
-        spans = [(starts[e], starts[e] + count[e]) for e, _ in group]
-        if all(linear.lane_swiglu_ok(w) for _, w in group):
-            linear.lane_swiglu([w for _, w in group], [X[a:b] for a, b in spans], [Y[a:b] for a, b in spans])
-            continue
-        for (_e, expert), (a, b) in zip(group, spans, strict=True):
-            Y[a:b] = swiglu(expert, X[a:b].to(expert[0].dtype)).float()
+        for part in _row_batches(group, count):
+            spans = [(starts[e], starts[e] + count[e]) for e, _ in part]
+            xs = [x[rows[a:b]] for a, b in spans]
+            if all(linear.lane_swiglu_ok(w) for _, w in part):
+                linear.lane_swiglu([w for _, w in part], xs, [Y[a:b] for a, b in spans])
+                continue
+            for (_e, expert), xe, (a, b) in zip(part, xs, spans, strict=True):
+                Y[a:b] = swiglu(expert, xe.to(expert[0].dtype)).float()
+    Y.mul_(weights.reshape(-1)[order, None])
     out = torch.zeros_like(x)
-    out.index_add_(0, rows, Y * weights.reshape(-1)[order, None])
+    out.index_add_(0, rows, Y)
     return out
+
+
+def _row_batches(group: list, count: dict[int, int]) -> list[list]:
+    """A group's experts in consecutive batches of at most SWIGLU_MAX_ROWS rows (an expert with more alone),
+    as lane_swiglu splits its calls: the rows gathered for one batch bound the inputs held at once."""
+    batches: list[list] = []
+    rows = 0
+    for item in group:
+        n = count[item[0]]
+        if not batches or rows + n > linear.SWIGLU_MAX_ROWS:
+            batches.append([])
+            rows = 0
+        batches[-1].append(item)
+        rows += n
+    return batches
 
 
 class MoE:

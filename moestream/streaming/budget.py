@@ -29,6 +29,9 @@ DEFAULT_RESERVE_MB = 160
 # Prompt micro-batches tried by choose_ubatch, largest first (128 measured best by
 # an expert-streaming pager built on llama.cpp).
 UBATCH_CHOICES = (128, 64, 32, 16)
+# The share of the room beside the minimum expert slots that a prompt span's activations may take (choose_span):
+# a longer span reads each expert once for more tokens, but what it holds is memory the cache does not get.
+SPAN_SHARE = 0.25
 # With no budget given, leave this much of the machine's available RAM to everyone else.
 DEFAULT_KEEP_FREE_MB = 1024
 
@@ -95,18 +98,21 @@ def budget_bytes(budget_mb: int | None, resident: int) -> int:
 class BudgetPlan:
     budget: int  # bytes the whole process may hold
     resident: int  # RSS measured after dense weights + KV cache were in place
-    compute: int  # prompt compute buffers at the micro-batch (estimated)
+    compute: int  # prompt compute buffers at the prompt span (estimated)
     reader: int  # reader staging buffers
     reserve: int
     slot_nbytes: int
     n_slots: int
     min_slots: int
     explicit: bool  # the user gave the budget
+    span: int = 0  # prompt tokens run through every layer at once (0: not chosen by this plan)
 
     def describe(self) -> str:
+        span = f" (prompt span {self.span} tokens)" if self.span else ""
         return (
             f"budget {self.budget / MB:.0f} MB = resident {self.resident / MB:.0f} (dense weights, KV, runtime)"
-            f" + compute {self.compute / MB:.0f} + reader {self.reader / MB:.0f} + reserve {self.reserve / MB:.0f}"
+            f" + compute {self.compute / MB:.0f}{span} + reader {self.reader / MB:.0f}"
+            f" + reserve {self.reserve / MB:.0f}"
             f" + {self.n_slots} expert slots x {self.slot_nbytes / MB:.2f} MB"
         )
 
@@ -174,3 +180,31 @@ def choose_ubatch(
         if fixed + compute_for(ub) <= budget:
             return ub
     return min(choices)
+
+
+def choose_span(
+    *,
+    budget_mb: int | None,
+    resident: int,
+    compute_for: Callable[[int], int],
+    reader: int,
+    slot_nbytes: int,
+    min_slots: int,
+    ubatch: int,
+    longest: int,
+    reserve_mb: int = DEFAULT_RESERVE_MB,
+) -> int:
+    """The longest prompt span (the micro-batch doubled, up to `longest` tokens) that the engine runs through
+    every layer at once: each layer's experts are then read once for all its tokens. Its activations beyond
+    the micro-batch's may take SPAN_SHARE of what the budget leaves beside the micro-batch's buffers and the
+    minimum expert slots; a budget with no room to spare keeps the micro-batch (the micro-batch-major path)."""
+    budget = budget_bytes(budget_mb, resident)
+    base = compute_for(ubatch)
+    room = budget - (resident + reader + reserve_mb * MB + min_slots * slot_nbytes + base)
+    span = ubatch
+    while span < longest:
+        longer = min(longest, 2 * span)
+        if compute_for(longer) - base > SPAN_SHARE * room:
+            break
+        span = longer
+    return span

@@ -88,8 +88,8 @@ class ExpertCache:
         self._closed = False
         self._prefault_thread: threading.Thread | None = None
         self.stats = CacheStats()
-        # While a generation runs, each forward step may grow the LRU by at most prompt_slots (a prompt
-        # micro-batch) or decode_slots (a decoded token) entries, and the prefault waits: committing fresh
+        # While a generation runs, each forward step may grow the LRU by at most prompt_slots (per prompt
+        # micro-batch of the step) or decode_slots (a decoded token) entries, and the prefault waits: committing fresh
         # memory under a running model slowed it most in a VM (read_ahead.prompt_slots has the figures).
         self.prompt_slots = n_slots
         self.decode_slots = n_slots
@@ -153,10 +153,11 @@ class ExpertCache:
             self.phase = "decode"
             self._idle.set()
 
-    def begin_step(self) -> None:
-        """A forward step starts (the engine calls it): the LRU may grow by this step's allowance. The rule
-        depends only on the sequence of steps and accesses, so the replay reproduces it."""
-        grow = self.prompt_slots if self.phase == "prompt" else self.decode_slots
+    def begin_step(self, units: int = 1) -> None:
+        """A forward step starts (the engine calls it): the LRU may grow by this step's allowance, per unit (a
+        prompt span of several micro-batches counts each). The rule depends only on the sequence of steps,
+        their units and the accesses, so the replay reproduces it."""
+        grow = (self.prompt_slots if self.phase == "prompt" else self.decode_slots) * max(1, units)
         with self._lock:
             self._limit = min(self.n_slots, max(self._limit, len(self._lru)) + grow)
 
