@@ -19,6 +19,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
+from moestream.models.common import KVCache, query_chunks
 from tests.hf_gguf import (
     DEEPSEEK_V2,
     DEEPSEEK_V2_LITE,
@@ -149,6 +150,22 @@ def _disk_reads_per_layer(trace: str) -> dict[int, tuple[int, int]]:
         mine = rows[rows["layer"] == layer]
         out[layer] = (int((mine["source"] == DISK).sum()), len(np.unique(mine["expert"])))
     return out
+
+
+def test_span_attention_runs_in_query_chunks_equal_to_one_call():
+    """KVCache.attend over a span in chunks of queries (each over the keys up to its last position) equals
+    the whole span at once, grouped-query heads included."""
+    torch.manual_seed(0)
+    pos, T, H, Hkv, D = 20, 50, 4, 2, 16
+    q = torch.randn(T, H, D)
+    keys, values = torch.randn(pos + T, Hkv, D), torch.randn(pos + T, Hkv, D)
+    kv = KVCache([Hkv], D, 128, torch.float32)
+    kv.query_chunk = 1000
+    whole = kv.attend(q, keys, values, pos)
+    for chunk in (1, 7, 8):
+        kv.query_chunk = chunk
+        assert torch.allclose(kv.attend(q, keys, values, pos), whole, atol=1e-6)
+    assert query_chunks(T, 8)[-1] == (48, 50) and len(query_chunks(T, 8)) == 7
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["cached", "streaming"])
