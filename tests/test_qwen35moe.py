@@ -93,12 +93,15 @@ def test_mtp_block_and_interval_only_metadata(tiny, tmp_path):
             eng.close()
 
 
-def test_prompt_reuse_goes_back_to_checkpoints(tiny):
-    """Follow-ups reuse the live state or go back to a checkpoint; either way the tokens are a fresh run's."""
+@pytest.mark.parametrize("span", [16, None], ids=["micro-batches", "span"])
+def test_prompt_reuse_goes_back_to_checkpoints(tiny, span):
+    """Follow-ups reuse the live state or go back to a checkpoint; either way the tokens are a fresh run's.
+    Checkpoints are taken 8 tokens before and at the end of each forward call (each micro-batch, or the one
+    span of a whole prompt); the last 3 are kept."""
     path, toks, _, _ = tiny
     prompt = toks[:N_PROMPT]
-    eng = _engine(path, ubatch=16)  # checkpoints after 8 and 16 tokens of each micro-batch; the last 3 kept
-    fresh = _engine(path, ubatch=16)
+    eng = _engine(path, ubatch=16, prefill_span=span)
+    fresh = _engine(path, ubatch=16, prefill_span=span)
     try:
         first = eng.generate(prompt, 6, Sampler())
         cases = [
@@ -106,7 +109,8 @@ def test_prompt_reuse_goes_back_to_checkpoints(tiny):
             (prompt[:-3] + [5, 6, 7, 8], 72),  # parts at 77: back to the checkpoint 8 before the prompt's end
             (prompt[:-3] + [5, 6, 7, 8], 73),  # the same again: the checkpoint that run took after 1 token
             (prompt[:50] + [1, 2, 3], 0),  # only the last 3 checkpoints are kept: from scratch
-            (prompt[:45] + [4], 40),  # the run before kept 40, 48 and 53
+            # the run before kept 40, 48 and 53 (micro-batches of 16), or 45 and 53 (one span)
+            (prompt[:45] + [4], 40 if span else 45),
             (prompt[:5], 0),  # before any checkpoint
         ]
         for follow, reused_expected in cases:
