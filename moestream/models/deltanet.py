@@ -182,7 +182,8 @@ class HybridCache(KVCache):
 
     A recurrent state cannot be truncated, so prompt reuse goes back to the latest checkpoint at or before
     the shared prefix: `truncate` returns that position and the engine recomputes from there. Checkpoints
-    are taken at the end of every multi-token call (the engine's prompt spans) and TAIL tokens before it. Everything is allocated up front, like the KV cache, so the memory budget stays honest.
+    are taken at the end of every multi-token call (the engine's prompt spans) and TAIL tokens before it.
+    Everything is allocated up front, like the KV cache, so the memory budget stays honest.
     """
 
     def __init__(self, cfg: DeltaNetConfig, ctx: int, dtype: torch.dtype, n_checkpoints: int = N_CHECKPOINTS):
