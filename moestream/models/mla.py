@@ -114,6 +114,8 @@ class MLAttention:
         # a long span attends `query_chunk` queries at a time, each chunk over the positions up to its own
         # last one and in the form its micro-batch would take: buffers stay chunk-sized
         out = torch.empty(T, cfg.n_heads, cfg.v_head_dim)
+        if T > cache.query_chunk:  # in float once for every chunk (each form's .float() is then a no-op)
+            latents, keys = latents.float(), keys.float()
         for a, b in query_chunks(T, cache.query_chunk):
             n, end = b - a, S - T + b
             if n > 1 and end * (cfg.qk_nope + cfg.qk_rope + cfg.v_head_dim) <= n * (2 * L + cfg.qk_rope):
