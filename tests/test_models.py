@@ -22,6 +22,8 @@ from tests.hf_gguf import (
     DEEPSEEK_V2,
     DEEPSEEK_V2_LITE,
     DEEPSEEK_V3,
+    GLM4MOE,
+    GLM45_AIR,
     QWEN3MOE,
     QWEN35MOE,
     TinyArch,
@@ -34,7 +36,7 @@ from tests.hf_gguf import (
 
 transformers = pytest.importorskip("transformers")
 
-ARCH_CASES = [QWEN3MOE, QWEN35MOE, DEEPSEEK_V2_LITE, DEEPSEEK_V2, DEEPSEEK_V3]
+ARCH_CASES = [QWEN3MOE, QWEN35MOE, DEEPSEEK_V2_LITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM4MOE, GLM45_AIR]
 N_PROMPT, N_DECODE = 80, 16  # the prompt is longer than one DeltaNet chunk (64)
 
 
