@@ -27,6 +27,7 @@ from moestream.serving.chat_formats import (
     split_answer,
     starts_thinking,
 )
+from moestream.serving.schemas import ChatRequest
 from moestream.serving.text import Reasoning, ToolCall
 from tests.test_server import ScriptedEngine, _running
 
@@ -349,3 +350,26 @@ def test_server_reasoning_and_tool_calls(
         assert r3.choices[0].message.reasoning_content == reasoning
         assert r3.choices[0].finish_reason == "stop" and not r3.choices[0].message.tool_calls
         assert "<｜tool▁call▁begin｜>" not in r3.choices[0].message.content
+
+
+def test_deepseek_prompt_carries_the_tools() -> None:
+    """DeepSeek's templates never write the request's tools: the server puts them in the system prompt,
+    with the call format the template itself writes (V3.1's differs from R1's)."""
+    for name, call in (
+        ("deepseek-r1", "function<｜tool▁sep｜>tool_call_name\n```json"),
+        ("deepseek-v3.1", "<｜tool▁call▁begin｜>tool_call_name<｜tool▁sep｜>"),
+    ):
+        tok = family_tokenizer(name, DS_SPECIAL, "<｜end▁of▁sentence｜>")
+        svc = create_app(ScriptedEngine(tok, "x", ctx=8192), "fam").state.service
+        req = ChatRequest.model_validate(
+            {
+                "model": "fam",
+                "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                "tools": TOOLS,
+            }
+        )
+        ids, parser = svc.chat_prompt(req)
+        text = tok.decode(ids)
+        assert text.startswith("Be brief.\n\n## Tools\nYou have access to the following tools:\n\n### get_weather\n")
+        assert call in text and parser.use_tools
+        assert parser.state == ("reasoning" if name == "deepseek-r1" else "start")
