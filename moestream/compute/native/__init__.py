@@ -226,7 +226,7 @@ def lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
 
 def lane_ok() -> bool:
-    """True when the lane-layout VNNI kernels (qmm.c) run here; MOESTREAM_NO_LANE=1 turns them off (A/B)."""
+    """True when the lane-layout VNNI kernels (qmm_vnni.c) run here; MOESTREAM_NO_LANE=1 turns them off (A/B)."""
     global _lane_ok
     library = lib()
     if library is None:
@@ -244,7 +244,7 @@ def set_threads(n: int) -> int:
 
 
 def set_spin_us(us: float) -> None:
-    """How long idle pool workers spin before sleeping (see qmm.c)."""
+    """How long idle pool workers spin before sleeping (see pool.c)."""
     library = lib()
     if library is not None:
         library.ms_set_spin_us(us)
