@@ -17,7 +17,7 @@ from moestream.models.gqa import unpermute_rows
 from moestream.models.mixtral import Mixtral
 from moestream.streaming.mlock import routed_nbytes
 from tests.hf_gguf import one_torch_thread, random_tokens, rel_error, rewrite_gguf
-from tests.hf_gguf_gqa import MIXTRAL, MIXTRAL_PER_EXPERT, llama_permute
+from tests.hf_gguf_gqa import MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE, llama_permute
 
 pytest.importorskip("transformers")
 one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
@@ -119,3 +119,29 @@ def test_dense_llama_is_refused(mixtral, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "Traceback" not in err
     assert "dense llama models are not MoE" in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("arch", [MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE], ids=lambda a: a.id)
+def test_greedy_tokens_equal_transformers_through_micro_batches(tmp_path, arch):
+    """A prompt of several micro-batches, then greedy decoding, under a budget that streams and one that
+    holds every expert: the tokens are transformers' own, and the prompt's last logits within 1e-3."""
+    model = arch.hf_model(seed=5)
+    path = str(tmp_path / "m.gguf")
+    arch.write(model, path)
+    prompt, n_new = random_tokens(50, model.config.vocab_size, seed=5), 8
+    seq = list(prompt)
+    with torch.no_grad():
+        last = model(torch.tensor([seq])).logits[0, -1].float()
+        for _ in range(n_new):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    for slots in (model.config.num_experts_per_tok + 1, 64):
+        eng = Engine(path, EngineOptions(n_slots=slots, ubatch=16))
+        try:
+            assert eng.generate(prompt, n_new).tokens == seq[len(prompt) :]
+            eng.reset()
+            with torch.inference_mode():
+                for s in range(0, len(prompt), 16):
+                    ours = eng.model.forward(prompt[s : s + 16], eng.kv, s)
+            assert rel_error(ours, last) < 1e-3
+        finally:
+            eng.close()
