@@ -23,6 +23,8 @@ from tests.hf_gguf import (
     DEEPSEEK_V2,
     DEEPSEEK_V2_LITE,
     DEEPSEEK_V3,
+    GLM4MOE,
+    GLM45_AIR,
     QWEN3MOE,
     QWEN35MOE,
     TinyArch,
@@ -36,7 +38,7 @@ from tests.hf_gguf_gqa import MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE
 
 transformers = pytest.importorskip("transformers")
 
-ARCH_CASES = [QWEN3MOE, QWEN35MOE, DEEPSEEK_V2_LITE, DEEPSEEK_V2, DEEPSEEK_V3]
+ARCH_CASES = [QWEN3MOE, QWEN35MOE, DEEPSEEK_V2_LITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM4MOE, GLM45_AIR]
 ARCH_CASES += [MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE]
 N_PROMPT, N_DECODE = 80, 16  # the prompt is longer than one DeltaNet chunk (64)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moestream.engine.model_file import OpenModel, dense_estimate, open_model
+from moestream.engine.model_file import OpenModel, dense_estimate, open_model, trunk_blocks
 from moestream.engine.options import EngineOptions
 from moestream.streaming.budget import (
     DEFAULT_RESERVE_MB,
@@ -84,7 +84,8 @@ class SlotPlanner:
     def refuse(self) -> None:
         """Raise BudgetError before loading anything if the dense weights alone break the budget."""
         m = self.model
-        estimate = dense_estimate(m.gguf, m.exact) + m.arch.kv_nbytes(m.cfg, self.ctx, m.exact) + LOAD_SLACK
+        dense = dense_estimate(m.gguf, m.exact, trunk_blocks(m.cfg))
+        estimate = dense + m.arch.kv_nbytes(m.cfg, self.ctx, m.exact) + LOAD_SLACK
         plan_slots(resident=rss_bytes() + estimate, **self.kw)
 
     def plan(self, read_ahead: bool) -> tuple[BudgetPlan, int, bool]:
@@ -121,7 +122,7 @@ def budget_for_slots(
         kw = _plan_args(m, ctx, io_threads, ubatch, None)
         total = (
             rss_bytes()
-            + dense_estimate(m.gguf, m.exact)
+            + dense_estimate(m.gguf, m.exact, trunk_blocks(cfg))
             + m.arch.kv_nbytes(cfg, ctx, m.exact)
             + kw["compute"]
             + kw["reader"]
