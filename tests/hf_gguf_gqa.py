@@ -68,7 +68,7 @@ def tiny_olmoe_config(**overrides: Any):
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,  # OLMoE-1B-7B has as many as query heads; fewer checks k_norm's width
+        num_key_value_heads=4,  # as OLMoE-1B-7B: llama.cpp's olmoe takes a k_norm of the full width only
         num_experts=8,
         num_experts_per_tok=2,
         norm_topk_prob=False,

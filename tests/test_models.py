@@ -18,7 +18,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
-from moestream.streaming.expert_store import is_routed_expert_tensor
+from moestream.streaming.expert_store import PER_EXPERT_TENSOR, is_routed_expert_tensor
 from tests.hf_gguf import (
     DEEPSEEK_V2,
     DEEPSEEK_V2_LITE,
@@ -181,6 +181,11 @@ def test_llama_cpp_reads_the_same_model(tiny):
     """llama.cpp's own graph on the same file: names, head order and norm offsets agree with it."""
     llama_cpp = pytest.importorskip("llama_cpp")
     _, path, toks, _, _ = tiny
+    f = GGUFFile(path)
+    per_expert = any(PER_EXPERT_TENSOR.fullmatch(name) for name in f.tensors)
+    f.close()
+    if per_expert:
+        pytest.skip("llama.cpp no longer loads files with one tensor per expert")
     llm = llama_cpp.Llama(model_path=path, n_ctx=128, logits_all=True, verbose=False, n_threads=1)
     llm.eval(toks[:40])
     ref = torch.tensor(llm.scores[:40])
