@@ -183,9 +183,12 @@ def test_llama_cpp_reads_the_same_model(tiny):
     _, path, toks, _, _ = tiny
     f = GGUFFile(path)
     per_expert = any(PER_EXPERT_TENSOR.fullmatch(name) for name in f.tensors)
+    lite = f.arch == "deepseek2" and "deepseek2.attention.q_lora_rank" not in f.metadata
     f.close()
     if per_expert:
         pytest.skip("llama.cpp no longer loads files with one tensor per expert")
+    if lite:  # moestream reads the absent key as "no q LoRA", whatever the depth
+        pytest.skip("llama.cpp takes a deepseek2 file without q_lora_rank for V2-Lite only at its 27 layers")
     llm = llama_cpp.Llama(model_path=path, n_ctx=128, logits_all=True, verbose=False, n_threads=1)
     llm.eval(toks[:40])
     ref = torch.tensor(llm.scores[:40])
