@@ -13,7 +13,7 @@ from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.tokenizer import Tokenizer
 from moestream.models import ARCHITECTURES
 from moestream.models.loader import config_from_gguf
-from moestream.streaming.expert_store import ExpertStore
+from moestream.streaming.expert_store import ExpertStore, is_routed_expert_tensor
 
 FLOAT_TYPES = {0, 1}  # F32, F16: computed in float32 (exact mode)
 
@@ -99,11 +99,18 @@ def tokenizer_if_any(f: GGUFFile) -> Tokenizer | None:
         return None
 
 
-def dense_estimate(f: GGUFFile, exact: bool) -> int:
-    """Bytes the resident weights will take, from the tensor table alone (checked before loading)."""
+def trunk_blocks(cfg: Any) -> int:
+    """The blocks the model runs: every block but the multi-token-prediction ones a file may append."""
+    return getattr(cfg, "n_blocks", cfg.n_layers)
+
+
+def dense_estimate(f: GGUFFile, exact: bool, n_blocks: int | None = None) -> int:
+    """Bytes the resident weights will take, from the tensor table alone (checked before loading).
+
+    n_blocks: tensors of blocks from this one on (multi-token-prediction blocks, never loaded) are left out."""
     total = 0
     for t in f.tensors.values():
-        if "_exps." in t.name:
+        if is_routed_expert_tensor(t.name) or n_blocks is not None and _block_of(t.name) >= n_blocks:
             continue
         if len(t.shape) != 2 or "ffn_gate_inp" in t.name:
             total += _numel(t.shape) * 4  # norms, routers: float32
@@ -114,6 +121,12 @@ def dense_estimate(f: GGUFFile, exact: bool) -> int:
         else:
             total += linear.packed_nbytes(t.ggml_type, t.shape[0], t.shape[1], exact)
     return total
+
+
+def _block_of(name: str) -> int:
+    """The block number of a `blk.N.*` tensor; -1 for the others (embedding, head, final norm)."""
+    parts = name.split(".", 2)
+    return int(parts[1]) if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() else -1
 
 
 def _numel(shape: tuple[int, ...]) -> int:

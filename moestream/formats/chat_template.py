@@ -116,7 +116,7 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _prepare_message(message: Any) -> dict[str, Any]:
+def _prepare_message(message: Any, style: tuple[bool, bool]) -> dict[str, Any]:
     msg = _plain(message)
     if not isinstance(msg, dict):
         raise MoestreamError(f"a chat message must be a dict with 'role' and 'content', got {message!r}")
@@ -125,7 +125,60 @@ def _prepare_message(message: Any) -> dict[str, Any]:
     reasoning = next((msg[k] for k in _REASONING_FIELDS if k in msg), None)
     if reasoning is not None:
         msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
+    return _styled(msg, style)
+
+
+def _styled(msg: dict[str, Any], style: tuple[bool, bool]) -> dict[str, Any]:
+    """A tool-calling assistant turn the way the template reads it: style = (arguments as JSON text,
+    content None where the turn has no text)."""
+    string_arguments, null_content = style
+    if not (isinstance(msg.get("tool_calls"), list) and msg["tool_calls"]):
+        return msg
+    msg = dict(msg)
+    if null_content and not msg.get("content"):
+        msg["content"] = None
+    if string_arguments:
+        msg["tool_calls"] = [_arguments_as_text(c) for c in msg["tool_calls"]]
     return msg
+
+
+def _arguments_as_text(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or isinstance(fn.get("arguments"), str):
+        return call
+    return {**call, "function": {**fn, "arguments": json.dumps(fn.get("arguments", {}), ensure_ascii=False)}}
+
+
+_PROBE_MESSAGES = [
+    {"role": "user", "content": "probe"},
+    {
+        "role": "assistant",
+        "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {"k": "v"}}}],
+    },
+    {"role": "tool", "tool_call_id": "call_0", "content": "probe"},
+]
+
+
+@lru_cache(maxsize=8)
+def _tool_call_style(template: str) -> tuple[bool, bool]:
+    """How the template wants a tool-calling assistant turn: HF's object arguments and no content key
+    (the default), or what DeepSeek's templates need: arguments concatenated as text
+    (`'...' + tool['function']['arguments']`) and `content is none` tested. Found by rendering a probe
+    conversation each way, as llama.cpp's minja probes a template's needs."""
+    for style in ((False, False), (True, False), (False, True), (True, True)):
+        try:
+            _compile(template).render(
+                messages=[_styled(m, style) for m in _PROBE_MESSAGES],
+                tools=None,
+                documents=None,
+                add_generation_prompt=True,
+                bos_token="",
+                eos_token="",
+            )
+            return style
+        except Exception:  # any failure means "not this way"
+            continue
+    return (False, False)
 
 
 def render_chat(
@@ -148,8 +201,9 @@ def render_chat(
             "pass a working template"
         ) from None
     try:
+        style = _tool_call_style(template)
         return compiled.render(
-            messages=[_prepare_message(m) for m in messages],
+            messages=[_prepare_message(m, style) for m in messages],
             tools=_plain(tools),
             documents=None,
             add_generation_prompt=add_generation_prompt,

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server: the endpoints (requests -> engine jobs -> answers), the app and serve().
 
-Tool calls (Qwen3/Hermes `<tool_call>{json}</tool_call>` blocks) are parsed on the asyncio side, from the
-text the worker sends.
+Thinking blocks and tool calls, in the format of the model's family (chat_formats), are parsed on the
+asyncio side, from the text the worker sends.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
 from moestream.formats.chat_template import render_chat
+from moestream.serving.chat_formats import OutputParser, chat_format, starts_thinking, tool_system_prompt
 from moestream.serving.schemas import (
     MAX_BODY_BYTES,
     MAX_STOP,
@@ -35,7 +36,7 @@ from moestream.serving.schemas import (
     Sampling,
     parse_body,
 )
-from moestream.serving.text import Answer, ToolCallParser, finish_reason_with_calls, sse
+from moestream.serving.text import Answer, finish_reason_with_calls, sse
 from moestream.serving.worker import DoneEvent, ErrorEvent, Event, Job, TextEvent, Worker, metrics_text
 
 DISCONNECT_POLL_S = 0.1
@@ -89,6 +90,8 @@ class Service:
         self.max_body_bytes = max_body_bytes
         self.worker = Worker(engine, on_fatal)
         self.created = int(time.time())
+        self.format = chat_format(self.tok.chat_template)
+        self._keep: dict[tuple[str, ...], frozenset[int]] = {}
 
     # -- endpoints ---------------------------------------------------------------------------------
 
@@ -97,10 +100,12 @@ class Service:
         self.check_model(req.model)
         if req.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
-        prompt, use_tools = self.chat_prompt(req)
+        prompt, parser = self.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = self.make_job(req, prompt, max_tokens, "messages")
-        return await self.answer(request, job, req, chat=True, use_tools=use_tools)
+        markers = self.format.think_markers + (self.format.tool_markers if parser.use_tools else ())
+        job.keep_ids = self.keep_ids(markers)
+        return await self.answer(request, job, req, parser)
 
     async def completions(self, request: Request) -> Any:
         req = await parse_body(request, CompletionRequest, self.max_body_bytes)
@@ -111,7 +116,7 @@ class Service:
         if req.best_of not in (None, 1):
             raise APIError(400, "only best_of=1 is supported", param="best_of", code="unsupported_value")
         job = self.make_job(req, self.completion_prompt(req), req.max_tokens, "prompt")
-        return await self.answer(request, job, req, chat=False, use_tools=False)
+        return await self.answer(request, job, req, None)
 
     def model_card(self, name: str | None = None) -> dict[str, Any]:
         if name is not None:
@@ -140,14 +145,24 @@ class Service:
                 code="model_not_found",
             )
 
-    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], bool]:
+    def keep_ids(self, markers: tuple[str, ...]) -> frozenset[int]:
+        """The special tokens among `markers` (each one token in this vocabulary): written as text, so
+        that the output parser sees them."""
+        if markers not in self._keep:
+            ids = (self.tok.encode(m, add_bos=False) for m in markers)
+            self._keep[markers] = frozenset(i[0] for i in ids if len(i) == 1 and self.tok.is_special(i[0]))
+        return self._keep[markers]
+
+    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], OutputParser]:
         tok = self.tok
         if not tok.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         use_tools = bool(req.tools) and req.tool_choice != "none"
-        if use_tools and "tools" not in tok.chat_template:
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if use_tools else None
+        tool_prompt = tool_system_prompt(self.format, tok.chat_template, tools) if tools else None
+        if use_tools and "tools" not in tok.chat_template and tool_prompt is None:
             raise APIError(400, "this model's chat template does not support tools", param="tools")
         extra = req.chat_template_kwargs or {}
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(extra))
@@ -159,7 +174,8 @@ class Service:
                 code="invalid_value",
             )
         messages = [message_dict(m, i) for i, m in enumerate(req.messages)]
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if use_tools else None
+        if tool_prompt is not None:
+            messages = with_system_text(messages, tool_prompt)
         try:
             text = render_chat(
                 tok.chat_template,
@@ -173,7 +189,10 @@ class Service:
             raise APIError(400, str(exc), param="messages") from None
         # a template that writes the BOS token itself must not get a second one
         add_bos = False if tok.bos_token and text.startswith(tok.bos_token) else None
-        return tok.encode(text, add_bos=add_bos), use_tools
+        parser = OutputParser(
+            self.format, use_tools=use_tools, thinking=starts_thinking(self.format, text), tools=tools
+        )
+        return tok.encode(text, add_bos=add_bos), parser
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         p = req.prompt
@@ -258,9 +277,10 @@ class Service:
             job.cancelled.set()  # no-op once finished; otherwise stops the engine at its next token
             watcher.cancel()
 
-    async def answer(self, request: Request, job: Job, req: Sampling, *, chat: bool, use_tools: bool) -> Any:
+    async def answer(self, request: Request, job: Job, req: Sampling, parser: OutputParser | None) -> Any:
+        """A chat answer goes through its parser; a completion (parser None) is text as generated."""
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-        fmt = Answer(chat, self.model_name, include_usage)
+        fmt = Answer(parser is not None, self.model_name, include_usage)
         if req.stream:
             # the status line waits for the generation's first event: an error before the first token is
             # a proper 4xx/5xx answer, never a 200 with the error inside the stream
@@ -274,7 +294,7 @@ class Service:
                 await events.aclose()
                 raise first.error
             return StreamingResponse(
-                self.stream(first, events, fmt, ToolCallParser() if use_tools else None),
+                self.stream(first, events, fmt, parser),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -286,11 +306,11 @@ class Service:
                 elif isinstance(ev, ErrorEvent):
                     raise ev.error
                 else:
-                    return fmt.whole("".join(parts), ev.finish_reason, ev.usage, use_tools)
+                    return fmt.whole("".join(parts), ev.finish_reason, ev.usage, parser)
         raise APIError(500, "generation ended without a result", type="server_error")
 
     async def stream(
-        self, first: Event, events: AsyncIterator[Event], fmt: Answer, parser: ToolCallParser | None
+        self, first: Event, events: AsyncIterator[Event], fmt: Answer, parser: OutputParser | None
     ) -> AsyncIterator[str]:
         """The SSE body of a generation whose first event (text or the end, not an error) is known."""
 
@@ -415,6 +435,13 @@ def message_dict(m: Message, i: int) -> dict[str, Any]:
             if isinstance(parsed, dict):
                 fn["arguments"] = parsed
     return d
+
+
+def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """`text` appended to the system message (a new first message where there is none)."""
+    if messages and messages[0]["role"] == "system" and isinstance(messages[0].get("content"), str):
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def default_model_name(path: str) -> str:

@@ -58,6 +58,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    keep_ids: frozenset[int] = frozenset()  # special tokens written as text (a chat format's markers)
 
     def emit(self, event: Event) -> None:
         """Called from the worker thread: hand the event to the request's event loop."""
@@ -163,6 +164,7 @@ class Worker:
                 job.sampler,
                 stop_ids=self.engine.tokenizer.stop_ids,
                 stop=job.stop,
+                keep=job.keep_ids,
             )
             with closing(steps):
                 for last in steps:

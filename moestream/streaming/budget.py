@@ -43,6 +43,15 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak resident set. VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a
+    process started from a large parent (a test runner) would report the parent's size as its own peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -1,0 +1,305 @@
+"""What each model family writes around its answer: thinking blocks and tool calls, told apart from the
+content, as llama.cpp's chat parsers do.
+
+The family is read off the chat template (the markers it writes), never set by the user:
+- Qwen3/Hermes (the default): `<tool_call>{json}</tool_call>`; thinking stays in the content as written.
+- DeepSeek V3/R1: `<think>...</think>` (R1's template opens it in the prompt, so the answer starts inside
+  it), calls `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{..}\\n```
+  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`; V3.1 writes `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{..}`.
+- Kimi-K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>
+  {..}<|tool_call_end|>...<|tool_calls_section_end|>`.
+- GLM-4.5/4.6: `<think>...</think>`, calls `<tool_call>NAME\\n<arg_key>k</arg_key>\\n<arg_value>v
+  </arg_value>\\n</tool_call>` with each value as text (JSON for non-string parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from moestream.serving.text import ParsedCall, Reasoning, ToolCall, ToolCallParser, hermes_call, partial_suffix
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+Piece = str | Reasoning | ToolCall
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    name: str
+    thinks: bool  # the answer may open with a <think> block
+    tool_open: str
+    tool_close: str
+    # body of one block -> calls (None: not a call, pass the block on as text); tools: the request's
+    parse: Callable[[str, dict[str, dict[str, Any]]], list[ParsedCall] | None]
+    close_optional: bool  # a block the generation ended inside still counts
+    tool_markers: tuple[str, ...]  # tokens the tool parser must see as text
+
+    @property
+    def think_markers(self) -> tuple[str, ...]:
+        return (THINK_OPEN, THINK_CLOSE) if self.thinks else ()
+
+
+# ---------------------------------------------------------------------------------------- call bodies
+
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+_DS_FENCED = re.compile(r"([^\n]+)\n```(?:json)?\n(.*?)\n?```\s*$", re.DOTALL)
+
+
+def _json_object(text: str) -> str | None:
+    """`text` as compact-as-written JSON object text, or None when it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    return json.dumps(obj, ensure_ascii=False) if isinstance(obj, dict) else None
+
+
+def deepseek_calls(body: str, tools: dict[str, dict[str, Any]]) -> list[ParsedCall] | None:
+    """The calls between <｜tool▁calls▁begin｜> and <｜tool▁calls▁end｜>: R1/V3's `function<｜tool▁sep｜>NAME`
+    + fenced JSON, or V3.1's `NAME<｜tool▁sep｜>JSON`."""
+    calls: list[ParsedCall] = []
+    for part in body.split(DS_CALL_BEGIN)[1:]:
+        part = part.split(DS_CALL_END, 1)[0]
+        head, sep, rest = part.partition(DS_SEP)
+        if not sep:
+            return None
+        fenced = _DS_FENCED.match(rest) if head.strip() == "function" else None
+        name, args = (fenced.group(1), fenced.group(2)) if fenced else (head, rest)
+        args_json = _json_object(args.strip())
+        if not name.strip() or args_json is None:
+            return None
+        calls.append((name.strip(), args_json, None))
+    return calls or None
+
+
+KIMI_CALL_BEGIN, KIMI_ARGS, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+_KIMI_ID = re.compile(r"^(?:functions\.)?(.+?)(?::\d+)?$")
+
+
+def kimi_calls(body: str, tools: dict[str, dict[str, Any]]) -> list[ParsedCall] | None:
+    """The calls in a Kimi-K2 section; the id it writes (`functions.NAME:0`) is kept as the call's id,
+    since Kimi's template writes it back with the tool's result."""
+    calls: list[ParsedCall] = []
+    for part in body.split(KIMI_CALL_BEGIN)[1:]:
+        part = part.split(KIMI_CALL_END, 1)[0]
+        call_id, sep, args = part.partition(KIMI_ARGS)
+        m = _KIMI_ID.match(call_id.strip())
+        args_json = _json_object(args.strip())
+        if not sep or m is None or args_json is None:
+            return None
+        calls.append((m.group(1), args_json, call_id.strip()))
+    return calls or None
+
+
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def glm_call(body: str, tools: dict[str, dict[str, Any]]) -> list[ParsedCall] | None:
+    """One GLM-4.5 block: the name, then key/value pairs. A value is text as written where the tool's
+    schema says the parameter is a string, else JSON if it parses (numbers, lists, ...), else text."""
+    name = body.split("<arg_key>", 1)[0].strip()
+    if not name or "\n" in name:
+        return None
+    props = (tools.get(name) or {}).get("parameters", {}).get("properties", {})
+    args: dict[str, Any] = {}
+    for key, value in _GLM_ARG.findall(body):
+        key = key.strip()
+        if (props.get(key) or {}).get("type") == "string":
+            args[key] = value
+            continue
+        try:
+            args[key] = json.loads(value)
+        except ValueError:
+            args[key] = value
+    return [(name, json.dumps(args, ensure_ascii=False), None)]
+
+
+# ------------------------------------------------------------------------------------------ families
+
+QWEN = ChatFormat("qwen", False, "<tool_call>", "</tool_call>", lambda b, t: hermes_call(b), False, ())
+DEEPSEEK = ChatFormat(
+    "deepseek",
+    True,
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    deepseek_calls,
+    True,
+    ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", DS_CALL_BEGIN, DS_SEP, DS_CALL_END),
+)
+KIMI_K2 = ChatFormat(
+    "kimi-k2",
+    True,
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    kimi_calls,
+    True,
+    ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", KIMI_CALL_BEGIN, KIMI_ARGS, KIMI_CALL_END),
+)
+GLM = ChatFormat(
+    "glm-4.5",
+    True,
+    "<tool_call>",
+    "</tool_call>",
+    glm_call,
+    True,
+    ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+)
+
+
+def chat_format(template: str | None) -> ChatFormat:
+    """The family a chat template belongs to, from the markers it writes."""
+    t = template or ""
+    if "<｜tool▁calls▁begin｜>" in t or "<｜Assistant｜>" in t:
+        return DEEPSEEK
+    if "<|tool_calls_section_begin|>" in t or "<|im_assistant|>" in t:
+        return KIMI_K2
+    if "<arg_key>" in t or "[gMASK]<sop>" in t:
+        return GLM
+    return QWEN
+
+
+def starts_thinking(fmt: ChatFormat, prompt: str) -> bool:
+    """Whether the prompt leaves the model inside a thinking block (R1's and V3.1's templates open it)."""
+    return fmt.thinks and prompt.rstrip().endswith(THINK_OPEN)
+
+
+def tool_system_prompt(fmt: ChatFormat, template: str, tools: list[dict[str, Any]]) -> str | None:
+    """For templates that never write the request's tools (DeepSeek's), the tool list and the call
+    format in words, for the system prompt; None where the template writes them itself."""
+    if fmt is not DEEPSEEK or "tools" in template:
+        return None
+    v31 = "tool['function']['name'] + '<｜tool▁sep｜>'" in template
+    lines = ["## Tools", "You have access to the following tools:"]
+    for tool in tools:
+        fn = tool.get("function", {})
+        lines += [
+            "",
+            f"### {fn.get('name', '')}",
+            f"Description: {fn.get('description', '')}",
+            "",
+            f"Parameters: {json.dumps(fn.get('parameters', {}), ensure_ascii=False)}",
+        ]
+    call = (
+        "tool_call_name<｜tool▁sep｜>tool_call_arguments"
+        if v31
+        else ("function<｜tool▁sep｜>tool_call_name\n```json\ntool_call_arguments\n```")
+    )
+    lines += [
+        "",
+        "IMPORTANT: ALWAYS adhere to this exact format for tool use:",
+        f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{call}<｜tool▁call▁end｜>{{additional_tool_calls}}"
+        "<｜tool▁calls▁end｜>",
+        "",
+        "Where:",
+        "- `tool_call_name` must be an exact match to one of the available tools",
+        "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema",
+        "- For multiple tool calls, chain them directly without separators or spaces",
+    ]
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------- the parser
+
+
+class OutputParser:
+    """Splits a streamed answer into Reasoning, content (str) and ToolCall pieces for one family.
+
+    Reasoning is the text of a leading <think> block (or of the block the prompt opened), without the
+    whitespace around it; text that might be a marker's start is held back until it is known not to be.
+    Tool calls are parsed only when the request gave tools. Qwen's answers pass through unchanged.
+    """
+
+    def __init__(
+        self,
+        fmt: ChatFormat,
+        *,
+        use_tools: bool,
+        thinking: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ):
+        self.fmt = fmt
+        self.use_tools = use_tools
+        self.state = "reasoning" if thinking and fmt.thinks else "start" if fmt.thinks else "content"
+        self.buf = ""
+        self.space = ""  # trailing whitespace of the reasoning, held back
+        self.began = False  # some reasoning was sent (leading whitespace is dropped until then)
+        by_name = {t.get("function", {}).get("name"): t.get("function", {}) for t in tools or []}
+        self.tools = (
+            ToolCallParser(fmt.tool_open, fmt.tool_close, lambda b: fmt.parse(b, by_name), fmt.close_optional)
+            if use_tools
+            else None
+        )
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.tools.calls if self.tools else []
+
+    def feed(self, text: str) -> list[Piece]:
+        self.buf += text
+        out: list[Piece] = []
+        if self.state == "start":
+            head = self.buf.lstrip()
+            if head.startswith(THINK_OPEN):
+                self.buf, self.state = head[len(THINK_OPEN) :], "reasoning"
+            elif THINK_OPEN.startswith(head):
+                return out  # nothing yet, or the start of <think>: wait
+            else:
+                self.state = "content"
+        if self.state == "reasoning":
+            i = self.buf.find(THINK_CLOSE)
+            if i < 0:
+                cut = len(self.buf) - partial_suffix(self.buf, [THINK_CLOSE])
+                self._reason(self.buf[:cut], out)
+                self.buf = self.buf[cut:]
+                return out
+            self._reason(self.buf[:i], out)
+            self.buf, self.space, self.state = self.buf[i + len(THINK_CLOSE) :], "", "after"
+        if self.state == "after":
+            self.buf = self.buf.lstrip()
+            if not self.buf:
+                return out
+            self.state = "content"
+        text, self.buf = self.buf, ""
+        if self.tools:
+            out.extend(self.tools.feed(text))
+        elif text:
+            out.append(text)
+        return out
+
+    def finish(self) -> list[Piece]:
+        """At the end of generation: whatever is held back (an unclosed thinking block is reasoning)."""
+        out: list[Piece] = []
+        if self.state == "reasoning":
+            self._reason(self.buf, out)
+            self.buf = ""
+        elif self.state == "start":
+            self.state = "content"
+        if self.state == "content":
+            text, self.buf = self.buf, ""
+            if self.tools:
+                out.extend((self.tools.feed(text) if text else []) + self.tools.finish())
+            elif text:
+                out.append(text)
+        return out
+
+    def _reason(self, text: str, out: list[Piece]) -> None:
+        if not self.began:
+            text = text.lstrip()
+        body = text.rstrip()
+        if body:
+            out.append(Reasoning(self.space + body))
+            self.began = True
+            self.space = ""
+        self.space += text[len(body) :]
+
+
+def split_answer(parser: OutputParser, text: str) -> tuple[str, str, list[ToolCall]]:
+    """A whole answer as (reasoning, content, calls)."""
+    pieces = parser.feed(text) + parser.finish()
+    reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
+    content = "".join(p for p in pieces if isinstance(p, str))
+    return reasoning, content, parser.calls
