@@ -197,8 +197,8 @@ def test_layer_major_prefill_equals_micro_batch_major(tiny, tmp_path, stream):
         assert tokens == mb_tokens, n
         assert rel_error(logits, mb_logits) < 1e-4, n
         assert all(got <= distinct for got, distinct in reads.values()), reads
-        if stream and n == 10:  # the micro-batches read some experts of a layer more than once
-            assert sum(r for r, _ in mb_reads.values()) > sum(r for r, _ in reads.values())
+        if stream and n == 10:  # the micro-batches read experts again where the cache cannot hold a layer's
+            assert sum(r for r, _ in mb_reads.values()) >= sum(r for r, _ in reads.values())
 
 
 def test_prompt_reuse_gives_samerandom_tokens(tiny):
