@@ -6,12 +6,14 @@ common.py (norms, RoPE, KV cache, routing)."""
 
 from moestream.models.deepseek2 import DeepSeek2
 from moestream.models.glm4moe import Glm4Moe
+from moestream.models.gpt_oss import GptOss
 from moestream.models.qwen3moe import Qwen3Moe
 from moestream.models.qwen35moe import Qwen35Moe
 
 ARCHITECTURES = {
     "deepseek2": DeepSeek2,
     "glm4moe": Glm4Moe,
+    "gpt-oss": GptOss,
     "qwen3moe": Qwen3Moe,
     "qwen35moe": Qwen35Moe,
 }
