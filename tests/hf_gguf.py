@@ -919,10 +919,10 @@ def write_gpt_oss_from_hf(
         if mxfp4 is not None:
             blocks, scales = mxfp4[ex + "gate_up_proj"]
             packed = mxfp4_to_ggml(blocks, scales)  # [E, 2F, H/32*17]
-            for w, rows in (("gate", packed[:, 0::2]), ("up", packed[:, 1::2])):
-                specs.append(array_tensor(f"{p}ffn_{w}_exps.weight", T.MXFP4, rows.shape, np.ascontiguousarray(rows)))
             down = mxfp4_to_ggml(*mxfp4[ex + "down_proj"])
-            specs.append(array_tensor(f"{p}ffn_down_exps.weight", T.MXFP4, down.shape, down))
+            for w, rows in (("gate", packed[:, 0::2]), ("up", packed[:, 1::2]), ("down", down)):
+                shape = (*rows.shape[:-1], rows.shape[-1] // 17 * 32)
+                specs.append(array_tensor(f"{p}ffn_{w}_exps.weight", T.MXFP4, shape, np.ascontiguousarray(rows)))
         else:
             gate_up = sd[ex + "gate_up_proj"].transpose(-1, -2)  # [E, 2F, H]
             experts(p + "ffn_gate_exps.weight", gate_up[:, 0::2])
