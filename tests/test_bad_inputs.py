@@ -89,9 +89,9 @@ def test_truncated_header(tiny, tmp_path, capsys):
 
 
 def test_unsupported_architecture(tiny, tmp_path, capsys):
-    p = str(tmp_path / "llama.gguf")
-    _rewrite(tiny, p, arch="llama")
-    _one_line_error(capsys, run(p), "'llama'", "not supported")
+    p = str(tmp_path / "falcon.gguf")
+    _rewrite(tiny, p, arch="falcon")
+    _one_line_error(capsys, run(p), "'falcon'", "not supported")
 
 
 def test_unsupported_weight_type(tiny, tmp_path, capsys):

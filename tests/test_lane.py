@@ -1,5 +1,5 @@
-"""The lane-layout VNNI kernels (native/qmm.c) against the gguf reference decoder and a numpy model of the
-int8 activation quantization they apply."""
+"""The lane-layout VNNI kernels (native/qmm_vnni.c, packed by lane_pack.c) against the gguf reference decoder
+and a numpy model of the int8 activation quantization they apply."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
+from moestream.streaming.expert_store import PER_EXPERT_TENSOR, is_routed_expert_tensor
 from tests.hf_gguf import (
     DEEPSEEK_V2,
     DEEPSEEK_V2_LITE,
@@ -34,10 +35,12 @@ from tests.hf_gguf import (
     rel_error,
     tiny_vocab_size,
 )
+from tests.hf_gguf_gqa import MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE
 
 transformers = pytest.importorskip("transformers")
 
-ARCH_CASES = [QWEN3MOE, QWEN35MOE, DEEPSEEK_V2_LITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM4MOE, GLM45_AIR, GPT_OSS]
+ARCH_CASES = [QWEN3MOE, QWEN35MOE, DEEPSEEK_V2_LITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM4MOE, GLM45_AIR]
+ARCH_CASES += [MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE, GPT_OSS]
 N_PROMPT, N_DECODE = 80, 16  # the prompt is longer than one DeltaNet chunk (64)
 
 
@@ -179,6 +182,14 @@ def test_llama_cpp_reads_the_same_model(tiny):
     """llama.cpp's own graph on the same file: names, head order and norm offsets agree with it."""
     llama_cpp = pytest.importorskip("llama_cpp")
     _, path, toks, _, _ = tiny
+    f = GGUFFile(path)
+    per_expert = any(PER_EXPERT_TENSOR.fullmatch(name) for name in f.tensors)
+    lite = f.arch == "deepseek2" and "deepseek2.attention.q_lora_rank" not in f.metadata
+    f.close()
+    if per_expert:
+        pytest.skip("llama.cpp no longer loads files with one tensor per expert")
+    if lite:  # moestream reads the absent key as "no q LoRA", whatever the depth
+        pytest.skip("llama.cpp takes a deepseek2 file without q_lora_rank for V2-Lite only at its 27 layers")
     llm = llama_cpp.Llama(model_path=path, n_ctx=128, logits_all=True, verbose=False, n_threads=1)
     llm.eval(toks[:40])
     ref = torch.tensor(llm.scores[:40])
@@ -200,7 +211,7 @@ def _kind(name: str, ndim: int) -> str:
     """Which type the converter gives a tensor: the routed experts', the dense one, or F32."""
     if name.endswith(".bias"):  # the converter keeps every bias F32 (GPT-OSS's experts' are 2-D)
         return "f32"
-    if "_exps." in name:
+    if is_routed_expert_tensor(name):
         return "expert"
     if ndim == 1 or "norm" in name or "ffn_gate_inp" in name or name.endswith(("ssm_conv1d.weight", "ssm_a")):
         return "f32"

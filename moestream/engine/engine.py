@@ -28,7 +28,7 @@ from moestream.streaming.elastic import ElasticWatcher
 from moestream.streaming.expert_cache import ExpertCache
 from moestream.streaming.mlock import LockReport, lock_dense, routed_nbytes
 from moestream.streaming.read_ahead import decode_slots, prompt_slots
-from moestream.streaming.reader import ExpertReader, run_length
+from moestream.streaming.reader import ExpertReader
 
 
 class Engine:
@@ -101,7 +101,7 @@ class Engine:
             direct=o.direct,
             buffers=single,
             run_buffers=runs,
-            run_len=run_length(seg, self.cfg.n_experts),
+            run_len=self.store.run_len,
         )
 
     def _open_cache(self, n_slots: int, read_ahead: bool) -> ExpertCache:

@@ -21,7 +21,7 @@ from moestream.streaming.budget import (
 )
 from moestream.streaming.expert_store import ExpertStore
 from moestream.streaming.read_ahead import AHEAD_MIN_LAYERS, ahead_experts, ahead_reads
-from moestream.streaming.reader import ALIGN, run_length
+from moestream.streaming.reader import ALIGN
 
 DEFAULT_UBATCH = 128  # small micro-batches keep compute buffers and the expert union small
 # What the runtime itself grows by while loading (kernels and the C library initialised on first use, heap
@@ -45,14 +45,14 @@ def read_buffers(
         return single, 0
     if not run_reads:
         return single + 3 * ahead_experts(cfg.n_experts), 0
-    run_len = run_length(store.max_segment_nbytes, cfg.n_experts)
+    run_len = store.run_len
     return single, ahead_reads(cfg.n_experts, run_len) + RUN_BUFFERS_PER_THREAD * io_threads
 
 
 def reader_nbytes(cfg: Any, store: ExpertStore, io_threads: int, read_ahead: bool, run_reads: bool = False) -> int:
     single, runs = read_buffers(cfg, store, io_threads, read_ahead, run_reads)
     seg = store.max_segment_nbytes
-    return single * (seg + 3 * ALIGN) + runs * (run_length(seg, cfg.n_experts) * seg + 3 * ALIGN)
+    return single * (seg + 3 * ALIGN) + runs * (store.run_len * seg + 3 * ALIGN)
 
 
 def _plan_args(model: OpenModel, ctx: int, io_threads: int, ubatch: int, budget_mb: int | None) -> dict:

@@ -47,6 +47,10 @@ class Weights(Protocol):
 
     def linear(self, name: str, out_features: int, in_features: int) -> QLinear: ...
 
+    def linear_rows(self, name: str, out_features: int, in_features: int, order: Sequence[int]) -> QLinear:
+        """As linear, its output rows reordered: row i is the file's row order[i] (llama's q/k rotary layout)."""
+        ...
+
     def fused(self, parts: Sequence[tuple[str, int, int]]) -> Fused:
         """Several projections of one input, each (name, out_features, in_features), as few matmuls."""
         ...
@@ -118,6 +122,17 @@ class GGUFWeights:
     def linear(self, name: str, out_features: int, in_features: int) -> QLinear:
         info = self._checked(name, (out_features, in_features))
         lin = linear.from_gguf(self.f.read(name), info.ggml_type, out_features, in_features, self.exact)
+        self.nbytes += lin.nbytes
+        self.linears.append(lin)
+        return lin
+
+    def linear_rows(self, name: str, out_features: int, in_features: int, order: Sequence[int]) -> QLinear:
+        info = self._checked(name, (out_features, in_features))
+        if sorted(order) != list(range(out_features)):
+            raise ValueError(f"{name}: the row order is not a permutation of its {out_features} rows")
+        # a row is whole quantization blocks (they run along the input dimension), so rows move as bytes
+        raw = self.f.read(name).reshape(out_features, -1)[np.asarray(order)].reshape(-1)
+        lin = linear.from_gguf(raw, info.ggml_type, out_features, in_features, self.exact)
         self.nbytes += lin.nbytes
         self.linears.append(lin)
         return lin

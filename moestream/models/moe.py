@@ -201,6 +201,20 @@ def run_experts(
     return out
 
 
+def expect_experts(w: Weights, p: str, n_experts: int, ffn: int, hidden: int) -> None:
+    """The routed experts are streamed by the provider; their shapes are checked here all the same: merged
+    `ffn_*_exps` [E, rows, cols], or (older llama-arch Mixtral files) one `ffn_*.E` tensor per expert."""
+    if not w.has(p + "ffn_gate_exps.weight") and w.has(p + "ffn_gate.0.weight"):
+        for e in range(n_experts):
+            w.expect(f"{p}ffn_gate.{e}.weight", (ffn, hidden))
+            w.expect(f"{p}ffn_up.{e}.weight", (ffn, hidden))
+            w.expect(f"{p}ffn_down.{e}.weight", (hidden, ffn))
+        return
+    w.expect(p + "ffn_gate_exps.weight", (n_experts, ffn, hidden))
+    w.expect(p + "ffn_up_exps.weight", (n_experts, ffn, hidden))
+    w.expect(p + "ffn_down_exps.weight", (n_experts, hidden, ffn))
+
+
 class MoE:
     """One layer's MoE FFN. The router ([E, hidden] float32: routing stays exact) and, when there is one,
     the shared expert's sigmoid gate run as one matmul."""
@@ -246,10 +260,7 @@ class MoE:
             biases = [w.array(f"{p}ffn_{proj}_exps.bias", (n_experts, rows))
                       for proj, rows in (("gate", expert_ffn), ("up", expert_ffn), ("down", hidden))]  # fmt: skip
             self.ffn = ClampedSwiGLU(*biases, *clamped_swiglu)
-        # the routed experts are streamed by the provider; their shapes are checked here all the same
-        w.expect(p + "ffn_gate_exps.weight", (n_experts, expert_ffn, hidden))
-        w.expect(p + "ffn_up_exps.weight", (n_experts, expert_ffn, hidden))
-        w.expect(p + "ffn_down_exps.weight", (n_experts, hidden, expert_ffn))
+        expect_experts(w, p, n_experts, expert_ffn, hidden)
         self.shared: Fused | None = None
         if shared_ffn:
             self.shared = w.fused([(p + "ffn_gate_shexp.weight", shared_ffn, hidden),

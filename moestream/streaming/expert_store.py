@@ -1,17 +1,33 @@
 """Where every routed expert lives in the model file.
 
 In a GGUF, `blk.L.ffn_{gate,up,down}_exps.weight` are 3-D tensors [E, rows, cols]; expert e of layer L is
-the e-th contiguous slice of each of the three. The store turns (layer, expert) into three byte ranges, and
-says how many bytes the expert takes once packed into the form the kernels compute from.
+the e-th contiguous slice of each of the three. Older Mixtral files (llama arch) hold one 2-D tensor per
+expert instead, `blk.L.ffn_{gate,up,down}.E.weight`, wherever the writer put them: then consecutive experts
+are not adjacent in the file and run reads take one expert each (run_len 1). The store turns
+(layer, expert) into three byte ranges, and says how many bytes the expert takes once packed into the form
+the kernels compute from.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from moestream.compute import linear
 from moestream.errors import ModelFileError
-from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.gguf_file import GGUFFile, TensorInfo
+from moestream.streaming.reader import run_length
+
+# one tensor per expert (older llama-arch Mixtral files): blk.L.ffn_gate.E.weight
+PER_EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")
+
+
+def is_routed_expert_tensor(name: str) -> bool:
+    """True for the tensors the cache streams (never resident): merged `*_exps` or per-expert ones. Expert
+    biases (GPT-OSS's `ffn_*_exps.bias`, [E, rows] float32) are small and stay resident with the model."""
+    if "_exps." in name:
+        return not name.endswith(".bias")
+    return PER_EXPERT_TENSOR.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)
@@ -66,17 +82,20 @@ class ExpertStore:
         self.n_experts = n_experts
         self.exact = exact
         self._base: list[tuple[Segment, Segment, Segment]] = []  # expert 0's segments per layer
+        # per-expert files: every expert's own segments, per layer (None where the layer's tensors are merged)
+        self._split: list[list[tuple[Segment, Segment, Segment]] | None] = []
         self.layouts: list[ExpertLayout] = []
         for layer in range(n_layers):
-            segs = []
-            for proj in PROJECTIONS:
-                info = gguf.tensor(f"blk.{first_block + layer}.ffn_{proj}_exps.weight")
-                if len(info.shape) != 3 or info.shape[0] != n_experts:
-                    raise ModelFileError(
-                        f"{gguf.path}: {info.name} has shape {info.shape}, expected [{n_experts}, rows, cols]"
-                    )
-                per_expert = info.nbytes // n_experts
-                segs.append(Segment(info.offset, per_expert, info.ggml_type, info.shape[1], info.shape[2]))
+            block = first_block + layer
+            per_expert = f"blk.{block}.ffn_gate.0.weight" in gguf.tensors
+            if f"blk.{block}.ffn_gate_exps.weight" in gguf.tensors or not per_expert:
+                segs = [self._merged_segment(gguf, block, proj) for proj in PROJECTIONS]
+                self._split.append(None)
+            else:
+                split = [tuple(self._expert_segment(gguf, block, proj, e) for proj in PROJECTIONS)
+                         for e in range(n_experts)]  # fmt: skip
+                self._split.append(split)  # type: ignore[arg-type]
+                segs = list(split[0])
             self._base.append(tuple(segs))
             g, u = segs[0], segs[1]
             kind = linear.compute_kind(g.ggml_type, g.n, g.k, exact)
@@ -103,8 +122,33 @@ class ExpertStore:
         self.slot_nbytes = _round_up(max(lay.packed_nbytes + 3 * 64 for lay in self.layouts), 4096)
         self.max_segment_nbytes = max(s.nbytes for segs in self._base for s in segs)
         self.expert_file_nbytes = [sum(s.nbytes for s in segs) for segs in self._base]
+        # experts e and e+1 of a layer lie back to back in each merged tensor: a prompt reads runs of them
+        self.run_len = run_length(self.max_segment_nbytes, n_experts) if not any(self._split) else 1
+
+    def _merged_segment(self, gguf: GGUFFile, block: int, proj: str) -> Segment:
+        """Expert 0's slice of a merged [E, rows, cols] tensor."""
+        info = gguf.tensor(f"blk.{block}.ffn_{proj}_exps.weight")
+        if len(info.shape) != 3 or info.shape[0] != self.n_experts:
+            raise ModelFileError(
+                f"{gguf.path}: {info.name} has shape {info.shape}, expected [{self.n_experts}, rows, cols]"
+            )
+        return Segment(info.offset, info.nbytes // self.n_experts, info.ggml_type, info.shape[1], info.shape[2])
+
+    def _expert_segment(self, gguf: GGUFFile, block: int, proj: str, expert: int) -> Segment:
+        """One expert's own 2-D tensor; every expert of the layer must match expert 0's type and shape."""
+        info: TensorInfo = gguf.tensor(f"blk.{block}.ffn_{proj}.{expert}.weight")
+        first = gguf.tensor(f"blk.{block}.ffn_{proj}.0.weight")
+        if len(info.shape) != 2 or (info.shape, info.ggml_type) != (first.shape, first.ggml_type):
+            raise ModelFileError(
+                f"{gguf.path}: {info.name} has shape {info.shape} ({info.type_name}), unlike {first.name} "
+                f"{first.shape} ({first.type_name}); every expert of a layer must have the same shape and type"
+            )
+        return Segment(info.offset, info.nbytes, info.ggml_type, info.shape[0], info.shape[1])
 
     def segments(self, layer: int, expert: int) -> tuple[Segment, Segment, Segment]:
+        split = self._split[layer]
+        if split is not None:
+            return split[expert]
         out = []
         for s in self._base[layer]:
             out.append(Segment(s.offset + expert * s.nbytes, s.nbytes, s.ggml_type, s.n, s.k))

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from moestream.formats.gguf_file import GGUFFile
+from moestream.streaming.expert_store import is_routed_expert_tensor
 
 PAGE = mmap.PAGESIZE
 CAP_IPC_LOCK = 14  # with it the kernel ignores RLIMIT_MEMLOCK
@@ -79,7 +80,7 @@ class LockReport:
 
 def routed_nbytes(f: GGUFFile) -> int:
     """Bytes of the routed expert tensors in the file (the part streamed, never locked)."""
-    return sum(t.nbytes for t in f.tensors.values() if "_exps." in t.name)
+    return sum(t.nbytes for t in f.tensors.values() if is_routed_expert_tensor(t.name))
 
 
 def resident_ranges(model: Resident) -> list[tuple[int, int]]:

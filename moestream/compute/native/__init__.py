@@ -1,4 +1,4 @@
-"""Loader for the small C library in pack.c (GGUF bytes -> torch compute forms).
+"""Loader for the small C library in this folder (pack.c: GGUF bytes -> torch compute forms; the lane kernels).
 
 The library is compiled on first use with the system C compiler into a per-user cache directory,
 keyed by a hash of the source, the flags, the compiler and the CPU, so a cache shared between machines
@@ -36,8 +36,9 @@ from moestream.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("pack.c", "qmm.c"))
-HEADERS = (Path(__file__).with_name("blocks.h"),)
+_SOURCE_NAMES = ("pack.c", "lane_pack.c", "pool.c", "qmm.c", "qmm_vnni.c", "ops.c")
+SOURCES = tuple(Path(__file__).with_name(n) for n in _SOURCE_NAMES)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("blocks.h", "internal.h"))
 ABI_VERSION = 1
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing")
 # tried in order: a CPU-tuned build, then a generic one (some compilers reject -march=native)
@@ -68,7 +69,7 @@ def _compiler() -> str | None:
 
 
 def build_library(flags: Sequence[str], out_dir: Path, cc: str | None = None) -> Path:
-    """Compile pack.c and qmm.c with exactly `flags` into out_dir and return the shared library's path.
+    """Compile the C sources with exactly `flags` into out_dir and return the shared library's path.
 
     The file name is a hash of the sources, flags, compiler and CPU, so an existing build is reused. Tests
     use this for variant builds (a sanitized one). Raises RuntimeError without a compiler or on a failed build.
@@ -225,7 +226,7 @@ def lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
 
 def lane_ok() -> bool:
-    """True when the lane-layout VNNI kernels (qmm.c) run here; MOESTREAM_NO_LANE=1 turns them off (A/B)."""
+    """True when the lane-layout VNNI kernels (qmm_vnni.c) run here; MOESTREAM_NO_LANE=1 turns them off (A/B)."""
     global _lane_ok
     library = lib()
     if library is None:
@@ -243,7 +244,7 @@ def set_threads(n: int) -> int:
 
 
 def set_spin_us(us: float) -> None:
-    """How long idle pool workers spin before sleeping (see qmm.c)."""
+    """How long idle pool workers spin before sleeping (see pool.c)."""
     library = lib()
     if library is not None:
         library.ms_set_spin_us(us)

@@ -1,0 +1,156 @@
+#ifndef MS_INTERNAL_H
+#define MS_INTERNAL_H
+
+/* moestream quantized matmul: y = x @ W.T with W kept at 4 or 8 bits, x quantized to int8 per 32 values.
+ *
+ * Weights are held in a "lane" layout made from GGUF Q4_0 / Q4_K / Q8_0 blocks by a cheap reshuffle
+ * (ms_lane_pack, about a memcpy's cost, so it can sit on the cache-miss path):
+ *
+ *   A row is cut into groups of 16 sub-blocks of 32 weights (the last group of a row may hold 8).
+ *   In a group, int32 lane j of every 64-byte vector belongs to sub-block j, so one VNNI dot product
+ *   (vpdpbusd, 4 u8 x s8 products per lane) advances all 16 sub-blocks by 4 weights, and after 8 of them
+ *   each lane holds the whole integer dot product of its sub-block: one convert and one fused multiply-add
+ *   with the lane's scale per 512 weights, instead of a scale step per block.
+ *
+ *   4-bit chunk c (0..3), lane j, byte t: low nibble = weight 4c+t of sub-block j, high = weight 16+4c+t
+ *   (exactly the byte qs[4c+t] of a Q4_0 block, so Q4_0 packs by moving dwords).
+ *   8-bit step s = 2h+... see x_step(): step s holds weights 16*(s&1) + 4*(s>>1) + t, stored as u8 (w ^ 0x80).
+ *
+ *   per group of L lanes:
+ *     Q4_0: nibbles [4][L][4] | d f16 [L]                                   18 L bytes (as GGUF)
+ *     Q4_K: nibbles [4][L][4] | sc u8 [L] | m u8 [L] | d f16 [L/8] | dmin f16 [L/8]   18.5 L bytes
+ *     Q8_0: bytes   [8][L][4] | d f16 [L]                                   34 L bytes (as GGUF)
+ *     Q5_K: nibbles [4][L][4] | fifth bits [L][4] | then as Q4_K                     22.5 L bytes (GGUF: 22)
+ *     Q6_K: nibbles [4][L][4] | high bits [2][L][4] | sc s8 [2][L] | d f16 [L/8]   26.25 L bytes (as GGUF)
+ *     IQ4_XS: nibbles [4][L][4] | sc s8 [L] | d f16 [L/8]                           17.25 L bytes (GGUF: 17)
+ *     Q3_K: pairs [2][L][4] | high bits [L][4] | sc s8 [2][L] | d f16 [L/8]         14.25 L bytes (GGUF: 13.75)
+ *     Q2_K: pairs [2][L][4] | sc|m<<4 u8 [2][L] | d f16 [L/8] | dmin f16 [L/8]      10.5 L bytes (as GGUF)
+ *
+ *   Q4_0 weight = d (q - 8); Q4_K and Q5_K weight = d sc q - dmin m; Q8_0 weight = d q;
+ *   Q6_K weight = d sc (q - 32); IQ4_XS weight = d sc kvalues[q].
+ *
+ *   Q2_K and Q3_K keep 2 bits a weight: pair byte (p, j, t) holds in bits 2i, 2i+1 the weight of step 4p + i.
+ *   Q3_K's high-bit byte (j, t) holds in bit s the third bit of step s's weight, so its weights are 0..7 and
+ *   weight = d sc (q - 4). Both have a scale per 16 weights, kept for the two halves apart as Q6_K's;
+ *   Q2_K weight = d sc q - dmin m, its mins taken off with the activations' per-half sums.
+ *
+ *   IQ4_XS's nibbles index a table of 16 int8 values; the kernel looks them up (vpshufb) as kvalues + 128,
+ *   unsigned as the VNNI product wants, and takes 128 * sum(x) back off, as Q8_0 does.
+ *
+ *   Q5_K's fifth-bit byte (j, t) holds, in bits 2c and 2c+1, the fifth bit of the weights of chunk c's low
+ *   and high nibble.
+ *
+ *   Q6_K has a scale per 16 weights. Even steps hold weights 0..15 of a sub-block and odd steps 16..31, so
+ *   the two halves accumulate apart (sc [0][L] is the first half's scale, sc [1][L] the second's) and the
+ *   -32 offset uses the activations' per-half sums. Its 6-bit values keep their low 4 bits where Q4_K keeps
+ *   its nibbles; high-bit byte (h, j, t) holds the top 2 bits of the weights of chunk 2h (bits 0-3: low then
+ *   high nibble's weight) and of chunk 2h+1 (bits 4-7).
+ *
+ * Activations: each row of x is quantized to int8 with one scale per 32 values (like llama.cpp's q8_0)
+ * and laid out in the same step order, with the per-sub-block sums the offsets need.
+ *
+ * Work is spread over a small pool of pthreads (ms_set_threads); the calling thread works too. Workers spin
+ * briefly between calls (a decode step issues several back to back), then sleep on a futex.
+ */
+
+/* What the lane-layout files share (lane_pack.c: the layout and packing, pool.c: the worker pool, qmm.c: the
+ * activations and entry points, qmm_vnni.c: the dot-product kernels, ops.c: the decode step's small ops).
+ * Functions declared MS_INTERNAL are hidden: the library exports only the ms_* entry points. */
+
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <float.h>
+#include <math.h>
+#include <stdatomic.h>
+
+#include "blocks.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && !defined(MS_SCALAR)
+#include <immintrin.h>
+#define MS_VNNI 1
+#endif
+
+/* Software prefetch into L2, 16 KiB ahead: with only the hardware prefetcher a core streamed weights from RAM
+ * at about half the rate it computes them (16 vs 32 G weights/s measured on the 2-core EPYC). */
+#define PF_DIST 16384
+#define PF_HINT _MM_HINT_T1
+
+enum { QT_Q4_0 = 2, QT_Q8_0 = 8, QT_Q2_K = 10, QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_XS = 23 };
+
+#define MS_INTERNAL __attribute__((visibility("hidden")))
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* layout sizes */
+
+/* bytes of one group of L lanes (see the layout above) */
+static inline int64_t group_bytes(int type, int L) {
+    switch (type) {
+    case QT_Q8_0: return 34 * L;
+    case QT_Q4_0: return 18 * L;
+    case QT_Q4_K: return 18 * L + L / 2;
+    case QT_Q5_K: return 22 * L + L / 2;
+    case QT_IQ4_XS: return 17 * L + L / 4;
+    case QT_Q3_K: return 14 * L + L / 4;
+    case QT_Q2_K: return 10 * L + L / 2;
+    default: return 26 * L + L / 4; /* Q6_K */
+    }
+}
+
+static inline int64_t super_bytes(int type) { /* bytes per 256 weights (8 lanes) of a row */
+    switch (type) {
+    case QT_Q4_0: return 144;
+    case QT_Q4_K: return 148;
+    case QT_Q5_K: return 180;
+    case QT_Q8_0: return 272;
+    case QT_Q6_K: return 210;
+    case QT_IQ4_XS: return 138;
+    case QT_Q3_K: return 114;
+    case QT_Q2_K: return 84;
+    default: return -1;
+    }
+}
+
+int64_t ms_lane_row_bytes(int type, int64_t k);
+int ms_qmm(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, int64_t ldx, float *y,
+           int64_t ldy);
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* the worker pool (pool.c) */
+
+typedef void (*task_fn)(void *ctx, int64_t task);
+
+/* Run fn(ctx, t) for t in [0, ntasks) on the pool and the calling thread; returns when all are done. */
+MS_INTERNAL void ms_internal_dispatch(task_fn fn, void *ctx, int64_t ntasks);
+/* threads a dispatch runs on: the caller plus the workers */
+MS_INTERNAL int ms_internal_threads(void);
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* quantized activations and matmul jobs (qmm.c prepares them, qmm_vnni.c computes them) */
+
+typedef struct {
+    int8_t *q;    /* [M][K] in step order per group */
+    float *dx;    /* [M][K/32] lane scales */
+    float *dxsx;  /* [M][K/32] dx * sum(q) (Q4_K mins) */
+    int32_t *n8sx;/* [M][K/32] -8 * sum(q) (Q4_0 offset; x16 for Q8_0) */
+    int32_t *n32lo, *n32hi; /* [M][K/32] -32 * sum(q) over each half of 16 (Q6_K offset) */
+} xprep;
+
+typedef struct {
+    int type;
+    const uint8_t *w;   /* lane layout, [N] rows of ms_lane_row_bytes */
+    int64_t n, k;
+    const xprep *x;     /* M rows prepared */
+    int64_t m;
+    float *y;           /* y[i * ldy + r] */
+    int64_t ldy;
+} qmm_job;
+
+#ifdef MS_VNNI
+/* rows [r0, r1) of one job: one token (qmv), any number of tokens (qmm) */
+MS_INTERNAL void ms_internal_qmv_rows(const qmm_job *J, int64_t r0, int64_t r1);
+MS_INTERNAL void ms_internal_qmm_rows(const qmm_job *J, int64_t r0, int64_t r1);
+#endif
+
+#endif

@@ -1,0 +1,309 @@
+/* The decode step's small float32 ops: RMSNorm, a float32 gemv, RoPE, attention, the router's top-k and the
+ * fused attention block. */
+#include "internal.h"
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* float32 helpers for the decode step's small ops (torch spends ~25 us of dispatch on a 2048-float norm) */
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of `dim` floats (out may be x) */
+int ms_rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, float eps, float *out) {
+    if (!dim_ok(dim) || !count_ok(rows) || !prod_ok(rows, dim)) return MS_BAD_SHAPE;
+    if (rows && (!x || !w || !out)) return MS_BAD_PTR;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        double ss = 0;
+        int64_t i = 0;
+#ifdef MS_VNNI
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + 16 <= dim; i += 16) {
+            __m512 v = _mm512_loadu_ps(xr + i);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        ss = _mm512_reduce_add_ps(acc);
+#endif
+        for (; i < dim; i++) ss += (double)xr[i] * xr[i];
+        float scale = 1.0f / sqrtf((float)(ss / dim) + eps);
+        for (i = 0; i < dim; i++) o[i] = xr[i] * scale * w[i];
+    }
+    return MS_OK;
+}
+
+typedef struct {
+    const float *w, *x;
+    int64_t n, k, m;
+    float *y;
+} gemv_ctx;
+
+#define GEMV_ROWS 16
+
+static void gemv_task(void *vctx, int64_t t) {
+    gemv_ctx *c = vctx;
+    int64_t r0 = t * GEMV_ROWS, r1 = r0 + GEMV_ROWS < c->n ? r0 + GEMV_ROWS : c->n;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *wr = c->w + r * c->k;
+        for (int64_t i = 0; i < c->m; i++) {
+            const float *xr = c->x + i * c->k;
+            int64_t j = 0;
+            float s = 0;
+#ifdef MS_VNNI
+            __m512 acc = _mm512_setzero_ps();
+            for (; j + 16 <= c->k; j += 16) {
+                if (i == 0) _mm_prefetch((const char *)(wr + j) + PF_DIST, PF_HINT);
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(wr + j), _mm512_loadu_ps(xr + j), acc);
+            }
+            s = _mm512_reduce_add_ps(acc);
+#endif
+            for (; j < c->k; j++) s += wr[j] * xr[j];
+            c->y[i * c->n + r] = s;
+        }
+    }
+}
+
+/* y[m, n] = x[m, k] @ W.T for a float32 W [n, k], on the pool (routers: exact weights, read once per token) */
+int ms_gemv_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t m, float *y) {
+    if (!dims_ok(n, k) || !count_ok(m) || !prod_ok(m, k) || !prod_ok(m, n)) return MS_BAD_SHAPE;
+    if (m == 0) return MS_OK;
+    if (!w || !x || !y) return MS_BAD_PTR;
+    gemv_ctx c = {w, x, n, k, m, y};
+    ms_internal_dispatch(gemv_task, &c, (n + GEMV_ROWS - 1) / GEMV_ROWS);
+    return MS_OK;
+}
+
+/* NeoX rotary embedding in place: x [T][H][D] float32, the first rot dims rotated as two halves, with
+ * cos/sin tables [T][rot/2] for the T positions. */
+int ms_rope_neox(float *x, int64_t t, int64_t h, int64_t d, int64_t rot, const float *cosv, const float *sinv) {
+    if (!count_ok(t) || !count_ok(h) || !dim_ok(d) || rot < 0 || rot > d || rot % 2) return MS_BAD_SHAPE;
+    if (!prod_ok(t, h) || !prod_ok(t * h, d) || !prod_ok(t, rot)) return MS_BAD_SHAPE;
+    if (t && h && (!x || !cosv || !sinv)) return MS_BAD_PTR;
+    const int64_t half = rot / 2;
+    for (int64_t i = 0; i < t; i++) {
+        const float *c = cosv + i * half, *s = sinv + i * half;
+        for (int64_t j = 0; j < h; j++) {
+            float *v = x + (i * h + j) * d;
+            for (int64_t e = 0; e < half; e++) {
+                float x1 = v[e], x2 = v[e + half];
+                v[e] = x1 * c[e] - x2 * s[e];
+                v[e + half] = x2 * c[e] + x1 * s[e];
+            }
+        }
+    }
+    return MS_OK;
+}
+
+/* Attention of one new token: q [H][D] float32 over keys/values [S][Hkv][D] (bf16 when kv_bf16, else
+ * float32), query head i reading kv head i / (H / Hkv); out [H][D]. One task per kv head on the pool. */
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    int64_t s, h, hkv, d;
+    int bf16;
+    float scale;
+    float *out;
+    _Atomic int rc;
+} attn_ctx;
+
+static inline float kv_at(const void *p, int bf16, int64_t i) {
+    if (bf16) {
+        uint32_t b = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &b, 4);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+#ifdef MS_VNNI
+static inline __m512 kv16(const void *p, int bf16, int64_t i) {
+    if (bf16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* the same loops, 16 lanes at a time (d a multiple of 16, at most 256) */
+static void attn_task_simd(attn_ctx *c, int64_t g) {
+    const int64_t rep = c->h / c->hkv, d = c->d, s = c->s, stride = c->hkv * d, nv = d / 16;
+    float *sc = malloc(sizeof(float) * (size_t)(rep * s));
+    if (!sc) {
+        atomic_store(&c->rc, MS_NO_MEM);
+        return;
+    }
+    __m512 row[16];
+    for (int64_t t = 0; t < s; t++) {
+        for (int64_t e = 0; e < nv; e++) row[e] = kv16(c->k, c->bf16, t * stride + g * d + 16 * e);
+        for (int64_t r = 0; r < rep; r++) {
+            const float *q = c->q + (g * rep + r) * d;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), row[0]);
+            for (int64_t e = 1; e < nv; e++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * e), row[e], acc);
+            sc[r * s + t] = _mm512_reduce_add_ps(acc) * c->scale;
+        }
+    }
+    for (int64_t r = 0; r < rep; r++) {
+        float *p = sc + r * s, mx = -INFINITY, sum = 0;
+        for (int64_t t = 0; t < s; t++) mx = fmaxf(mx, p[t]);
+        for (int64_t t = 0; t < s; t++) sum += (p[t] = expf(p[t] - mx));
+        for (int64_t t = 0; t < s; t++) p[t] /= sum;
+    }
+    for (int64_t r = 0; r < rep; r++) {
+        __m512 o[16];
+        for (int64_t e = 0; e < nv; e++) o[e] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < s; t++) {
+            __m512 p = _mm512_set1_ps(sc[r * s + t]);
+            for (int64_t e = 0; e < nv; e++) o[e] = _mm512_fmadd_ps(p, kv16(c->v, c->bf16, t * stride + g * d + 16 * e), o[e]);
+        }
+        float *out = c->out + (g * rep + r) * d;
+        for (int64_t e = 0; e < nv; e++) _mm512_storeu_ps(out + 16 * e, o[e]);
+    }
+    free(sc);
+}
+#endif
+
+static void attn_task(void *vctx, int64_t g) {
+    attn_ctx *c = vctx;
+#ifdef MS_VNNI
+    if (c->d % 16 == 0 && c->d <= 256) {
+        attn_task_simd(c, g);
+        return;
+    }
+#endif
+    const int64_t rep = c->h / c->hkv, d = c->d, s = c->s, stride = c->hkv * d;
+    float *sc = malloc(sizeof(float) * (size_t)(rep * s + d));
+    if (!sc) {
+        atomic_store(&c->rc, MS_NO_MEM);
+        return;
+    }
+    float *row = sc + rep * s;
+    for (int64_t t = 0; t < s; t++) { /* scores */
+        for (int64_t e = 0; e < d; e++) row[e] = kv_at(c->k, c->bf16, t * stride + g * d + e);
+        for (int64_t r = 0; r < rep; r++) {
+            const float *q = c->q + (g * rep + r) * d;
+            float acc = 0;
+            for (int64_t e = 0; e < d; e++) acc += q[e] * row[e];
+            sc[r * s + t] = acc * c->scale;
+        }
+    }
+    for (int64_t r = 0; r < rep; r++) { /* softmax */
+        float *p = sc + r * s, mx = -INFINITY, sum = 0;
+        for (int64_t t = 0; t < s; t++) mx = fmaxf(mx, p[t]);
+        for (int64_t t = 0; t < s; t++) sum += (p[t] = expf(p[t] - mx));
+        for (int64_t t = 0; t < s; t++) p[t] /= sum;
+        float *o = c->out + (g * rep + r) * d;
+        for (int64_t e = 0; e < d; e++) o[e] = 0;
+    }
+    for (int64_t t = 0; t < s; t++) { /* weighted values */
+        for (int64_t e = 0; e < d; e++) row[e] = kv_at(c->v, c->bf16, t * stride + g * d + e);
+        for (int64_t r = 0; r < rep; r++) {
+            float p = sc[r * s + t], *o = c->out + (g * rep + r) * d;
+            for (int64_t e = 0; e < d; e++) o[e] += p * row[e];
+        }
+    }
+    free(sc);
+}
+
+int ms_attn_decode(const float *q, const void *k, const void *v, int64_t s, int64_t h, int64_t hkv, int64_t d,
+                   int kv_bf16, float scale, float *out) {
+    if (!dim_ok(s) || !dim_ok(h) || !dim_ok(hkv) || !dim_ok(d) || h % hkv) return MS_BAD_SHAPE;
+    if (!prod_ok(s, hkv) || !prod_ok(s * hkv, d) || !prod_ok(h, d) || !prod_ok(s, h / hkv)) return MS_BAD_SHAPE;
+    if (!q || !k || !v || !out) return MS_BAD_PTR;
+    attn_ctx c = {q, k, v, s, h, hkv, d, kv_bf16, scale, out, MS_OK};
+    ms_internal_dispatch(attn_task, &c, hkv);
+    return atomic_load(&c.rc);
+}
+
+/* Router: per row of logits [T][E], softmax, the k largest (ties: lower id first), weights renormalised to
+ * sum to 1 when norm. ids [T][k] int64 and weights [T][k] float32, largest first.
+ * A row with a NaN/inf logit has no meaningful choice: it gets ids 0..k-1 and weights 0 (in bounds, the same
+ * every time) and the call returns MS_NOT_FINITE, which the caller reports as a broken model file. */
+int ms_route_topk(const float *logits, int64_t t, int64_t e, int64_t k, int norm, int64_t *ids, float *w) {
+    if (!dim_ok(e) || k < 1 || k > e || !count_ok(t) || !prod_ok(t, e)) return MS_BAD_SHAPE;
+    if (t == 0) return MS_OK;
+    if (!logits || !ids || !w) return MS_BAD_PTR;
+    float *p = malloc(sizeof(float) * (size_t)e);
+    if (!p) return MS_NO_MEM;
+    int rc = MS_OK;
+    for (int64_t i = 0; i < t; i++) {
+        const float *l = logits + i * e;
+        int64_t *id = ids + i * k;
+        float *wi = w + i * k, mx = -INFINITY, sum = 0, tot = 0;
+        int finite = 1;
+        for (int64_t j = 0; j < e; j++) {
+            finite &= isfinite(l[j]) != 0;
+            mx = fmaxf(mx, l[j]);
+        }
+        if (!finite) {
+            for (int64_t r = 0; r < k; r++) id[r] = r, wi[r] = 0.0f;
+            rc = MS_NOT_FINITE;
+            continue;
+        }
+        /* finite logits: every p[j] is finite and >= 0 and the max is 1, so each pass finds an expert */
+        for (int64_t j = 0; j < e; j++) sum += (p[j] = expf(l[j] - mx));
+        for (int64_t j = 0; j < e; j++) p[j] /= sum;
+        for (int64_t r = 0; r < k; r++) { /* k passes: k is small (8) */
+            int64_t best = -1;
+            for (int64_t j = 0; j < e; j++)
+                if (p[j] >= 0 && (best < 0 || p[j] > p[best])) best = j;
+            if (best < 0) best = r; /* unreachable (k <= e); keeps the index in bounds regardless */
+            id[r] = best;
+            wi[r] = p[best];
+            tot += p[best];
+            p[best] = -1.0f;
+        }
+        if (norm)
+            for (int64_t r = 0; r < k; r++) wi[r] /= tot;
+    }
+    free(p);
+    return rc;
+}
+
+/* A whole grouped-query attention block for one decode token (qwen3moe): RMSNorm of x, the fused q|k|v
+ * projection, RMSNorm of each q and k head, NeoX RoPE at `pos`, k and v appended to the layer's cache at
+ * `pos`, attention over positions 0..pos, the output projection. out [hidden] is the block's output (the
+ * caller adds the residual). Projections are in the lane layout; the cache is bf16 when kv_bf16 else f32.
+ * One C call instead of ~15 torch ops, each of which costs more in dispatch here than its arithmetic. */
+int ms_attn_block_decode(const float *x, const float *norm_w, int64_t hidden, float eps, int qkv_type,
+                         const uint8_t *qkv_w, const float *q_norm, const float *k_norm, int64_t n_heads,
+                         int64_t n_kv, int64_t head_dim, const float *cosv, const float *sinv, int64_t rot,
+                         void *k_cache, void *v_cache, int kv_bf16, int64_t pos, int o_type, const uint8_t *o_w,
+                         float *out) {
+    if (!dim_ok(hidden) || !dim_ok(n_heads) || !dim_ok(n_kv) || !dim_ok(head_dim) || n_heads % n_kv) return MS_BAD_SHAPE;
+    if (!prod_ok(n_heads, head_dim) || rot < 0 || rot > head_dim || rot % 2 || pos < 0) return MS_BAD_SHAPE;
+    if (!prod_ok(pos + 1, n_kv * head_dim)) return MS_BAD_SHAPE;
+    if (!x || !norm_w || !qkv_w || !q_norm || !k_norm || !cosv || !sinv || !k_cache || !v_cache || !o_w || !out)
+        return MS_BAD_PTR;
+    const int64_t nq = n_heads * head_dim, nkv = n_kv * head_dim, nqkv = nq + 2 * nkv;
+    float *buf = malloc(sizeof(float) * (size_t)(hidden + nqkv + nq));
+    if (!buf) return MS_NO_MEM;
+    float *xn = buf, *qkv = xn + hidden, *att = qkv + nqkv;
+    int rc = ms_rms_norm(x, norm_w, 1, hidden, eps, xn);
+    if (rc == MS_OK) rc = ms_qmm(qkv_type, qkv_w, nqkv, hidden, xn, 1, hidden, qkv, nqkv);
+    if (rc != MS_OK) {
+        free(buf);
+        return rc;
+    }
+    float *q = qkv, *k = qkv + nq, *v = k + nkv;
+    rc = ms_rms_norm(q, q_norm, n_heads, head_dim, eps, q);
+    if (rc == MS_OK) rc = ms_rms_norm(k, k_norm, n_kv, head_dim, eps, k);
+    if (rc == MS_OK) rc = ms_rope_neox(q, 1, n_heads, head_dim, rot, cosv, sinv);
+    if (rc == MS_OK) rc = ms_rope_neox(k, 1, n_kv, head_dim, rot, cosv, sinv);
+    if (rc != MS_OK) {
+        free(buf);
+        return rc;
+    }
+    for (int64_t i = 0; i < nkv; i++) {
+        if (kv_bf16) { /* round to nearest even, as torch's .to(bfloat16) */
+            uint32_t bk, bv;
+            memcpy(&bk, &k[i], 4);
+            memcpy(&bv, &v[i], 4);
+            ((uint16_t *)k_cache)[pos * nkv + i] = (uint16_t)((bk + 0x7FFF + ((bk >> 16) & 1)) >> 16);
+            ((uint16_t *)v_cache)[pos * nkv + i] = (uint16_t)((bv + 0x7FFF + ((bv >> 16) & 1)) >> 16);
+        } else {
+            ((float *)k_cache)[pos * nkv + i] = k[i];
+            ((float *)v_cache)[pos * nkv + i] = v[i];
+        }
+    }
+    rc = ms_attn_decode(q, k_cache, v_cache, pos + 1, n_heads, n_kv, head_dim, kv_bf16, 1.0f / sqrtf((float)head_dim), att);
+    if (rc == MS_OK) rc = ms_qmm(o_type, o_w, hidden, nq, att, 1, nq, out, hidden);
+    free(buf);
+    return rc;
+}

@@ -1,0 +1,366 @@
+/* The dot products of the lane layout against quantized activations (AVX-512 VNNI; empty without it). */
+#include "internal.h"
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* the dot products */
+
+#define MT 4 /* tokens per register tile */
+
+#ifdef MS_VNNI
+static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+/* One token, two rows at a time: the activation loads are shared and the two rows' dot products are
+ * independent chains (decode is this case: its speed is the speed of the engine). `T` is a constant at
+ * every call site, so each type gets its own copy of the loop. */
+/* 4 bytes at any alignment (a row of the lane layout need not start on a multiple of 4) */
+static inline int32_t rd_i32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* an f16 per 8 lanes (L = 16: two) broadcast over its lanes */
+static inline __attribute__((always_inline)) __m512 per8(const uint8_t *dd, int L) {
+    if (L == 16) {
+        __m512 d2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(rd_i32(dd))));
+        return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), d2);
+    }
+    return _mm512_set1_ps(rd_fp16((dd)));
+}
+
+/* Q2_K: dmin * m / 32 of each half, to multiply the activations' -32 * (half sums) */
+static inline __attribute__((always_inline)) void q2k_mins(const uint8_t *g, int L, __mmask16 mf, __m512 *lo, __m512 *hi) {
+    const uint8_t *scm = g + 8 * L;
+    const __m512 mv = _mm512_mul_ps(per8(g + 10 * L + L / 4, L), _mm512_set1_ps(1.0f / 32));
+    *lo = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, scm)), 4)));
+    *hi = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, scm + L)), 4)));
+}
+
+/* Q2_K / Q3_K step s's weights from its pair byte v (Q3_K: and its high-bit byte h) */
+static inline __attribute__((always_inline)) __m512i q23_weights(int T, __m512i v, __m512i h, int s) {
+    __m512i w = _mm512_and_si512(_mm512_srli_epi16(v, 2 * (s & 3)), _mm512_set1_epi8(3));
+    if (T == QT_Q3_K) {
+        const __m512i b2 = _mm512_set1_epi8(4);
+        __m512i hb = s >= 2 ? _mm512_srli_epi16(h, s - 2) : _mm512_slli_epi16(h, 2 - s);
+        w = _mm512_or_si512(w, _mm512_and_si512(hb, b2));
+    }
+    return w;
+}
+
+static inline __attribute__((always_inline)) void group_scales(int T, const uint8_t *g, int L, __mmask16 mf,
+                                                               __m512 *scale, __m512 *mins) {
+    if (T == QT_Q8_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 32 * L));
+    else if (T == QT_Q4_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 16 * L));
+    else if (T == QT_Q6_K || T == QT_Q3_K || T == QT_IQ4_XS) {
+        /* int8 scales per lane (Q6_K, Q3_K: per half, the second half's in `mins`), d per 8 lanes */
+        const int halves = T == QT_IQ4_XS ? 1 : 2;
+        const uint8_t *sc = g + (T == QT_Q6_K ? 24 : T == QT_Q3_K ? 12 : 16) * L, *dd = sc + halves * L;
+        const __m512 dv = per8(dd, L);
+        *scale = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mf, sc))));
+        if (halves == 2)
+            *mins = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mf, sc + L))));
+    } else if (T == QT_Q2_K) { /* d * sc of each half (the second in `mins`); q2k_mins gives the mins */
+        const uint8_t *scm = g + 8 * L;
+        const __m512 dv = per8(g + 10 * L, L);
+        const __m512i m4 = _mm512_set1_epi32(0xF);
+        *scale = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, scm)), m4)));
+        *mins = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, scm + L)), m4)));
+    } else {
+        const uint8_t *sc = g + (T == QT_Q5_K ? 20 : 16) * L, *mn = sc + L, *dd = mn + L, *dm = dd + L / 4;
+        __m512 dv, mv;
+        if (L == 16) {
+            __m512 d2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(rd_i32(dd))));
+            __m512 m2 = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(rd_i32(dm))));
+            const __m512i sel = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+            dv = _mm512_permutexvar_ps(sel, d2);
+            mv = _mm512_permutexvar_ps(sel, m2);
+        } else {
+            dv = _mm512_set1_ps(rd_fp16((dd)));
+            mv = _mm512_set1_ps(rd_fp16((dm)));
+        }
+        *scale = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, sc))));
+        *mins = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, mn))));
+    }
+}
+
+#define LDB(L, p) ((L) == 16 ? _mm512_loadu_si512((const void *)(p)) : _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(p))))
+#define LDF(L, p) ((L) == 16 ? _mm512_loadu_ps(p) : _mm512_zextps256_ps512(_mm256_loadu_ps(p)))
+#define LDI(L, p) ((L) == 16 ? _mm512_loadu_si512((const void *)(p)) : _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(p))))
+
+/* Q6_K chunk c of a group: its 6-bit weights for the even step (w0) and the odd step (w1), from the chunk's
+ * nibbles v and its pair's high-bit bytes h (already shifted right by 4 for an odd chunk) */
+/* IQ4_XS's values + 128 (unsigned, for vpdpbusd) in each 128-bit lane, for vpshufb lookups by nibble */
+static inline __m512i iq4_table(void) {
+    return _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153,
+                                                (char)166, (char)181, (char)197, (char)217, (char)241));
+}
+
+static inline __attribute__((always_inline)) void q6_weights(__m512i v, __m512i h, __m512i *w0, __m512i *w1) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    *w0 = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
+    *w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
+}
+
+/* Q5_K chunk c: its nibbles v with their fifth bits from the group's fifth-bit bytes h */
+static inline __attribute__((always_inline)) void q5_weights(__m512i v, __m512i h, int c, __m512i *w0, __m512i *w1) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m10 = _mm512_set1_epi8(0x10);
+    h = _mm512_srli_epi16(h, 2 * c);
+    *w0 = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m10));
+    *w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(_mm512_slli_epi16(h, 3), m10));
+}
+
+/* One group (L = 16 or 8 lanes, a constant) of two rows against one token. */
+static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const uint8_t *ga, const uint8_t *gb,
+                                                             const int8_t *xq, const xprep *x, int64_t s0,
+                                                             __m512 *acca, __m512 *accb) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __mmask16 mf = L == 16 ? 0xFFFF : 0x00FF;
+    const int cb = 4 * L;
+    for (int64_t o = 0; o < group_bytes(T, L); o += 64) {
+        _mm_prefetch((const char *)ga + PF_DIST + o, PF_HINT);
+        _mm_prefetch((const char *)gb + PF_DIST + o, PF_HINT);
+    }
+    __m512i a0, a1, b0, b1;
+    if (T == QT_Q4_K || T == QT_Q5_K || T == QT_Q2_K) {
+        a0 = b0 = _mm512_setzero_si512();
+    } else if (T == QT_Q6_K) {
+        a0 = b0 = LDI(L, x->n32lo + s0);
+    } else if (T == QT_Q3_K) { /* -4 * (half sums) */
+        a0 = b0 = _mm512_srai_epi32(LDI(L, x->n32lo + s0), 3);
+    } else {
+        a0 = LDI(L, x->n8sx + s0);
+        if (T == QT_Q8_0 || T == QT_IQ4_XS) a0 = _mm512_slli_epi32(a0, 4);
+        b0 = a0;
+    }
+    a1 = b1 = T == QT_Q6_K ? LDI(L, x->n32hi + s0)
+              : T == QT_Q3_K ? _mm512_srai_epi32(LDI(L, x->n32hi + s0), 3)
+                             : _mm512_setzero_si512();
+    if (T == QT_Q2_K || T == QT_Q3_K) {
+        const __m512i ha = T == QT_Q3_K ? LDB(L, ga + 8 * L) : _mm512_setzero_si512();
+        const __m512i hb = T == QT_Q3_K ? LDB(L, gb + 8 * L) : _mm512_setzero_si512();
+        for (int s = 0; s < 8; s += 2) {
+            __m512i xl = LDB(L, xq + s * cb), xh = LDB(L, xq + (s + 1) * cb);
+            __m512i va = LDB(L, ga + (s >> 2) * cb), vb = LDB(L, gb + (s >> 2) * cb);
+            a0 = _mm512_dpbusd_epi32(a0, q23_weights(T, va, ha, s), xl);
+            a1 = _mm512_dpbusd_epi32(a1, q23_weights(T, va, ha, s + 1), xh);
+            b0 = _mm512_dpbusd_epi32(b0, q23_weights(T, vb, hb, s), xl);
+            b1 = _mm512_dpbusd_epi32(b1, q23_weights(T, vb, hb, s + 1), xh);
+        }
+    } else if (T == QT_Q6_K) {
+        for (int c = 0; c < 4; c++) {
+            __m512i xl = LDB(L, xq + 2 * c * cb), xh = LDB(L, xq + (2 * c + 1) * cb);
+            __m512i ha = LDB(L, ga + 16 * L + (c >> 1) * cb), hb = LDB(L, gb + 16 * L + (c >> 1) * cb);
+            if (c & 1) {
+                ha = _mm512_srli_epi16(ha, 4);
+                hb = _mm512_srli_epi16(hb, 4);
+            }
+            __m512i wa0, wa1, wb0, wb1;
+            q6_weights(LDB(L, ga + c * cb), ha, &wa0, &wa1);
+            q6_weights(LDB(L, gb + c * cb), hb, &wb0, &wb1);
+            a0 = _mm512_dpbusd_epi32(a0, wa0, xl);
+            a1 = _mm512_dpbusd_epi32(a1, wa1, xh);
+            b0 = _mm512_dpbusd_epi32(b0, wb0, xl);
+            b1 = _mm512_dpbusd_epi32(b1, wb1, xh);
+        }
+    } else if (T == QT_Q5_K) {
+        const __m512i ha = LDB(L, ga + 16 * L), hb = LDB(L, gb + 16 * L);
+        for (int c = 0; c < 4; c++) {
+            __m512i xl = LDB(L, xq + 2 * c * cb), xh = LDB(L, xq + (2 * c + 1) * cb);
+            __m512i wa0, wa1, wb0, wb1;
+            q5_weights(LDB(L, ga + c * cb), ha, c, &wa0, &wa1);
+            q5_weights(LDB(L, gb + c * cb), hb, c, &wb0, &wb1);
+            a0 = _mm512_dpbusd_epi32(a0, wa0, xl);
+            a1 = _mm512_dpbusd_epi32(a1, wa1, xh);
+            b0 = _mm512_dpbusd_epi32(b0, wb0, xl);
+            b1 = _mm512_dpbusd_epi32(b1, wb1, xh);
+        }
+    } else if (T == QT_IQ4_XS) {
+        const __m512i tbl = iq4_table();
+        for (int c = 0; c < 4; c++) {
+            __m512i xl = LDB(L, xq + 2 * c * cb), xh = LDB(L, xq + (2 * c + 1) * cb);
+            __m512i va = LDB(L, ga + c * cb), vb = LDB(L, gb + c * cb);
+            a0 = _mm512_dpbusd_epi32(a0, _mm512_shuffle_epi8(tbl, _mm512_and_si512(va, m4)), xl);
+            a1 = _mm512_dpbusd_epi32(a1, _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(va, 4), m4)), xh);
+            b0 = _mm512_dpbusd_epi32(b0, _mm512_shuffle_epi8(tbl, _mm512_and_si512(vb, m4)), xl);
+            b1 = _mm512_dpbusd_epi32(b1, _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(vb, 4), m4)), xh);
+        }
+    } else if (T == QT_Q8_0) {
+        for (int s = 0; s < 8; s += 2) {
+            __m512i xl = LDB(L, xq + s * cb), xh = LDB(L, xq + (s + 1) * cb);
+            a0 = _mm512_dpbusd_epi32(a0, LDB(L, ga + s * cb), xl);
+            a1 = _mm512_dpbusd_epi32(a1, LDB(L, ga + (s + 1) * cb), xh);
+            b0 = _mm512_dpbusd_epi32(b0, LDB(L, gb + s * cb), xl);
+            b1 = _mm512_dpbusd_epi32(b1, LDB(L, gb + (s + 1) * cb), xh);
+        }
+    } else {
+        for (int c = 0; c < 4; c++) {
+            __m512i xl = LDB(L, xq + 2 * c * cb), xh = LDB(L, xq + (2 * c + 1) * cb);
+            __m512i va = LDB(L, ga + c * cb), vb = LDB(L, gb + c * cb);
+            a0 = _mm512_dpbusd_epi32(a0, _mm512_and_si512(va, m4), xl);
+            a1 = _mm512_dpbusd_epi32(a1, _mm512_and_si512(_mm512_srli_epi16(va, 4), m4), xh);
+            b0 = _mm512_dpbusd_epi32(b0, _mm512_and_si512(vb, m4), xl);
+            b1 = _mm512_dpbusd_epi32(b1, _mm512_and_si512(_mm512_srli_epi16(vb, 4), m4), xh);
+        }
+    }
+    __m512 sa, sb, ma = _mm512_setzero_ps(), mbv = _mm512_setzero_ps();
+    group_scales(T, ga, L, mf, &sa, &ma);
+    group_scales(T, gb, L, mf, &sb, &mbv);
+    __m512 dxv = LDF(L, x->dx + s0);
+    if (T == QT_Q6_K || T == QT_Q3_K || T == QT_Q2_K) { /* the second half's scale is in the mins slot */
+        *acca = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(sa, dxv), *acca);
+        *acca = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(ma, dxv), *acca);
+        *accb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b0), _mm512_mul_ps(sb, dxv), *accb);
+        *accb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b1), _mm512_mul_ps(mbv, dxv), *accb);
+        if (T == QT_Q2_K) {
+            __m512 lo_a, hi_a, lo_b, hi_b;
+            q2k_mins(ga, L, mf, &lo_a, &hi_a);
+            q2k_mins(gb, L, mf, &lo_b, &hi_b);
+            __m512 nlo = _mm512_mul_ps(_mm512_cvtepi32_ps(LDI(L, x->n32lo + s0)), dxv);
+            __m512 nhi = _mm512_mul_ps(_mm512_cvtepi32_ps(LDI(L, x->n32hi + s0)), dxv);
+            *acca = _mm512_fmadd_ps(nlo, lo_a, _mm512_fmadd_ps(nhi, hi_a, *acca));
+            *accb = _mm512_fmadd_ps(nlo, lo_b, _mm512_fmadd_ps(nhi, hi_b, *accb));
+        }
+        return;
+    }
+    *acca = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), _mm512_mul_ps(sa, dxv), *acca);
+    *accb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)), _mm512_mul_ps(sb, dxv), *accb);
+    if (T == QT_Q4_K || T == QT_Q5_K) {
+        __m512 dxsx = LDF(L, x->dxsx + s0);
+        *acca = _mm512_fnmadd_ps(ma, dxsx, *acca);
+        *accb = _mm512_fnmadd_ps(mbv, dxsx, *accb);
+    }
+}
+
+static inline __attribute__((always_inline)) void qmv2(int T, const qmm_job *J, int64_t r0, int64_t r1) {
+    const int64_t k = J->k, nsub = k / 32, rb = ms_lane_row_bytes(T, k);
+    int64_t r = r0;
+    for (; r + 1 < r1; r += 2) {
+        const uint8_t *ga = J->w + r * rb, *gb = ga + rb;
+        const int8_t *xq = J->x->q;
+        __m512 acca = _mm512_setzero_ps(), accb = _mm512_setzero_ps();
+        int64_t s0 = 0;
+        for (; s0 + 16 <= nsub; s0 += 16) {
+            qmv2_group(T, 16, ga, gb, xq, J->x, s0, &acca, &accb);
+            ga += group_bytes(T, 16);
+            gb += group_bytes(T, 16);
+            xq += 32 * 16;
+        }
+        if (s0 < nsub) qmv2_group(T, 8, ga, gb, xq, J->x, s0, &acca, &accb);
+        J->y[r] = hsum(acca);
+        J->y[r + 1] = hsum(accb);
+    }
+    if (r < r1) ms_internal_qmm_rows(J, r, r1);
+}
+
+void ms_internal_qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) {
+    if (J->type == QT_Q4_0) qmv2(QT_Q4_0, J, r0, r1);
+    else if (J->type == QT_Q4_K) qmv2(QT_Q4_K, J, r0, r1);
+    else if (J->type == QT_Q5_K) qmv2(QT_Q5_K, J, r0, r1);
+    else if (J->type == QT_Q6_K) qmv2(QT_Q6_K, J, r0, r1);
+    else if (J->type == QT_IQ4_XS) qmv2(QT_IQ4_XS, J, r0, r1);
+    else if (J->type == QT_Q3_K) qmv2(QT_Q3_K, J, r0, r1);
+    else if (J->type == QT_Q2_K) qmv2(QT_Q2_K, J, r0, r1);
+    else qmv2(QT_Q8_0, J, r0, r1);
+}
+
+/* rows [r0, r1) of one job, all its tokens */
+void ms_internal_qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
+    const int type = J->type;
+    const int64_t k = J->k, nsub = k / 32, rb = ms_lane_row_bytes(type, k);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = J->w + r * rb;
+        for (int64_t m0 = 0; m0 < J->m; m0 += MT) {
+            const int mt = J->m - m0 < MT ? (int)(J->m - m0) : MT;
+            __m512 acc[MT];
+            for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+            const uint8_t *g = row;
+            int8_t *xq[MT];
+            for (int i = 0; i < mt; i++) xq[i] = J->x->q + (m0 + i) * k;
+            for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
+                const int L = nsub - s0 >= 16 ? 16 : 8;
+                const __mmask64 mb = L == 16 ? ~(__mmask64)0 : 0xFFFFFFFFull;
+                const __mmask16 mf = L == 16 ? 0xFFFF : 0x00FF;
+                const int cb = 4 * L; /* bytes per chunk / step */
+                if (m0 == 0)
+                    for (int64_t o = 0; o < 34 * L; o += 64) _mm_prefetch((const char *)g + PF_DIST + o, PF_HINT);
+                __m512i w[8];
+                __m512 scale, mins = _mm512_setzero_ps();
+                if (type == QT_Q8_0) {
+                    for (int s = 0; s < 8; s++) w[s] = _mm512_maskz_loadu_epi8(mb, g + s * cb);
+                } else if (type == QT_Q2_K || type == QT_Q3_K) {
+                    const __m512i h = type == QT_Q3_K ? _mm512_maskz_loadu_epi8(mb, g + 8 * L) : _mm512_setzero_si512();
+                    for (int s = 0; s < 8; s++) {
+                        const __m512i v = _mm512_maskz_loadu_epi8(mb, g + (s >> 2) * cb);
+                        w[s] = type == QT_Q3_K ? q23_weights(QT_Q3_K, v, h, s) : q23_weights(QT_Q2_K, v, h, s);
+                    }
+                } else if (type == QT_Q5_K) {
+                    __m512i h = _mm512_maskz_loadu_epi8(mb, g + 16 * L);
+                    for (int c = 0; c < 4; c++)
+                        q5_weights(_mm512_maskz_loadu_epi8(mb, g + c * cb), h, c, &w[2 * c], &w[2 * c + 1]);
+                } else if (type == QT_Q6_K) {
+                    for (int c = 0; c < 4; c++) {
+                        __m512i h = _mm512_maskz_loadu_epi8(mb, g + 16 * L + (c >> 1) * cb);
+                        if (c & 1) h = _mm512_srli_epi16(h, 4);
+                        q6_weights(_mm512_maskz_loadu_epi8(mb, g + c * cb), h, &w[2 * c], &w[2 * c + 1]);
+                    }
+                } else {
+                    for (int c = 0; c < 4; c++) {
+                        __m512i v = _mm512_maskz_loadu_epi8(mb, g + c * cb);
+                        w[2 * c] = _mm512_and_si512(v, m4);
+                        w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                        if (type == QT_IQ4_XS) {
+                            w[2 * c] = _mm512_shuffle_epi8(iq4_table(), w[2 * c]);
+                            w[2 * c + 1] = _mm512_shuffle_epi8(iq4_table(), w[2 * c + 1]);
+                        }
+                    }
+                }
+                group_scales(type, g, L, mf, &scale, &mins);
+                __m512 q2lo = _mm512_setzero_ps(), q2hi = _mm512_setzero_ps();
+                if (type == QT_Q2_K) q2k_mins(g, L, mf, &q2lo, &q2hi);
+                g += group_bytes(type, L);
+                for (int i = 0; i < mt; i++) {
+                    const int64_t xi = (m0 + i) * nsub + s0;
+                    const int8_t *xp = xq[i];
+                    __m512i a0, a1;
+                    if (type == QT_Q4_K || type == QT_Q5_K || type == QT_Q2_K) {
+                        a0 = _mm512_setzero_si512();
+                    } else if (type == QT_Q6_K) {
+                        a0 = _mm512_maskz_loadu_epi32(mf, J->x->n32lo + xi);
+                    } else if (type == QT_Q3_K) {
+                        a0 = _mm512_srai_epi32(_mm512_maskz_loadu_epi32(mf, J->x->n32lo + xi), 3);
+                    } else {
+                        a0 = _mm512_maskz_loadu_epi32(mf, J->x->n8sx + xi);
+                        if (type == QT_Q8_0 || type == QT_IQ4_XS) a0 = _mm512_slli_epi32(a0, 4);
+                    }
+                    a1 = type == QT_Q6_K   ? _mm512_maskz_loadu_epi32(mf, J->x->n32hi + xi)
+                         : type == QT_Q3_K ? _mm512_srai_epi32(_mm512_maskz_loadu_epi32(mf, J->x->n32hi + xi), 3)
+                                           : _mm512_setzero_si512();
+                    for (int s = 0; s < 8; s += 2) {
+                        a0 = _mm512_dpbusd_epi32(a0, w[s], _mm512_maskz_loadu_epi8(mb, xp + s * cb));
+                        a1 = _mm512_dpbusd_epi32(a1, w[s + 1], _mm512_maskz_loadu_epi8(mb, xp + (s + 1) * cb));
+                    }
+                    __m512 dxv = _mm512_maskz_loadu_ps(mf, J->x->dx + xi);
+                    if (type == QT_Q6_K || type == QT_Q3_K || type == QT_Q2_K) { /* the second half's scale is in mins */
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(scale, dxv), acc[i]);
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(mins, dxv), acc[i]);
+                        if (type == QT_Q2_K) {
+                            __m512 nlo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mf, J->x->n32lo + xi)), dxv);
+                            __m512 nhi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mf, J->x->n32hi + xi)), dxv);
+                            acc[i] = _mm512_fmadd_ps(nlo, q2lo, _mm512_fmadd_ps(nhi, q2hi, acc[i]));
+                        }
+                        xq[i] += 32 * L;
+                        continue;
+                    }
+                    __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1));
+                    acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, dxv), acc[i]);
+                    if (type == QT_Q4_K || type == QT_Q5_K)
+                        acc[i] = _mm512_fnmadd_ps(mins, _mm512_maskz_loadu_ps(mf, J->x->dxsx + xi), acc[i]);
+                    xq[i] += 32 * L;
+                }
+            }
+            for (int i = 0; i < mt; i++) J->y[(m0 + i) * J->ldy + r] = hsum(acc[i]);
+        }
+    }
+}
+#endif

@@ -1,0 +1,188 @@
+"""The plain decoder the older MoE families share (Mixtral, OLMoE, Qwen2-MoE): grouped-query attention with
+NeoX-style RoPE over the whole head, optional q/k/v/o biases and an optional q/k RMSNorm over the whole
+projection, then a softmax-routed MoE. Each architecture file reads its own metadata into a GQAMoEConfig
+and says which of the options it takes.
+
+Decoder layer: x += Attn(RMSNorm(x)); x += MoE(RMSNorm(x)).
+
+llama's q/k rotary layout: llama.cpp's converter permutes the rows of q_proj and k_proj of every llama-arch
+model so that each head's rotated pairs are adjacent (its "normal" RoPE) instead of half a head apart
+(transformers' rotate_half). The rows are put back at load (`rope_pairs`), after which the NeoX form applies:
+the same logits, and the attention code of every other architecture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moestream.compute import linear
+from moestream.models.base import MoEModel
+from moestream.models.common import KVCache, RoPE, rms_norm
+from moestream.models.loader import ArchMetadata, Weights
+from moestream.models.moe import MoE
+
+
+@dataclass
+class GQAMoEConfig:
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    expert_ffn: int
+    vocab_size: int
+    context_length: int
+    rope_theta: float = 10_000.0
+    rms_eps: float = 1e-6
+    norm_topk_prob: bool = False
+    shared_ffn: int = 0  # > 0: one always-on shared expert per layer
+    shared_gate: bool = False  # the shared expert scaled by sigmoid(x . ffn_gate_inp_shexp)
+
+
+def attention_fields(m: ArchMetadata, default_theta: float = 10_000.0) -> dict[str, Any]:
+    """The fields every architecture of the family reads the same way (attention, experts, vocabulary, RoPE
+    base, norm epsilon), checked; the expert sizes and routing flags are each file's own."""
+    hidden, n_heads, n_kv_heads, head_dim = m.attention()
+    m.require(head_dim % 2 == 0, "attention.key_length", f"is {head_dim}; rotary embedding needs it even")
+    rot = m.int("rope.dimension_count", head_dim)
+    m.require(rot == head_dim, "rope.dimension_count", f"is {rot}; moestream rotates whole heads ({head_dim})")
+    scaling = m.md.get(f"{m.arch}.rope.scaling.type", "none")
+    factor = m.md.get(f"{m.arch}.rope.scaling.factor", 1.0)
+    m.require(scaling in ("none", None) or factor == 1.0, "rope.scaling.type",
+              f"is {scaling!r}; moestream runs this architecture with plain RoPE only")  # fmt: skip
+    if "rope_freqs.weight" in m.shapes:
+        raise m.error("rope.freq_base", "comes with per-frequency factors (rope_freqs), which moestream does not run")
+    n_experts, top_k = m.experts()
+    return dict(
+        n_layers=m.int("block_count"),
+        hidden=hidden,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        n_experts=n_experts,
+        top_k=top_k,
+        vocab_size=m.tensor_shape("token_embd.weight")[0],
+        context_length=m.int("context_length", 4096),
+        rope_theta=m.float("rope.freq_base", default_theta),
+        rms_eps=m.float("attention.layer_norm_rms_epsilon", 1e-6),
+    )
+
+
+def unpermute_rows(n_heads: int, head_dim: int) -> list[int]:
+    """Row order that undoes the converter's llama permute: within a head the file holds rows
+    (pair i, member j) at 2i + j; transformers' order is j * head_dim/2 + i."""
+    half = head_dim // 2
+    return [h * head_dim + 2 * i + j for h in range(n_heads) for j in range(2) for i in range(half)]
+
+
+class GQAttention:
+    def __init__(self, w: Weights, i: int, cfg: GQAMoEConfig, *, rope_pairs: bool = False, qk_norm: bool = False):
+        """rope_pairs: the file is llama-arch (q/k rows permuted by the converter); qk_norm: RMSNorm over the
+        whole q and k projections (OLMoE). Biases are loaded wherever the file has them, as llama.cpp does."""
+        p = f"blk.{i}."
+        H, D = cfg.hidden, cfg.head_dim
+        dims = {"q": cfg.n_heads * D, "k": cfg.n_kv_heads * D, "v": cfg.n_kv_heads * D}
+        heads = {"q": cfg.n_heads, "k": cfg.n_kv_heads}
+        parts, biases = [], []
+        for name, dim in dims.items():
+            order = unpermute_rows(heads[name], D) if rope_pairs and name in heads else None
+            t = f"{p}attn_{name}."
+            if order is None:
+                parts.append(w.linear(t + "weight", dim, H))
+            else:
+                parts.append(w.linear_rows(t + "weight", dim, H, order))
+            bias = w.vector(t + "bias", dim) if w.has(t + "bias") else None
+            biases.append(bias if bias is None or order is None else bias[order])
+        self.qkv = linear.concat(parts)  # one matmul instead of three when the forms agree
+        self.q, self.k, self.v = (None, None, None) if self.qkv is not None else parts
+        self.bias = None
+        if any(b is not None for b in biases):
+            zeros = [torch.zeros(d) for d in dims.values()]
+            self.bias = torch.cat([b if b is not None else z for b, z in zip(biases, zeros, strict=True)])
+        self.o = w.linear(p + "attn_output.weight", H, dims["q"])
+        self.o_bias = w.vector(p + "attn_output.bias", H) if w.has(p + "attn_output.bias") else None
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            self.q_norm = w.vector(p + "attn_q_norm.weight", dims["q"])
+            self.k_norm = w.vector(p + "attn_k_norm.weight", dims["k"])
+        self.cfg = cfg
+
+    def __call__(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        qkv = self.qkv(x) if self.qkv is not None else torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+        if self.bias is not None:
+            qkv = qkv + self.bias
+        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+        if self.q_norm is not None:
+            q = rms_norm(q.contiguous(), self.q_norm, cfg.rms_eps)
+            k = rms_norm(k.contiguous(), self.k_norm, cfg.rms_eps)
+        q = rope(q.reshape(T, cfg.n_heads, cfg.head_dim), pos)
+        k = rope(k.reshape(T, cfg.n_kv_heads, cfg.head_dim), pos)
+        keys, values = kv.update(layer, pos, k, v.reshape(T, cfg.n_kv_heads, cfg.head_dim))
+        out = self.o(kv.attend(q, keys, values, pos).reshape(T, nq))
+        return out if self.o_bias is None else out + self.o_bias
+
+
+class GQAMoEModel(MoEModel):
+    """An architecture of this family: a subclass sets arch, Config and the attention options."""
+
+    rope_pairs = False
+    qk_norm = False
+
+    def __init__(self, cfg: GQAMoEConfig, w: Weights):
+        super().__init__(cfg, w)
+        H = cfg.hidden
+        self.layers = []
+        for i in range(cfg.n_layers):
+            attn_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
+            attn = GQAttention(w, i, cfg, rope_pairs=self.rope_pairs, qk_norm=self.qk_norm)
+            ffn_norm = w.vector(f"blk.{i}.ffn_norm.weight", H)
+            moe = MoE(w, i, hidden=H, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
+                      norm_topk=cfg.norm_topk_prob, shared_ffn=cfg.shared_ffn,
+                      shared_gate=cfg.shared_gate)  # fmt: skip
+            self.layers.append((attn_norm, attn, ffn_norm, moe))
+        self._load_head(w)
+        self.rope = RoPE(cfg.head_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 4096))
+
+    @staticmethod
+    def kv_nbytes(cfg: GQAMoEConfig, ctx: int, exact: bool) -> int:
+        return 2 * cfg.n_layers * ctx * cfg.n_kv_heads * cfg.head_dim * (4 if exact else 2)
+
+    @staticmethod
+    def compute_nbytes(cfg: GQAMoEConfig, ubatch: int, ctx: int) -> int:
+        """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions: Qwen3Moe's
+        account (the layer's keys and values in float32 for SDPA, kernel scratch, per token the wider of
+        attention and the MoE with a 1.5 margin), plus the shared expert's intermediates."""
+        keys = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4
+        max_in = max(cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.shared_ffn)
+        scratch = linear.kernel_scratch_bytes(ubatch, cfg.top_k, cfg.hidden, cfg.expert_ffn, max_in)
+        residual = 6 * cfg.hidden
+        attn = 3 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        moe = (2 * cfg.top_k * cfg.hidden + cfg.n_experts + 1 + (cfg.hidden + 3 * cfg.expert_ffn) // 2
+               + 3 * cfg.shared_ffn)  # fmt: skip
+        per_token = 4 * (residual + max(attn, moe)) * 3 // 2
+        runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
+        return keys + scratch + ubatch * per_token + cfg.vocab_size * 4 * 2 + runtime
+
+    def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
+        cfg = self.cfg
+        dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
+        return KVCache([cfg.n_kv_heads] * cfg.n_layers, cfg.head_dim, ctx, dtype)
+
+    def forward(self, tokens: list[int], kv: KVCache, pos: int, all_logits: bool = False) -> torch.Tensor:
+        """Run tokens at positions pos..pos+T-1; returns logits of the last position ([V]) or all ([T, V])."""
+        assert self.experts is not None, "no expert provider attached"
+        eps = self.cfg.rms_eps
+        x = self.embed(tokens)
+        for i, (attn_norm, attn, ffn_norm, moe) in enumerate(self.layers):
+            x = x + attn(rms_norm(x, attn_norm, eps), i, kv, pos, self.rope)
+            x = x + moe(rms_norm(x, ffn_norm, eps), self.experts, self.forced_routes(i, pos, len(tokens)))
+        kv.advance(pos + len(tokens))
+        return self.logits(x, all_logits)
