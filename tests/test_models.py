@@ -27,6 +27,7 @@ from tests.hf_gguf import (
     DEEPSEEK_V3,
     GLM4MOE,
     GLM45_AIR,
+    GPT_OSS,
     QWEN3MOE,
     QWEN35MOE,
     TinyArch,
@@ -41,7 +42,7 @@ from tests.hf_gguf_gqa import MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE
 transformers = pytest.importorskip("transformers")
 
 ARCH_CASES = [QWEN3MOE, QWEN35MOE, DEEPSEEK_V2_LITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM4MOE, GLM45_AIR]
-ARCH_CASES += [MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE]
+ARCH_CASES += [MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE, GPT_OSS]
 N_PROMPT, N_DECODE = 80, 16  # the prompt is longer than one DeltaNet chunk (64)
 
 
@@ -276,6 +277,8 @@ def test_llama_cpp_reads_the_same_model(tiny):
 
 def _kind(name: str, ndim: int) -> str:
     """Which type the converter gives a tensor: the routed experts', the dense one, or F32."""
+    if name.endswith(".bias"):  # the converter keeps every bias F32 (GPT-OSS's experts' are 2-D)
+        return "f32"
     if is_routed_expert_tensor(name):
         return "expert"
     if ndim == 1 or "norm" in name or "ffn_gate_inp" in name or name.endswith(("ssm_conv1d.weight", "ssm_a")):

@@ -7,6 +7,7 @@ share)."""
 
 from moestream.models.deepseek2 import DeepSeek2
 from moestream.models.glm4moe import Glm4Moe
+from moestream.models.gpt_oss import GptOss
 from moestream.models.mixtral import Mixtral
 from moestream.models.olmoe import Olmoe
 from moestream.models.qwen2moe import Qwen2Moe
@@ -16,6 +17,7 @@ from moestream.models.qwen35moe import Qwen35Moe
 ARCHITECTURES = {
     "deepseek2": DeepSeek2,
     "glm4moe": Glm4Moe,
+    "gpt-oss": GptOss,
     "qwen3moe": Qwen3Moe,
     "qwen35moe": Qwen35Moe,
     "llama": Mixtral,  # with experts only: a dense llama file is refused by its config

@@ -122,18 +122,27 @@ def f32_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def yarn_inv_freq(
-    rot_dim: int, theta: float, factor: float, orig_ctx: int, beta_fast: float = 32.0, beta_slow: float = 1.0
+    rot_dim: int,
+    theta: float,
+    factor: float,
+    orig_ctx: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
 ) -> torch.Tensor:
     """YaRN's per-pair frequencies (float64 [rot_dim/2]), as ggml's rope_yarn computes them: pairs that turn
     more than beta_fast times over the original context keep their frequency, pairs that turn fewer than
-    beta_slow times are interpolated (divided by factor), with a linear ramp between."""
+    beta_slow times are interpolated (divided by factor), with a linear ramp between. truncate=False keeps
+    the ramp's ends where they fall instead of rounding them outwards to whole dims (GPT-OSS's reference)."""
     base = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
 
     def corr_dim(n_rot: float) -> float:
         return rot_dim * math.log(orig_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(0.0, math.floor(corr_dim(beta_fast)))
-    high = min(rot_dim - 1.0, math.ceil(corr_dim(beta_slow)))
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(0.0, low), min(rot_dim - 1.0, high)
     ramp = ((torch.arange(rot_dim // 2, dtype=torch.float64) - low) / max(0.001, high - low)).clamp(0, 1)
     extrapolate = 1.0 - ramp
     return base / factor * (1 - extrapolate) + base * extrapolate
@@ -304,6 +313,42 @@ class KVCache:
         """
         self.length = min(self.length, length)
         return self.length
+
+
+SINK_SCORES_BYTES = 32 << 20  # float32 scores attend_with_sinks holds at a time (query rows chunked to fit)
+
+
+def attend_with_sinks(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, sinks: torch.Tensor, window: int = 0
+) -> torch.Tensor:
+    """Causal attention of q [T, H, D] (positions pos..) over keys/values [S, Hkv, D] (positions 0..) with a
+    learned logit per head (sinks [H]) that joins every row's softmax and carries no value, so a head can
+    attend to nothing (GPT-OSS). window > 0: a query sees only itself and the window - 1 positions before
+    it. Scores are built explicitly in float32, a chunk of query rows at a time."""
+    T, H, D = q.shape
+    S, Hkv = keys.shape[0], keys.shape[1]
+    rep = H // Hkv
+    first = max(0, pos - window + 1) if window else 0  # no query of this call sees a key before it
+    kh = keys[first:].float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, S', D]
+    vh = values[first:].float().permute(1, 0, 2).unsqueeze(1)
+    qh = q.float().reshape(T, Hkv, rep, D).permute(1, 2, 0, 3)  # query head h reads kv head h // rep
+    kpos = torch.arange(first, S)
+    sink = sinks.float().reshape(Hkv, rep, 1, 1)
+    out = torch.empty(Hkv, rep, T, D)
+    step = max(1, SINK_SCORES_BYTES // (4 * H * (S - first + 1)))
+    with wide_torch():
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            scores = torch.matmul(qh[:, :, t0:t1], kh.transpose(-1, -2)) / math.sqrt(D)
+            dist = torch.arange(pos + t0, pos + t1)[:, None] - kpos[None, :]
+            hidden = dist < 0
+            if window:
+                hidden |= dist >= window
+            scores = scores.masked_fill(hidden, float("-inf"))
+            logits = torch.cat([scores, sink.expand(Hkv, rep, t1 - t0, 1)], dim=-1)
+            probs = torch.softmax(logits, dim=-1)[..., :-1]
+            out[:, :, t0:t1] = torch.matmul(probs, vh)
+    return out.permute(2, 0, 1, 3).reshape(T, H, D)
 
 
 class Embedding:

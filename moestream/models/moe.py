@@ -28,7 +28,9 @@ MIN_WEIGHT_SUM = 6.103515625e-5
 class Routing:
     """How a router turns its logits into (weights, experts); the default is the plain softmax top-k."""
 
-    gating: str = "softmax"  # "softmax" over all experts, or an independent "sigmoid" per expert
+    # "softmax" over all experts, an independent "sigmoid" per expert, or "softmax_topk": the top-k logits
+    # chosen first and the softmax taken over those k only (GPT-OSS)
+    gating: str = "softmax"
     norm: bool = True  # renormalise the k chosen weights to sum to 1
     scale: float = 1.0  # then multiply them by this (routed_scaling_factor)
     n_group: int = 1  # experts split into this many groups of consecutive ids
@@ -60,6 +62,10 @@ def route_general(
             "the model file is broken (corrupted weights or hyperparameters)"
         )
     T, E = logits.shape
+    if r.gating == "softmax_topk":
+        ids = logits.topk(k, dim=-1).indices if forced is None else forced
+        weights = torch.softmax(logits.gather(-1, ids), dim=-1)
+        return (weights * r.scale if r.scale != 1.0 else weights), ids
     probs = torch.sigmoid(logits) if r.gating == "sigmoid" else torch.softmax(logits, dim=-1)
     if forced is None:
         select = probs if bias is None else probs + bias
@@ -107,15 +113,45 @@ def swiglu(expert, x: torch.Tensor) -> torch.Tensor:
     return down.mm((F.silu(a) * b).to(down.dtype))
 
 
+@dataclass(frozen=True, eq=False)
+class ClampedSwiGLU:
+    """GPT-OSS's expert: biases on gate, up and down (resident [E, rows]: small next to the weights), the gate
+    clamped from above and up from both sides at `limit`, and down(g * sigmoid(alpha * g) * (u + 1))."""
+
+    gate_bias: torch.Tensor  # [E, F]
+    up_bias: torch.Tensor  # [E, F]
+    down_bias: torch.Tensor  # [E, hidden]
+    alpha: float
+    limit: float
+
+    def __call__(self, e: int, expert, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on x (in the expert's compute dtype) -> float32 [T, hidden]."""
+        gate, up, down = expert
+        if up is None:
+            a, b = gate.mm(x).float().chunk(2, dim=-1)
+        else:
+            a, b = gate.mm(x).float(), up.mm(x).float()
+        a = (a + self.gate_bias[e]).clamp(max=self.limit)
+        b = (b + self.up_bias[e]).clamp(min=-self.limit, max=self.limit)
+        h = a * torch.sigmoid(a * self.alpha) * (b + 1)
+        return down.mm(h.to(down.dtype)).float() + self.down_bias[e]
+
+
 def run_experts(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, layer: int, experts: ExpertProvider
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    layer: int,
+    experts: ExpertProvider,
+    ffn: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """sum_k w_k * expert_k(x) for each token, experts taken in whatever order the provider delivers them.
 
     Results are summed in a fixed order (by expert id) once all are in, so the output does not depend on
     which experts were cached: streaming must never change the result. Each group the provider hands over
     (the cached experts, then misses as their reads complete) runs as one native call when the experts are in
-    the lane form; otherwise expert by expert, activations kept in the experts' compute dtype.
+    the lane form; otherwise expert by expert, activations kept in the experts' compute dtype. `ffn` replaces
+    the plain SwiGLU (expert by expert then).
     """
     T = x.shape[0]
     if T == 1:
@@ -126,6 +162,10 @@ def run_experts(
         outs = torch.empty(len(id_list), x.shape[1])
         xc = x.contiguous()
         for group in experts.fetch_groups(layer, id_list):
+            if ffn is not None:
+                for e, expert in group:
+                    outs[order[e]] = ffn(e, expert, x.to(expert[0].dtype))[0]
+                continue
             if all(linear.lane_swiglu_ok(w) for _, w in group):  # written straight into their rows of outs
                 linear.lane_swiglu(
                     [w for _, w in group], [xc] * len(group), [outs[order[e] : order[e] + 1] for e, _ in group]
@@ -150,6 +190,10 @@ def run_experts(
         for part in _row_batches(group, count):
             spans = [(starts[e], starts[e] + count[e]) for e, _ in part]
             xs = [x[rows[a:b]] for a, b in spans]
+            if ffn is not None:
+                for (e, expert), xe, (a, b) in zip(part, xs, spans, strict=True):
+                    Y[a:b] = ffn(e, expert, xe.to(expert[0].dtype))
+                continue
             if all(linear.lane_swiglu_ok(w) for _, w in part):
                 linear.lane_swiglu([w for _, w in part], xs, [Y[a:b] for a, b in spans])
                 continue
@@ -208,11 +252,14 @@ class MoE:
         shared_gate: bool = False,
         routing: Routing | None = None,
         expert_layer: int | None = None,
+        clamped_swiglu: tuple[float, float] | None = None,
     ):
         """layer: the block (tensor names); expert_layer: the index the expert provider and route traces
         know the layer's experts by (the MoE layers counted from 0 where leading blocks are dense).
         routing: None for the plain softmax top-k (renormalised when norm_topk); a file with a correction
-        bias (`exp_probs_b.bias`) has it added to the scores for choosing."""
+        bias (`exp_probs_b.bias`) has it added to the scores for choosing; a router bias (`ffn_gate_inp.bias`)
+        is added to the logits. clamped_swiglu: GPT-OSS's (alpha, limit); its experts carry biases
+        (`ffn_{gate,up,down}_exps.bias`)."""
         p = f"blk.{layer}."
         self.layer, self.n_experts, self.top_k, self.norm_topk = layer, n_experts, top_k, norm_topk
         self.expert_layer = layer if expert_layer is None else expert_layer
@@ -225,6 +272,13 @@ class MoE:
             gates = torch.cat([gates, w.vector(p + "ffn_gate_inp_shexp.weight", hidden).reshape(1, -1)])
         self.gates = gates
         self.shared_gate = shared_gate
+        has_bias = w.has(p + "ffn_gate_inp.bias")
+        self.router_bias = w.vector(p + "ffn_gate_inp.bias", n_experts) if has_bias else None
+        self.ffn: ClampedSwiGLU | None = None
+        if clamped_swiglu is not None:
+            biases = [w.array(f"{p}ffn_{proj}_exps.bias", (n_experts, rows))
+                      for proj, rows in (("gate", expert_ffn), ("up", expert_ffn), ("down", hidden))]  # fmt: skip
+            self.ffn = ClampedSwiGLU(*biases, *clamped_swiglu)
         expect_experts(w, p, n_experts, expert_ffn, hidden)
         self.shared: Fused | None = None
         if shared_ffn:
@@ -236,14 +290,16 @@ class MoE:
         """forced [T, k]: expert ids that replace the router's choice (route traces); weights stay its own."""
         E = self.n_experts
         logits = f32_matmul(x, self.gates)
+        if self.router_bias is not None:
+            logits[:, :E] += self.router_bias
         if self.routing is None:
             weights, ids = route(logits[:, :E], self.top_k, self.norm_topk, forced, self.layer)
         else:
             weights, ids = route_general(logits[:, :E], self.top_k, self.routing, self.bias, forced, self.layer)
         if self.shared is None:
-            return run_experts(x, weights, ids, self.expert_layer, experts)
+            return run_experts(x, weights, ids, self.expert_layer, experts, self.ffn)
         gate, up = self.shared(x)
         shared = self.shared_down(F.silu(gate) * up)
         if self.shared_gate:
             shared = shared * torch.sigmoid(logits[:, E:])
-        return run_experts(x, weights, ids, self.expert_layer, experts) + shared
+        return run_experts(x, weights, ids, self.expert_layer, experts, self.ffn) + shared

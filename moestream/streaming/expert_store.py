@@ -23,8 +23,11 @@ PER_EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")
 
 
 def is_routed_expert_tensor(name: str) -> bool:
-    """True for the tensors the cache streams (never resident): merged `*_exps` or per-expert ones."""
-    return "_exps." in name or PER_EXPERT_TENSOR.fullmatch(name) is not None
+    """True for the tensors the cache streams (never resident): merged `*_exps` or per-expert ones. Expert
+    biases (GPT-OSS's `ffn_*_exps.bias`, [E, rows] float32) are small and stay resident with the model."""
+    if "_exps." in name:
+        return not name.endswith(".bias")
+    return PER_EXPERT_TENSOR.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,176 @@
+"""GPT-OSS only: YaRN as its config sets it, its experts in MXFP4 as the released checkpoints hold them, and
+files the loader must refuse. The parts every architecture shares run in test_models.py (GPT_OSS)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+from moestream.engine.sampling import Sampler
+from moestream.errors import ModelFileError
+from moestream.formats.gguf_file import GGUFFile
+from moestream.models.gpt_oss import GptOss, GptOssConfig, _rope
+from tests.hf_gguf import (
+    GPT_OSS,
+    mxfp4_checkpoint,
+    mxfp4_to_ggml,
+    mxfp4_values,
+    one_torch_thread,
+    quantize_gpt_oss_experts,
+    random_tokens,
+    rel_error,
+    rewrite_gguf,
+    tiny_gpt_oss_config,
+    write_gpt_oss_from_hf,
+)
+
+transformers = pytest.importorskip("transformers")
+one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
+
+# gpt-oss-20b/120b's rope_scaling: the ramp's ends (8.09 and 17.4 dims) are not whole numbers
+REAL_ROPE = {"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+             "truncate": False, "original_max_position_embeddings": 4096}  # fmt: skip
+
+
+@pytest.mark.parametrize("rope", [REAL_ROPE, None], ids=["gpt-oss-120b", "tiny"])
+def test_rope_equals_transformers(rope):
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    over = {"rope_parameters": rope, "max_position_embeddings": 131072} if rope else {}
+    hf_cfg = tiny_gpt_oss_config(**over)
+    theirs = GptOssRotaryEmbedding(hf_cfg)
+    p = hf_cfg.rope_parameters
+    cfg = GptOssConfig(n_layers=1, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8, top_k=2,
+                       expert_ffn=256, vocab_size=16, context_length=hf_cfg.max_position_embeddings,
+                       sliding_window=8, rope_theta=p["rope_theta"], yarn_factor=p["factor"],
+                       yarn_orig_ctx=p["original_max_position_embeddings"])  # fmt: skip
+    ours = _rope(cfg)
+    torch.testing.assert_close(ours.inv_freq.float(), theirs.inv_freq, rtol=1e-6, atol=0)
+    assert ours.mscale == pytest.approx(theirs.attention_scaling, rel=1e-12)
+
+
+def test_mxfp4_repack_is_what_transformers_and_ggml_read():
+    """The checkpoint's blocks as transformers dequantizes them, and the converter's repack as ggml's
+    reference decoder reads it, are the same numbers (every code, exponents near 2^0 and far from it)."""
+    from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
+
+    g = np.random.default_rng(0)
+    w = (g.standard_normal((3, 8, 128)) * np.exp2(g.integers(-12, 6, (3, 8, 1)))).astype(np.float32)
+    blocks, scales = mxfp4_checkpoint(w)
+    codes = set(np.unique(np.concatenate([blocks & 15, blocks >> 4])).tolist())
+    assert codes >= set(range(16)) - {8}  # every code but -0
+    vals = mxfp4_values(blocks, scales)
+    assert rel_error(torch.from_numpy(vals), torch.from_numpy(w)) < 0.2  # a 4-bit code per value
+    hf = _convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    np.testing.assert_array_equal(hf.transpose(1, 2).numpy(), vals)  # transformers hands them out [E, in, out]
+    packed = mxfp4_to_ggml(blocks, scales)
+    np.testing.assert_array_equal(np.asarray(dequantize(packed, T.MXFP4)).reshape(w.shape), vals)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_model(tmp_path_factory):
+    """A tiny GptOssForCausalLM whose experts hold exactly MXFP4 values, written as the converter writes the
+    released checkpoints (MXFP4 experts, the rest F32); the prompt is longer than the window and a micro-batch."""
+    model = GPT_OSS.hf_model(seed=3)
+    packed = quantize_gpt_oss_experts(model)
+    path = str(tmp_path_factory.mktemp("mxfp4") / "m.gguf")
+    write_gpt_oss_from_hf(model, path, mxfp4=packed)
+    toks = random_tokens(72, model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        ref = model(torch.tensor([toks])).logits[0].float()
+    return model, path, toks, ref
+
+
+def test_mxfp4_file_holds_the_checkpoints_values(mxfp4_model):
+    model, path, *_ = mxfp4_model
+    f = GGUFFile(path)
+    try:
+        sd = model.state_dict()
+        info = f.tensor("blk.1.ffn_up_exps.weight")
+        assert info.ggml_type == T.MXFP4 and info.shape == (8, 256, 256)
+        up = np.asarray(dequantize(f.read(info.name), T.MXFP4)).reshape(info.shape)
+        want = sd["model.layers.1.mlp.experts.gate_up_proj"].transpose(1, 2)[:, 1::2]
+        np.testing.assert_array_equal(up, want.numpy())
+        assert f.tensor("blk.1.ffn_up_exps.bias").ggml_type == T.F32
+    finally:
+        f.close()
+
+
+def test_mxfp4_logits_match_transformers(mxfp4_model):
+    _, path, toks, ref = mxfp4_model
+    eng = Engine(path, EngineOptions(n_slots=32, exact=True, ubatch=16))
+    try:
+        assert eng.store.layouts[0].gate[0] == T.MXFP4
+        with torch.inference_mode():
+            ours = torch.cat([eng.model.forward(toks[s : s + 16], eng.kv, s, all_logits=True) for s in (0, 16, 32)])
+            assert rel_error(ours, ref[:48]) < 1e-3
+            for j in range(48, len(toks)):
+                assert rel_error(eng.model.forward([toks[j]], eng.kv, j), ref[j]) < 1e-3, j
+    finally:
+        eng.close()
+
+
+def test_mxfp4_greedy_tokens_equal_transformers_and_under_streaming(mxfp4_model):
+    model, path, toks, _ = mxfp4_model
+    prompt, n = toks[:40], 10
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt) :].tolist()
+    for slots, exact in ((16, True), (2, True), (3, None)):  # every expert cached; streamed; the bf16 path
+        eng = Engine(path, EngineOptions(n_slots=slots, ubatch=16, exact=exact))
+        try:
+            got = eng.generate(prompt, n, Sampler()).tokens
+        finally:
+            eng.close()
+        assert got == want, (slots, exact)
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("bad") / "ok.gguf")
+    write_gpt_oss_from_hf(GPT_OSS.hf_model(), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "metadata,tensors,match",
+    [
+        ({"gpt-oss.attention.sliding_window": None}, {}, "sliding_window is missing"),
+        ({"gpt-oss.rope.scaling.type": "linear"}, {}, "rope.scaling.type is 'linear'"),
+        ({"gpt-oss.attention.value_length": 32}, {}, "value_length is 32"),
+        ({}, {"blk.0.attn_sinks.weight": np.zeros(3)}, "attn_sinks.weight has shape"),
+        ({}, {"blk.1.ffn_down_exps.bias": np.zeros((8, 255))}, "ffn_down_exps.bias has shape"),
+    ],
+)
+def test_bad_files_are_refused_in_one_line(tmp_path, tiny_file, metadata, tensors, match):
+    bad = tmp_path / "bad.gguf"
+    rewrite_gguf(tiny_file, bad, metadata=metadata, tensors=tensors)
+    with pytest.raises(ModelFileError, match=match) as exc:
+        Engine(str(bad), EngineOptions(n_slots=8)).close()
+    assert "\n" not in str(exc.value)
+
+
+def test_kv_and_compute_budget_cover_a_long_prompt(tiny_file):
+    """The score chunks attend_with_sinks holds are in compute_nbytes: a 2k-token micro-batch at 4k context
+    with gpt-oss-120b's heads stays far above the chunk size."""
+    cfg = GptOssConfig(n_layers=36, hidden=2880, n_heads=64, n_kv_heads=8, head_dim=64, n_experts=128, top_k=4,
+                       expert_ffn=2880, vocab_size=201088, context_length=131072, sliding_window=128)  # fmt: skip
+    assert GptOss.compute_nbytes(cfg, 2048, 4096) > 2 * 32 << 20
+    assert GptOss.kv_nbytes(cfg, 4096, False) == 2 * 36 * 4096 * 8 * 64 * 2
+
+
+def test_llama_cpp_reads_the_mxfp4_file(mxfp4_model):
+    """llama.cpp's own MXFP4 decoder and graph on the same file: the repack's nibble order and scale agree."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    _, path, toks, ref = mxfp4_model
+    llm = llama_cpp.Llama(model_path=path, n_ctx=128, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(toks[:40])
+    theirs = torch.tensor(llm.scores[:40])
+    llm.close()
+    # ggml multiplies MXFP4 against 8-bit activations (~1%); a wrong nibble order or scale is off by ~100%
+    assert rel_error(theirs, ref[:40]) < 3e-2
+    assert (theirs.argmax(-1) == ref[:40].argmax(-1)).float().mean() > 0.9
