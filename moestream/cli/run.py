@@ -248,14 +248,19 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 
 def _synth_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", required=True, help="tiny, qwen3-30b-a3b, qwen3.6-35b-a3b-moe, ...")
+    p.add_argument("--shape", required=True, help=f"one of: {', '.join(SHAPES)}")
     p.add_argument(
         "--quant",
         default="Q4_0",
-        help="expert weight type: Q4_0, Q4_K, Q4_K_M (Q4_K with llama.cpp's Q6_K exceptions), Q6_K, Q8_0, F16 "
+        help="expert weight type: Q4_0, Q4_K, Q4_K_M (llama-quantize's per-tensor mix), Q6_K, Q8_0, F16, BF16, F32 "
         "(default Q4_0)",
     )
-    p.add_argument("--layers", type=values.positive, default=None, help="keep only the first N layers")
+    p.add_argument(
+        "--layers",
+        type=values.positive,
+        default=None,
+        help="keep only the first N blocks (deepseek2/glm4moe: the leading dense ones count)",
+    )
     p.add_argument("--seed", type=values.seed, default=0, help="seed of the random weights (default 0)")
     p.add_argument("-o", "--output", required=True, type=values.output_file, help="the GGUF file to write")
     p.set_defaults(func=cmd_synth)
