@@ -254,24 +254,17 @@ def test_engine_runs_glm(tmp_path):
 # ---- llama.cpp reads the same models ----------------------------------------------------------------
 
 
-def _llama_logits(llama_cpp, path: str, prompt: list[int]) -> torch.Tensor:
+def _llama_run(llama_cpp, path: str, prompt: list[int], n: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """llama.cpp's logits at every prompt position, and its n greedy tokens after the prompt."""
     llm = llama_cpp.Llama(model_path=path, n_ctx=128, logits_all=True, verbose=False, n_threads=1)
     try:
         llm.eval(prompt)
-        return torch.tensor(np.asarray(llm.scores[: len(prompt)]))
-    finally:
-        llm.close()
-
-
-def _llama_greedy(llama_cpp, path: str, prompt: list[int], n: int) -> list[int]:
-    llm = llama_cpp.Llama(model_path=path, n_ctx=128, verbose=False, n_threads=1)
-    try:
-        out = []
-        for tok in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
-            out.append(int(tok))
-            if len(out) == n:
-                return out
-        return out
+        logits = torch.tensor(np.asarray(llm.scores[: len(prompt)]))
+        out: list[int] = []
+        for _ in range(n):
+            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval(out[-1:])
+        return logits, out
     finally:
         llm.close()
 
@@ -289,15 +282,15 @@ def test_llama_cpp_computes_the_same_model(tmp_path, name):
             ours = eng.model.forward(prompt, eng.kv, 0, all_logits=True)
     finally:
         eng.close()
-    ref = _llama_logits(llama_cpp, path, prompt)
+    ref, theirs = _llama_run(llama_cpp, path, prompt, 12)
     assert rel_error(ours, ref) < 2e-3  # llama.cpp rounds some activations to F16
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     eng = _engine(path)
     try:
         tok = eng.tokenizer
         ours_greedy = eng.generate(prompt, 12, Sampler()).tokens
     finally:
         eng.close()
-    theirs = _llama_greedy(llama_cpp, path, prompt, 12)
     assert ours_greedy == theirs
     assert tok.decode(ours_greedy) == tok.decode(theirs)
 
@@ -307,7 +300,7 @@ def test_llama_cpp_loads_the_glm_file(tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (CI does not install it)")
     path = str(write_synth("tiny-glm4moe", "F32", tmp_path / "g.gguf", progress=False))
     prompt = list(range(20, 60))
-    ref = _llama_logits(llama_cpp, path, prompt)
+    ref, _ = _llama_run(llama_cpp, path, prompt)
     assert torch.isfinite(ref).all() and len(set(ref.argmax(-1).tolist())) > 2
     if "glm4moe" in ARCHITECTURES:  # once the model lands: the same logits
         eng = _engine(path)
@@ -317,3 +310,19 @@ def test_llama_cpp_loads_the_glm_file(tmp_path):
         finally:
             eng.close()
         assert rel_error(ours, ref) < 2e-3
+
+
+@pytest.mark.parametrize("name", [n for n in NEW_SHAPES if isinstance(SHAPES[n], DeepSeekShape)])
+def test_full_size_headers_load_in_the_deepseek2_config(name):
+    """The real shapes' headers and tensor tables (not written) are accepted as they are, with the latent
+    cache at 576 values a token a block for every full-size one."""
+    from moestream.models.deepseek2 import DeepSeek2, DeepSeek2Config
+
+    s = SHAPES[name]
+    shapes = {t.name: t.shape for t in s.tensors(T.Q4_K, T.Q4_K, VOCAB, 0, k_m=True)}
+    cfg = DeepSeek2Config.from_metadata(s.metadata("x", 15, VOCAB), shapes)
+    assert (cfg.n_blocks, cfg.first_moe_block, cfg.n_layers) == (s.n_layers, s.n_dense, s.n_layers - s.n_dense)
+    assert (cfg.n_experts, cfg.top_k, cfg.shared_ffn) == (s.n_experts, s.top_k, s.n_shared * s.expert_ffn)
+    assert cfg.routing.n_group == s.n_group and cfg.routing.gating == ("sigmoid" if s.gating == 2 else "softmax")
+    if not name.startswith("tiny"):
+        assert DeepSeek2.kv_nbytes(cfg, 1, exact=False) == s.n_layers * 576 * 2
