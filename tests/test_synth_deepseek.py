@@ -182,8 +182,9 @@ def test_keys_and_tensors_equal_the_converters_for_the_same_config(tmp_path):
     for arch, name in [(DEEPSEEK_V3, "tiny-deepseek3"), (DEEPSEEK_V2_LITE, "tiny-deepseek2")]:
         s = SHAPES[name]
         extra = {} if s.gating == 2 else {"n_group": 1, "topk_group": 1}  # V2-Lite's config.json sets both to 1
-        model = arch.hf_model(seed=0, n_routed_experts=s.n_experts, num_experts_per_tok=s.top_k,
-                              max_position_embeddings=s.context_length, **extra)  # fmt: skip
+        dims = dict(num_hidden_layers=s.n_layers, n_routed_experts=s.n_experts, num_experts_per_tok=s.top_k,
+                    moe_intermediate_size=s.expert_ffn, intermediate_size=s.dense_ffn)  # fmt: skip
+        model = arch.hf_model(seed=0, max_position_embeddings=s.context_length, **dims, **extra)
         ref, ours = tmp_path / f"{name}-hf.gguf", write_synth(name, "F32", tmp_path / f"{name}.gguf", progress=False)
         write_deepseek2_from_hf(model, ref)  # kv_b split into k_b/v_b, as the converter writes it now
         r, o = GGUFReader(ref), GGUFReader(ours)
@@ -211,10 +212,10 @@ def test_engine_runs_them_the_same_under_a_streaming_budget(tmp_path, name):
     finally:
         eng.close()
     assert len(set(full)) > 2  # no collapse onto one token
-    eng = _engine(path, n_slots=6)  # 6 of 32 experts: most are read from disk
+    eng = _engine(path, n_slots=6)  # 6 of 32 or 208 experts: most are read from disk
     try:
         assert eng.generate(prompt, 8, Sampler()).tokens == full
-        assert eng.cache.stats.misses > 32
+        assert eng.cache.stats.misses > eng.cfg.n_layers * eng.cfg.n_experts
     finally:
         eng.close()
 

@@ -316,10 +316,12 @@ ARCH_SHAPES: dict[str, DeepSeekShape | GlmShape] = {
         context_length=202752,
     ),
     # small ones of the same architectures, for tests and the llama.cpp check: V2-Lite's (no q LoRA, softmax,
-    # two shared experts) and V3's (q LoRA, sigmoid + bias, 4 groups of which 2 are used, routed scale 2.5)
+    # two shared experts, experts whose rows fall back from K-quants) and V3's (q LoRA, sigmoid + bias, 4 groups
+    # of which 2 are used, routed scale 2.5). llama.cpp tells a q-LoRA-less deepseek2 file (V2-Lite) by its 26
+    # or 27 blocks, so tiny-deepseek2 keeps 27 and slices of deepseek-v2-lite load in moestream only.
     "tiny-deepseek2": DeepSeekShape(
-        n_layers=3, hidden=256, n_heads=4, q_lora=0, kv_lora=128, qk_nope=64, qk_rope=32, v_head_dim=64,
-        n_experts=16, top_k=4, expert_ffn=256, n_shared=2, n_dense=1, dense_ffn=512, gating=1,
+        n_layers=27, hidden=256, n_heads=4, q_lora=0, kv_lora=128, qk_nope=64, qk_rope=32, v_head_dim=64,
+        n_experts=8, top_k=3, expert_ffn=128, n_shared=2, n_dense=1, dense_ffn=256, gating=1,
         weights_norm=False, weights_scale=1.0, context_length=4096, yarn_factor=4.0, yarn_orig_ctx=1024,
         mscale_all_dim=0.707,
     ),
