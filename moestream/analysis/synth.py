@@ -22,13 +22,13 @@ from typing import Any
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
-from moestream.analysis.synth_arches import ARCH_SHAPES, DeepSeekShape, GlmShape
+from moestream.analysis.synth_arches import ARCH_SHAPES, DeepSeekShape, GlmShape, llama_cpp_loads
 from moestream.analysis.synth_blocks import header_table, norm_spec, random_blocks, spec, uniform_spec, use_more_bits
 from moestream.formats.gguf_write import TensorSpec, write_gguf
 from moestream.formats.tokenizer import build_tiny_bpe_metadata
 
-__all__ = ["SHAPES", "QUANTS", "SynthShape", "header_table", "q4_k_m_type", "random_blocks", "shape_metadata",
-           "synth_nbytes", "synth_tensors", "use_more_bits", "write_synth"]  # fmt: skip
+__all__ = ["SHAPES", "QUANTS", "SynthShape", "header_table", "llama_cpp_loads", "q4_k_m_type", "random_blocks",
+           "shape_metadata", "synth_nbytes", "synth_tensors", "use_more_bits", "write_synth"]  # fmt: skip
 
 ARCH = "qwen3moe"
 

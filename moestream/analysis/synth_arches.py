@@ -236,6 +236,11 @@ class GlmShape:
         return specs
 
 
+def llama_cpp_loads(s: DeepSeekShape | GlmShape) -> bool:
+    """False for a q-LoRA-less deepseek2 slice: llama.cpp reads such a file as V2-Lite only at 26 or 27 blocks."""
+    return not (isinstance(s, DeepSeekShape) and not s.q_lora and s.n_layers not in (26, 27))
+
+
 def q4_k_m_type(name: str, layer: int, n_blocks: int, attn_v_rule: bool = False) -> T:
     """llama-quantize's wanted type for a tensor of a Q4_K_M file of these archs, before fit_rows."""
     more = use_more_bits(layer, n_blocks)

@@ -18,7 +18,7 @@ import time
 
 from tqdm import tqdm
 
-from moestream.analysis.synth import SHAPES, synth_nbytes, write_synth
+from moestream.analysis.synth import SHAPES, SynthShape, llama_cpp_loads, synth_nbytes, write_synth
 from moestream.cli import values
 from moestream.cli.options import add_engine_args, add_sampling_args, open_engine, sampler
 from moestream.engine.engine import Engine
@@ -128,6 +128,11 @@ def cmd_synth(args: argparse.Namespace) -> int:
         )
     write_synth(args.shape, args.quant, args.output, layers=args.layers, seed=args.seed, progress=True)
     print(f"wrote {args.output} ({os.path.getsize(args.output) / 1e9:.2f} GB)", file=sys.stderr)
+    shape = SHAPES[args.shape]
+    if not isinstance(shape, SynthShape) and not llama_cpp_loads(
+        dataclasses.replace(shape, n_layers=args.layers or shape.n_layers)
+    ):
+        print("note: llama.cpp loads a deepseek2 file without q LoRA only at 26 or 27 blocks", file=sys.stderr)
     return 0
 
 
