@@ -20,6 +20,7 @@ from moestream.analysis import synth
 from moestream.analysis.synth import SHAPES, random_blocks, synth_nbytes, write_synth
 from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.gguf_write import TensorSpec, array_tensor, write_gguf
+from tests.test_synth_deepseek import plain_llama_cpp
 
 
 def _expected_shapes(s: synth.SynthShape, vocab: int) -> dict[str, tuple[int, ...]]:
@@ -342,7 +343,7 @@ def test_qwen36_architecture_reads_the_same_in_llama_cpp(tmp_path, monkeypatch):
 
     The architecture at a small width (a full-width file is 1.9 GB for four layers).
     """
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = plain_llama_cpp(monkeypatch)
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
 

@@ -255,6 +255,23 @@ def test_engine_runs_glm(tmp_path):
 # ---- llama.cpp reads the same models ----------------------------------------------------------------
 
 
+def plain_llama_cpp(monkeypatch):
+    """llama_cpp, with Llama() loading weights without its extra CPU buffer types (AMX, repacked layouts), as
+    bench/llamacpp_run.py runs it: a native build here may use AMX, which this machine lists but a process is
+    not allowed to run (SIGILL on the first quantized matmul)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (CI does not install it)")
+    lib = llama_cpp.llama_cpp
+    default = lib.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    monkeypatch.setattr(lib, "llama_model_default_params", params)  # Llama() reads it from this module
+    return llama_cpp
+
+
 def _llama_run(llama_cpp, path: str, prompt: list[int], n: int = 0) -> tuple[torch.Tensor, list[int]]:
     """llama.cpp's logits at every prompt position, and its n greedy tokens after the prompt."""
     llm = llama_cpp.Llama(model_path=path, n_ctx=128, logits_all=True, verbose=False, n_threads=1)
@@ -271,10 +288,10 @@ def _llama_run(llama_cpp, path: str, prompt: list[int], n: int = 0) -> tuple[tor
 
 
 @pytest.mark.parametrize("name", ["tiny-deepseek2", "tiny-deepseek3"])
-def test_llama_cpp_computes_the_same_model(tmp_path, name):
+def test_llama_cpp_computes_the_same_model(tmp_path, monkeypatch, name):
     """The independent check that synth's files are real deepseek2 files: llama.cpp's own graph on the same
     F32 file gives the same logits within float tolerance and the same greedy text."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (CI does not install it)")
+    llama_cpp = plain_llama_cpp(monkeypatch)
     path = str(write_synth(name, "F32", tmp_path / "m.gguf", progress=False))
     prompt = list(range(20, 60))
     eng = _engine(path)
@@ -296,9 +313,9 @@ def test_llama_cpp_computes_the_same_model(tmp_path, name):
     assert tok.decode(ours_greedy) == tok.decode(theirs)
 
 
-def test_llama_cpp_loads_the_glm_file(tmp_path):
+def test_llama_cpp_loads_the_glm_file(tmp_path, monkeypatch):
     """llama.cpp's glm4moe loader takes synth's tensor table and keys (nextn block included)."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (CI does not install it)")
+    llama_cpp = plain_llama_cpp(monkeypatch)
     path = str(write_synth("tiny-glm4moe", "F32", tmp_path / "g.gguf", progress=False))
     prompt = list(range(20, 60))
     ref, _ = _llama_run(llama_cpp, path, prompt)
