@@ -20,6 +20,7 @@ from moestream.analysis import synth
 from moestream.analysis.synth import SHAPES, random_blocks, synth_nbytes, write_synth
 from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.gguf_write import TensorSpec, array_tensor, write_gguf
+from tests.test_synth_deepseek import plain_llama_cpp
 
 
 def _expected_shapes(s: synth.SynthShape, vocab: int) -> dict[str, tuple[int, ...]]:
@@ -96,7 +97,7 @@ def test_gguf_reader_decodes_a_synth_file(tmp_path):
     assert np.std(router) == pytest.approx(2 / np.sqrt(SHAPES["tiny"].hidden), rel=0.05)
 
 
-@pytest.mark.parametrize("quant", [T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32])
+@pytest.mark.parametrize("quant", [T.Q4_0, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16, T.F32])
 @pytest.mark.parametrize("std", [1.0, 0.002])
 def test_random_blocks_have_the_intended_std(quant, std):
     n = 1 << 18
@@ -178,6 +179,8 @@ def test_dense_type_override(tmp_path):
 
 def test_real_shapes_are_consistent():
     for name, s in SHAPES.items():
+        if not isinstance(s, synth.SynthShape):
+            continue  # deepseek2 and glm4moe shapes: tests/test_synth_deepseek.py
         assert s.top_k < s.n_experts, name
         for dim in (s.hidden, s.expert_ffn, s.n_heads * s.head_dim, s.shared_ffn):
             assert dim % 256 == 0, (name, dim)  # every supported type (Q4_K: 256) fits the rows
@@ -192,6 +195,8 @@ def test_bad_arguments(tmp_path):
         write_synth("tiny", "Q3_K", tmp_path / "x.gguf")
     with pytest.raises(ValueError, match="layers"):
         write_synth("tiny", "Q4_0", tmp_path / "x.gguf", layers=99)
+    with pytest.raises(ValueError, match="layers must be between 4 and 61"):  # V3's 3 dense blocks and a MoE one
+        write_synth("deepseek-v3", "Q4_0", tmp_path / "x.gguf", layers=3)
     assert not list(tmp_path.iterdir())
 
 
@@ -338,7 +343,7 @@ def test_qwen36_architecture_reads_the_same_in_llama_cpp(tmp_path, monkeypatch):
 
     The architecture at a small width (a full-width file is 1.9 GB for four layers).
     """
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = plain_llama_cpp(monkeypatch)
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
 

@@ -1,12 +1,11 @@
-"""Synthetic qwen3moe and qwen35moe GGUF models at real shapes with random weights.
+"""Synthetic GGUF models at real shapes with random weights: qwen3moe and qwen35moe here, deepseek2
+(DeepSeek-V2/V3, Kimi-K2) and glm4moe (GLM-4.5/4.6) in synth_arches.py.
 
 They exercise the engine (and llama.cpp, for baselines) at full size without downloading anything:
-same tensor names, shapes, types and expert layout as a converted Qwen3-MoE or Qwen3.5-MoE GGUF.
+same tensor names, shapes, types and expert layout as a converted GGUF of that model.
 
-Speed matters (a Qwen3-30B-A3B shape is ~17 GB): quantized tensors are made directly as random
-blocks. The quant bytes are raw generator output (uniform, which is a valid quant value for every
-nibble/int8); only each block's header (scales) is overwritten, picked from a 256-entry table of
-valid headers by a random byte, so no float ever goes through a quantizer.
+Speed matters (a Qwen3-30B-A3B shape is ~17 GB): quantized tensors are made directly as valid random
+blocks (synth_blocks.py), so no float ever goes through a quantizer.
 
 Scales follow our measurements (notes/measured-facts.md): embeddings std 1, attention-out and
 expert-down std 0.002, so the residual stream stays dominated by the current token's embedding,
@@ -17,20 +16,21 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
+from moestream.analysis.synth_arches import ARCH_SHAPES, DeepSeekShape, GlmShape, llama_cpp_loads
+from moestream.analysis.synth_blocks import header_table, norm_spec, random_blocks, spec, uniform_spec, use_more_bits
 from moestream.formats.gguf_write import TensorSpec, write_gguf
 from moestream.formats.tokenizer import build_tiny_bpe_metadata
 
+__all__ = ["SHAPES", "QUANTS", "SynthShape", "header_table", "llama_cpp_loads", "q4_k_m_type", "random_blocks",
+           "shape_metadata", "synth_nbytes", "synth_tensors", "use_more_bits", "write_synth"]  # fmt: skip
+
 ARCH = "qwen3moe"
-CHUNK_BYTES = 32 << 20  # per producer chunk: big enough to amortize numpy calls, small enough to queue
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class SynthShape:
         return self.arch == "qwen35moe" and (layer + 1) % self.full_attention_interval != 0
 
 
-SHAPES: dict[str, SynthShape] = {
+SHAPES: dict[str, SynthShape | DeepSeekShape | GlmShape] = {
     "tiny": SynthShape(
         n_layers=4,
         hidden=256,
@@ -121,6 +121,7 @@ SHAPES: dict[str, SynthShape] = {
         lin_head_dim=128,
         rot_dim=64,
     ),
+    **ARCH_SHAPES,  # deepseek2 and glm4moe
 }
 
 QUANTS: dict[str, T] = {
@@ -143,35 +144,6 @@ _FILE_TYPE = {
     T.F32: LlamaFileType.ALL_F32,
 }
 
-# ---- random blocks -------------------------------------------------------------------------------
-
-# mean square of the integer part of each format for uniform random bits:
-#   Q4_0: (q - 8), q uniform in 0..15          -> 21.5  (var 21.25 + mean^2 0.25)
-#   Q8_0: int8 uniform in -128..127            -> 5461.5
-#   Q4_K: sc*(q - 7.5) once dmin*m = 7.5*d*sc  -> 21.25 * sc^2
-#   Q5_K: sc*(q - 15.5) once dmin*m = 15.5*d*sc -> 85.25 * sc^2
-#   Q6_K: sc*(q - 32), q uniform in 0..63     -> 341.5 * sc^2
-_Q4_0_MS = 21.5
-_Q8_0_MS = 5461.5
-_Q4_K_MS = 21.25
-_Q5_K_MS = 85.25
-_Q6_K_MS = 341.5
-
-# elements and bytes per block, and the byte range of the header (scales) that the table overwrites
-_BLOCK = {
-    T.Q4_0: (32, 18, 0, 2),
-    T.Q8_0: (32, 34, 0, 2),
-    T.Q4_K: (256, 144, 0, 16),
-    T.Q5_K: (256, 176, 0, 16),
-    T.Q6_K: (256, 210, 192, 210),
-}
-
-
-def use_more_bits(layer: int, n_layers: int) -> bool:
-    """llama.cpp's choice of the layers whose ffn_down gets more bits in Q4_K_M / Q5_K_M files: the first and
-    last eighth, and every third layer between."""
-    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
-
 
 def q4_k_m_type(name: str, layer: int, n_layers: int) -> T:
     """The type llama-quantize (llama_tensor_get_type) gives a tensor of a Q4_K_M file, for the tensors a
@@ -183,90 +155,6 @@ def q4_k_m_type(name: str, layer: int, n_layers: int) -> T:
     if "attn_qkv" in name:
         return T.Q5_K
     return T.Q4_K
-
-
-def _f16_bits(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float16).view(np.uint16)
-
-
-def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """Eight 6-bit scales and mins [..., 8] -> the 12 packed bytes of a Q4_K block (ggml's layout)."""
-    sc = sc.astype(np.uint8)
-    m = m.astype(np.uint8)
-    out = np.empty((*sc.shape[:-1], 12), np.uint8)
-    out[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
-    out[..., 4:8] = m[..., 0:4] | ((m[..., 4:8] >> 4) << 6)
-    out[..., 8:12] = (sc[..., 4:8] & 15) | ((m[..., 4:8] & 15) << 4)
-    return out
-
-
-def header_table(ggml_type: T, std: float, rng: np.random.Generator) -> np.ndarray:
-    """256 valid block headers (uint16 words) whose blocks have weight std `std` on average.
-
-    The block scale varies by +-25% and flips sign, so the weights are zero-mean and not all alike.
-    """
-    mag = rng.uniform(0.75, 1.25, 256) * rng.choice([-1.0, 1.0], 256)
-    if ggml_type in (T.Q4_0, T.Q8_0):
-        ms = _Q4_0_MS if ggml_type == T.Q4_0 else _Q8_0_MS
-        d = mag * (std / math.sqrt(ms * np.mean(mag**2)))
-        return _f16_bits(d).reshape(256, 1)
-    if ggml_type == T.Q6_K:
-        sc = rng.integers(16, 64, (256, 16))
-        d = mag * (std / math.sqrt(_Q6_K_MS * np.mean(mag[:, None] ** 2 * sc**2)))
-        hdr = np.empty((256, 18), np.uint8)
-        hdr[:, 0:16] = sc.astype(np.int8).view(np.uint8)
-        hdr[:, 16:18] = _f16_bits(d).view(np.uint8).reshape(256, 2)
-        return hdr.view(np.uint16)
-    if ggml_type in (T.Q4_K, T.Q5_K):
-        # mins equal to the scales and dmin = 7.5*d (15.5*d) put every sub-block's zero at q = 7.5 (15.5), the
-        # middle of its range (exact in f16)
-        mid, ms = (7.5, _Q4_K_MS) if ggml_type == T.Q4_K else (15.5, _Q5_K_MS)
-        sc = rng.integers(16, 64, (256, 8))
-        d = mag * (std / math.sqrt(ms * np.mean(mag[:, None] ** 2 * sc**2)))
-        hdr = np.empty((256, 16), np.uint8)
-        hdr[:, 0:2] = _f16_bits(d).view(np.uint8).reshape(256, 2)
-        hdr[:, 2:4] = _f16_bits(d * mid).view(np.uint8).reshape(256, 2)
-        hdr[:, 4:16] = _pack_k_scales(sc, sc)
-        return hdr.view(np.uint16)
-    raise ValueError(f"no random-block generator for {ggml_type.name}")
-
-
-def random_blocks(ggml_type: T, n_elems: int, std: float, seed: Any) -> Iterator[np.ndarray]:
-    """Raw GGUF bytes of `n_elems` random weights with std ~`std`, in chunks of ~CHUNK_BYTES."""
-    bitgen = np.random.SFC64(np.random.SeedSequence(seed))  # SFC64.random_raw: ~3 GB/s of bits
-    if ggml_type in (T.F32, T.F16, T.BF16):
-        yield from _random_floats(ggml_type, n_elems, std, np.random.Generator(bitgen))
-        return
-    block, size, h0, h1 = _BLOCK[ggml_type]
-    table = header_table(ggml_type, std, np.random.Generator(np.random.SFC64(bitgen.random_raw())))
-    words = size // 2
-    n_blocks = n_elems // block
-    per_chunk = max(8, CHUNK_BYTES // size // 8 * 8)  # a multiple of 8 keeps chunks whole uint64s
-    for start in range(0, n_blocks, per_chunk):
-        nb = min(per_chunk, n_blocks - start)
-        raw = bitgen.random_raw(-(-nb * size // 8)).view(np.uint8)[: nb * size]
-        u = raw.view(np.uint16).reshape(nb, words)
-        # the low byte of the block's (random) first word picks its header (never a header byte itself)
-        u[:, h0 // 2 : h1 // 2] = table[u[:, 0].astype(np.uint8)]
-        yield raw
-
-
-def _random_floats(ggml_type: T, n_elems: int, std: float, rng: np.random.Generator) -> Iterator[np.ndarray]:
-    a = std * math.sqrt(3.0)  # uniform(-a, a) has std a/sqrt(3); uniform floats are 4x cheaper than normals
-    step = CHUNK_BYTES // 4
-    for start in range(0, n_elems, step):
-        x = rng.random(min(step, n_elems - start), dtype=np.float32)
-        x *= 2 * a
-        x -= a
-        if ggml_type == T.F32:
-            yield x
-        elif ggml_type == T.F16:
-            yield x.astype(np.float16)
-        else:  # BF16: the top half of the float32 bits
-            yield (x.view(np.uint32) >> 16).astype(np.uint16)
-
-
-# ---- the model -----------------------------------------------------------------------------------
 
 
 def shape_metadata(s: SynthShape, name: str, file_type: int) -> dict[str, Any]:
@@ -308,50 +196,24 @@ def shape_metadata(s: SynthShape, name: str, file_type: int) -> dict[str, Any]:
     return md
 
 
-def _spec(name: str, ggml_type: T, shape: tuple[int, ...], std: float, seed: int) -> TensorSpec:
-    n = math.prod(shape)
-    # one stream per tensor name: a 2-layer file has the same first two layers as the full model
-    key = (seed, zlib.crc32(name.encode()))
-    return TensorSpec(name, ggml_type, shape, lambda: random_blocks(ggml_type, n, std, key))
-
-
-def _uniform_spec(name: str, n: int, lo: float, hi: float, seed: int) -> TensorSpec:
-    """A small F32 vector uniform in [lo, hi) (the converter writes 1-D tensors in F32)."""
-
-    def produce() -> Iterator[np.ndarray]:
-        rng = np.random.default_rng((seed, zlib.crc32(name.encode())))
-        yield rng.uniform(lo, hi, n).astype(np.float32)
-
-    return TensorSpec(name, T.F32, (n,), produce)
-
-
-def _norm_spec(name: str, n: int, seed: int) -> TensorSpec:
-    # RMSNorm gains near 1 (F32, as the converter writes 1-D tensors)
-    def produce() -> Iterator[np.ndarray]:
-        rng = np.random.default_rng((seed, zlib.crc32(name.encode())))
-        yield (1.0 + rng.uniform(-0.1, 0.1, n)).astype(np.float32)
-
-    return TensorSpec(name, T.F32, (n,), produce)
-
-
 def _deltanet_specs(s: SynthShape, p: str, dense_type: T, seed: int, qkv_type: T) -> list[TensorSpec]:
     """One Gated DeltaNet layer's token mixer, under llama.cpp's names and in its stored forms."""
     H, Hv, d, K = s.hidden, s.lin_v_heads, s.lin_head_dim, s.conv_kernel
     conv_dim = 2 * s.lin_k_heads * d + Hv * d
     w_in = 1.0 / math.sqrt(H)
     return [
-        _spec(p + "attn_qkv.weight", qkv_type, (conv_dim, H), w_in, seed),
-        _spec(p + "attn_gate.weight", dense_type, (Hv * d, H), w_in, seed),
-        _spec(p + "ssm_beta.weight", dense_type, (Hv, H), w_in, seed),
-        _spec(p + "ssm_alpha.weight", dense_type, (Hv, H), w_in, seed),
+        spec(p + "attn_qkv.weight", qkv_type, (conv_dim, H), w_in, seed),
+        spec(p + "attn_gate.weight", dense_type, (Hv * d, H), w_in, seed),
+        spec(p + "ssm_beta.weight", dense_type, (Hv, H), w_in, seed),
+        spec(p + "ssm_alpha.weight", dense_type, (Hv, H), w_in, seed),
         # depthwise conv kernel, F32 as llama.cpp keeps it; std of nn.Conv1d's init for 4 taps
-        _spec(p + "ssm_conv1d.weight", T.F32, (conv_dim, K), 0.5 / math.sqrt(3), seed),
-        _uniform_spec(p + "ssm_dt.bias", Hv, 0.5, 1.5, seed),
+        spec(p + "ssm_conv1d.weight", T.F32, (conv_dim, K), 0.5 / math.sqrt(3), seed),
+        uniform_spec(p + "ssm_dt.bias", Hv, 0.5, 1.5, seed),
         # -exp(A_log) with A uniform in (0.01, 16) as transformers initialises it: heads that forget within
         # a token next to heads that remember for hundreds
-        _uniform_spec(p + "ssm_a", Hv, -16.0, -0.01, seed),
-        _norm_spec(p + "ssm_norm.weight", d, seed),
-        _spec(p + "ssm_out.weight", dense_type, (H, Hv * d), 0.002, seed),
+        uniform_spec(p + "ssm_a", Hv, -16.0, -0.01, seed),
+        norm_spec(p + "ssm_norm.weight", d, seed),
+        spec(p + "ssm_out.weight", dense_type, (H, Hv * d), 0.002, seed),
     ]
 
 
@@ -368,41 +230,41 @@ def synth_tensors(
     w_in = 1.0 / math.sqrt(H)  # input projections: unit-variance outputs from an RMS-normed input
     w_out = 0.002  # residual writers (attn_output, ffn_down): small, the embedding keeps dominating
     gated = s.arch == "qwen35moe"  # attn_q also yields a per-head output gate
-    specs = [_spec("token_embd.weight", dense_type, (vocab, H), 1.0, seed)]
+    specs = [spec("token_embd.weight", dense_type, (vocab, H), 1.0, seed)]
     for i in range(s.n_layers):
         p = f"blk.{i}."
-        specs.append(_norm_spec(p + "attn_norm.weight", H, seed))
+        specs.append(norm_spec(p + "attn_norm.weight", H, seed))
         if s.recurrent(i):
             specs += _deltanet_specs(s, p, dense_type, seed, typed("attn_qkv", dense_type))
         else:
             specs += [
-                _spec(p + "attn_q.weight", dense_type, ((2 if gated else 1) * q_dim, H), w_in, seed),
-                _spec(p + "attn_k.weight", dense_type, (kv_dim, H), w_in, seed),
-                _spec(p + "attn_v.weight", dense_type, (kv_dim, H), w_in, seed),
-                _spec(p + "attn_output.weight", dense_type, (H, q_dim), w_out, seed),
-                _norm_spec(p + "attn_q_norm.weight", s.head_dim, seed),
-                _norm_spec(p + "attn_k_norm.weight", s.head_dim, seed),
+                spec(p + "attn_q.weight", dense_type, ((2 if gated else 1) * q_dim, H), w_in, seed),
+                spec(p + "attn_k.weight", dense_type, (kv_dim, H), w_in, seed),
+                spec(p + "attn_v.weight", dense_type, (kv_dim, H), w_in, seed),
+                spec(p + "attn_output.weight", dense_type, (H, q_dim), w_out, seed),
+                norm_spec(p + "attn_q_norm.weight", s.head_dim, seed),
+                norm_spec(p + "attn_k_norm.weight", s.head_dim, seed),
             ]
         specs += [
             # qwen35moe names the norm before the MoE after the attention it follows
-            _norm_spec(p + ("post_attention_norm.weight" if gated else "ffn_norm.weight"), H, seed),
+            norm_spec(p + ("post_attention_norm.weight" if gated else "ffn_norm.weight"), H, seed),
             # router logits with std ~2: top-k sets differ between tokens, softmax is not one-hot
-            _spec(p + "ffn_gate_inp.weight", T.F32, (E, H), 2.0 * w_in, seed),
-            _spec(p + "ffn_gate_exps.weight", expert_type, (E, F, H), w_in, seed),
-            _spec(p + "ffn_up_exps.weight", expert_type, (E, F, H), w_in, seed),
-            _spec(p + "ffn_down_exps.weight", typed("ffn_down_exps", expert_type, i), (E, H, F), w_out, seed),
+            spec(p + "ffn_gate_inp.weight", T.F32, (E, H), 2.0 * w_in, seed),
+            spec(p + "ffn_gate_exps.weight", expert_type, (E, F, H), w_in, seed),
+            spec(p + "ffn_up_exps.weight", expert_type, (E, F, H), w_in, seed),
+            spec(p + "ffn_down_exps.weight", typed("ffn_down_exps", expert_type, i), (E, H, F), w_out, seed),
         ]
         if Fs:
             specs += [
-                _spec(p + "ffn_gate_shexp.weight", expert_type, (Fs, H), w_in, seed),
-                _spec(p + "ffn_up_shexp.weight", expert_type, (Fs, H), w_in, seed),
-                _spec(p + "ffn_down_shexp.weight", typed("ffn_down_shexp", expert_type, i), (H, Fs), w_out, seed),
+                spec(p + "ffn_gate_shexp.weight", expert_type, (Fs, H), w_in, seed),
+                spec(p + "ffn_up_shexp.weight", expert_type, (Fs, H), w_in, seed),
+                spec(p + "ffn_down_shexp.weight", typed("ffn_down_shexp", expert_type, i), (H, Fs), w_out, seed),
             ]
             if gated:  # sigmoid gate on the shared expert: logits of std ~1
-                specs.append(_spec(p + "ffn_gate_inp_shexp.weight", T.F32, (1, H), w_in, seed))
+                specs.append(spec(p + "ffn_gate_inp_shexp.weight", T.F32, (1, H), w_in, seed))
     specs += [
-        _norm_spec("output_norm.weight", H, seed),
-        _spec("output.weight", typed("output.weight", dense_type), (vocab, H), 2.0 * w_in, seed),
+        norm_spec("output_norm.weight", H, seed),
+        spec("output.weight", typed("output.weight", dense_type), (vocab, H), 2.0 * w_in, seed),
     ]
     return specs
 
@@ -414,22 +276,32 @@ def _quant_type(name: str) -> T:
         raise ValueError(f"unknown quant {name!r}; choose one of {', '.join(QUANTS)}") from None
 
 
-def _resolve(shape: str, layers: int | None) -> SynthShape:
+AnyShape = SynthShape | DeepSeekShape | GlmShape
+
+
+def _resolve(shape: str, layers: int | None) -> AnyShape:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
     s = SHAPES[shape]
     if layers is None:
         return s
-    if not 1 <= layers <= s.n_layers:
-        raise ValueError(f"layers must be between 1 and {s.n_layers} for {shape}, got {layers}")
+    low = getattr(s, "n_dense", 0) + 1  # a slice keeps at least one MoE block
+    if not low <= layers <= s.n_layers:
+        raise ValueError(f"layers must be between {low} and {s.n_layers} for {shape}, got {layers}")
     return replace(s, n_layers=layers)
+
+
+def _specs(s: AnyShape, expert: T, dense: T, vocab: int, seed: int, k_m: bool) -> list[TensorSpec]:
+    if isinstance(s, SynthShape):
+        return synth_tensors(s, expert, dense, vocab, seed, k_m)
+    return s.tensors(expert, dense, vocab, seed, k_m)
 
 
 def synth_nbytes(shape: str, quant: str, layers: int | None = None, *, dense: str | None = None) -> int:
     """Bytes of tensor data write_synth would write (plus a header under 1 MB): for a disk-space check."""
     s = _resolve(shape, layers)
-    vocab = s.vocab or len(build_tiny_bpe_metadata()["tokenizer.ggml.tokens"])
-    specs = synth_tensors(s, _quant_type(quant), _quant_type(dense or quant), vocab, 0, quant.upper() == "Q4_K_M")
+    vocab = getattr(s, "vocab", None) or len(build_tiny_bpe_metadata()["tokenizer.ggml.tokens"])
+    specs = _specs(s, _quant_type(quant), _quant_type(dense or quant), vocab, 0, quant.upper() == "Q4_K_M")
     return sum(t.nbytes for t in specs)
 
 
@@ -446,22 +318,27 @@ def write_synth(
     """Write a random-weight GGUF of a named shape; returns the path.
 
     quant: type of the expert tensors ('Q4_0', 'Q8_0', 'Q4_K', 'Q6_K', 'F16', also 'BF16', 'F32'), or 'Q4_K_M':
-    Q4_K with llama.cpp's Q4_K_M exceptions (q4_k_m_type).
+    Q4_K with llama.cpp's Q4_K_M exceptions (q4_k_m_type; synth_arches.q4_k_m_type for deepseek2/glm4moe).
     dense: type of the embeddings, attention and output weights; default the same as `quant`, as
     llama-quantize does. Norms and the router stay F32 (the converter keeps ffn_gate_inp in F32).
-    layers: keep only the first N layers (a quick model of the same per-layer shape).
+    layers: keep only the first N layers (a quick model of the same per-layer shape); for deepseek2 and
+    glm4moe N counts every block, the leading dense ones included (glm4moe's nextn block comes after them).
     """
     s = _resolve(shape, layers)
     expert_type = _quant_type(quant)
     dense_type = _quant_type(dense or quant)
     tok_md = build_tiny_bpe_metadata()
-    vocab = s.vocab or len(tok_md["tokenizer.ggml.tokens"])
+    vocab = getattr(s, "vocab", None) or len(tok_md["tokenizer.ggml.tokens"])
     if vocab != len(tok_md["tokenizer.ggml.tokens"]):
         raise ValueError(f"{shape} wants vocab {vocab} but the tokenizer has {len(tok_md['tokenizer.ggml.tokens'])}")
     name = f"moestream-synth-{shape}-{quant.upper()}" + (f"-{layers}L" if layers is not None else "")
     k_m = quant.upper() == "Q4_K_M"
-    md = shape_metadata(s, name, LlamaFileType.MOSTLY_Q4_K_M if k_m else _FILE_TYPE[expert_type]) | tok_md
+    file_type = LlamaFileType.MOSTLY_Q4_K_M if k_m else _FILE_TYPE[expert_type]
+    if isinstance(s, SynthShape):
+        md = shape_metadata(s, name, file_type)
+    else:
+        md = s.metadata(name, file_type, vocab)
     path = os.fspath(path)
-    specs = synth_tensors(s, expert_type, dense_type, vocab, seed, k_m)
-    write_gguf(path, s.arch, md, specs, progress=progress, desc=name)
+    specs = _specs(s, expert_type, dense_type, vocab, seed, k_m)
+    write_gguf(path, s.arch, md | tok_md, specs, progress=progress, desc=name)
     return path

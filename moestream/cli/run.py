@@ -18,7 +18,7 @@ import time
 
 from tqdm import tqdm
 
-from moestream.analysis.synth import SHAPES, synth_nbytes, write_synth
+from moestream.analysis.synth import SHAPES, SynthShape, llama_cpp_loads, synth_nbytes, write_synth
 from moestream.cli import values
 from moestream.cli.options import add_engine_args, add_sampling_args, open_engine, sampler
 from moestream.engine.engine import Engine
@@ -128,6 +128,11 @@ def cmd_synth(args: argparse.Namespace) -> int:
         )
     write_synth(args.shape, args.quant, args.output, layers=args.layers, seed=args.seed, progress=True)
     print(f"wrote {args.output} ({os.path.getsize(args.output) / 1e9:.2f} GB)", file=sys.stderr)
+    shape = SHAPES[args.shape]
+    if not isinstance(shape, SynthShape) and not llama_cpp_loads(
+        dataclasses.replace(shape, n_layers=args.layers or shape.n_layers)
+    ):
+        print("note: llama.cpp loads a deepseek2 file without q LoRA only at 26 or 27 blocks", file=sys.stderr)
     return 0
 
 
@@ -248,14 +253,19 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 
 def _synth_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", required=True, help="tiny, qwen3-30b-a3b, qwen3.6-35b-a3b-moe, ...")
+    p.add_argument("--shape", required=True, help=f"one of: {', '.join(SHAPES)}")
     p.add_argument(
         "--quant",
         default="Q4_0",
-        help="expert weight type: Q4_0, Q4_K, Q4_K_M (Q4_K with llama.cpp's Q6_K exceptions), Q6_K, Q8_0, F16 "
+        help="expert weight type: Q4_0, Q4_K, Q4_K_M (llama-quantize's per-tensor mix), Q6_K, Q8_0, F16, BF16, F32 "
         "(default Q4_0)",
     )
-    p.add_argument("--layers", type=values.positive, default=None, help="keep only the first N layers")
+    p.add_argument(
+        "--layers",
+        type=values.positive,
+        default=None,
+        help="keep only the first N blocks (deepseek2/glm4moe: the leading dense ones count)",
+    )
     p.add_argument("--seed", type=values.seed, default=0, help="seed of the random weights (default 0)")
     p.add_argument("-o", "--output", required=True, type=values.output_file, help="the GGUF file to write")
     p.set_defaults(func=cmd_synth)
