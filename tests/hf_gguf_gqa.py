@@ -23,17 +23,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
-from tests.hf_gguf import (
-    _FILE_TYPE,
-    TinyArch,
-    _experts,
-    _f32_spec,
-    _rope_theta,
-    _types,
-    _weight,
-    _write,
-    tiny_vocab_size,
-)
+from tests.hf_gguf import TinyArch, _experts, _f32_spec, _rope_theta, _types, _weight, _write, tiny_vocab_size
+from tests.hf_gguf_gpt_oss import _FILE_TYPE
 
 ATTN = (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj"))
 

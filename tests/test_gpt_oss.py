@@ -15,16 +15,13 @@ from moestream.engine.sampling import Sampler
 from moestream.errors import ModelFileError
 from moestream.formats.gguf_file import GGUFFile
 from moestream.models.gpt_oss import GptOss, GptOssConfig, _rope
-from tests.hf_gguf import (
+from tests.hf_gguf import one_torch_thread, random_tokens, rel_error, rewrite_gguf
+from tests.hf_gguf_gpt_oss import (
     GPT_OSS,
     mxfp4_checkpoint,
     mxfp4_to_ggml,
     mxfp4_values,
-    one_torch_thread,
     quantize_gpt_oss_experts,
-    random_tokens,
-    rel_error,
-    rewrite_gguf,
     tiny_gpt_oss_config,
     write_gpt_oss_from_hf,
 )

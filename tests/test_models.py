@@ -22,12 +22,6 @@ from moestream.formats.gguf_file import GGUFFile
 from moestream.models.common import KVCache, query_chunks
 from moestream.streaming.expert_store import PER_EXPERT_TENSOR, is_routed_expert_tensor
 from tests.hf_gguf import (
-    DEEPSEEK_V2,
-    DEEPSEEK_V2_LITE,
-    DEEPSEEK_V3,
-    GLM4MOE,
-    GLM45_AIR,
-    GPT_OSS,
     QWEN3MOE,
     QWEN35MOE,
     TinyArch,
@@ -37,6 +31,9 @@ from tests.hf_gguf import (
     rel_error,
     tiny_vocab_size,
 )
+from tests.hf_gguf_deepseek import DEEPSEEK_V2, DEEPSEEK_V2_LITE, DEEPSEEK_V3
+from tests.hf_gguf_glm import GLM4MOE, GLM45_AIR
+from tests.hf_gguf_gpt_oss import GPT_OSS
 from tests.hf_gguf_gqa import MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE
 
 transformers = pytest.importorskip("transformers")

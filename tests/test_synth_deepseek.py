@@ -177,7 +177,7 @@ def test_keys_and_tensors_equal_the_converters_for_the_same_config(tmp_path):
     """tests/hf_gguf.py mirrors convert_hf_to_gguf.py's DeepseekV2Model: a transformers model of the same dims
     written by it has synth's tensor table and every one of synth's keys, with the same values and types."""
     pytest.importorskip("transformers")
-    from tests.hf_gguf import DEEPSEEK_V2_LITE, DEEPSEEK_V3, write_deepseek2_from_hf
+    from tests.hf_gguf_deepseek import DEEPSEEK_V2_LITE, DEEPSEEK_V3, write_deepseek2_from_hf
 
     for arch, name in [(DEEPSEEK_V3, "tiny-deepseek3"), (DEEPSEEK_V2_LITE, "tiny-deepseek2")]:
         s = SHAPES[name]
