@@ -26,14 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from moestream.compute import linear
 from moestream.models.base import MoEModel
 from moestream.models.common import RoPE, rms_norm, yarn_inv_freq
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.mla import MLACache, MLAttention
-from moestream.models.moe import MoE, Routing
+from moestream.models.moe import MoE, Routing, dense_or_moe
 
 ARCH = "deepseek2"
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
@@ -166,19 +165,6 @@ def _rope_scaling(m: ArchMetadata, md: Mapping[str, Any], rope_dim: int, qk: int
             "rope_mscale": rope_mscale}  # fmt: skip
 
 
-class DenseFFN:
-    """A leading block's SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, w: Weights, i: int, hidden: int, ffn: int):
-        p = f"blk.{i}."
-        self.gate_up = w.fused([(p + "ffn_gate.weight", ffn, hidden), (p + "ffn_up.weight", ffn, hidden)])
-        self.down = w.linear(p + "ffn_down.weight", hidden, ffn)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x)
-        return self.down(F.silu(gate) * up)
-
-
 class DeepSeek2(MoEModel):
     arch = ARCH
     Config = DeepSeek2Config
@@ -191,13 +177,7 @@ class DeepSeek2(MoEModel):
             attn_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
             attn = MLAttention(w, i, cfg)
             ffn_norm = w.vector(f"blk.{i}.ffn_norm.weight", H)
-            if i < cfg.first_moe_block:
-                ffn: DenseFFN | MoE = DenseFFN(w, i, H, cfg.dense_ffn)
-            else:
-                ffn = MoE(w, i, hidden=H, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
-                          norm_topk=cfg.routing.norm, shared_ffn=cfg.shared_ffn, routing=cfg.routing,
-                          expert_layer=i - cfg.first_moe_block)  # fmt: skip
-            self.layers.append((attn_norm, attn, ffn_norm, ffn))
+            self.layers.append((attn_norm, attn, ffn_norm, dense_or_moe(w, i, cfg)))
         self._load_head(w)
         inv = torch.tensor(cfg.rope_inv_freq, dtype=torch.float64) if cfg.rope_inv_freq else None
         self.rope = RoPE(cfg.qk_rope, cfg.rope_theta, max_pos=min(cfg.context_length, 4096), inv_freq=inv,

@@ -27,9 +27,8 @@ import torch
 from moestream.compute import linear
 from moestream.models.base import MoEModel
 from moestream.models.common import KVCache, RoPE, rms_norm
-from moestream.models.deepseek2 import DenseFFN
 from moestream.models.loader import ArchMetadata, Weights
-from moestream.models.moe import MoE, Routing
+from moestream.models.moe import MoE, Routing, dense_or_moe
 
 ARCH = "glm4moe"
 # llama.cpp's expert_gating_func values; a file without one (0) is sigmoid-gated for this architecture
@@ -185,13 +184,7 @@ class Glm4Moe(MoEModel):
             attn_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
             attn = Attention(w, i, cfg)
             ffn_norm = w.vector(f"blk.{i}.post_attention_norm.weight", H)
-            if i < cfg.first_moe_block:
-                ffn: DenseFFN | MoE = DenseFFN(w, i, H, cfg.dense_ffn)
-            else:
-                ffn = MoE(w, i, hidden=H, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
-                          norm_topk=cfg.routing.norm, shared_ffn=cfg.shared_ffn, routing=cfg.routing,
-                          expert_layer=i - cfg.first_moe_block)  # fmt: skip
-            self.layers.append((attn_norm, attn, ffn_norm, ffn))
+            self.layers.append((attn_norm, attn, ffn_norm, dense_or_moe(w, i, cfg)))
         self._load_head(w)
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rope_dim, 2, dtype=torch.float64) / cfg.rope_dim))
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rope_dim, max_pos=min(cfg.context_length, 4096),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -303,3 +304,26 @@ class MoE:
         if self.shared_gate:
             shared = shared * torch.sigmoid(logits[:, E:])
         return run_experts(x, weights, ids, self.expert_layer, experts, self.ffn) + shared
+
+
+class DenseFFN:
+    """A leading block's SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, w: Weights, i: int, hidden: int, ffn: int):
+        p = f"blk.{i}."
+        self.gate_up = w.fused([(p + "ffn_gate.weight", ffn, hidden), (p + "ffn_up.weight", ffn, hidden)])
+        self.down = w.linear(p + "ffn_down.weight", hidden, ffn)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x)
+        return self.down(F.silu(gate) * up)
+
+
+def dense_or_moe(w: Weights, i: int, cfg: Any) -> DenseFFN | MoE:
+    """Block i's feed-forward in a model whose first `cfg.first_moe_block` blocks are dense (DeepSeek, GLM):
+    a dense SwiGLU there, the routed MoE block (its expert layer counted from the first MoE block) after."""
+    if i < cfg.first_moe_block:
+        return DenseFFN(w, i, cfg.hidden, cfg.dense_ffn)
+    return MoE(w, i, hidden=cfg.hidden, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
+               norm_topk=cfg.routing.norm, shared_ffn=cfg.shared_ffn, routing=cfg.routing,
+               expert_layer=i - cfg.first_moe_block)  # fmt: skip
