@@ -78,9 +78,12 @@ _PRE: dict[str, tuple[str, bool, bool]] = {
 _END_OF_TURN_TEXTS = frozenset(
     {
         "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
-        "<|end_of_text|>", "<end_of_utterance>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>",
+        "<|end_of_text|>", "<end_of_utterance>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<|return|>", "<|call|>",
     }
 )  # fmt: skip
+# GPT-OSS (harmony) ends every message with <|end|> but its turn only with <|return|> or <|call|>: where
+# those exist, <|end|> does not stop the generation (llama.cpp's rule too)
+_HARMONY_TURN_ENDS = frozenset({"<|return|>", "<|call|>"})
 
 
 class Tokenizer:
@@ -127,6 +130,8 @@ class Tokenizer:
 
         stops = {i for i in (eos_id, *extra_stop_ids) if i is not None and 0 <= i < len(tokens)}
         stops.update(i for i, t in enumerate(tokens) if t in _END_OF_TURN_TEXTS)
+        if _HARMONY_TURN_ENDS <= set(tokens):
+            stops.difference_update(i for i, t in enumerate(tokens) if t == "<|end|>")
         self.stop_ids: set[int] = stops
 
     @classmethod

@@ -25,7 +25,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
 from moestream.formats.chat_template import render_chat
-from moestream.serving.chat_formats import OutputParser, chat_format, starts_thinking, tool_system_prompt
+from moestream.serving.chat_formats import (
+    HarmonyParser,
+    OutputParser,
+    chat_format,
+    output_parser,
+    starts_thinking,
+    tool_system_prompt,
+)
 from moestream.serving.schemas import (
     MAX_BODY_BYTES,
     MAX_STOP,
@@ -153,7 +160,7 @@ class Service:
             self._keep[markers] = frozenset(i[0] for i in ids if len(i) == 1 and self.tok.is_special(i[0]))
         return self._keep[markers]
 
-    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], OutputParser]:
+    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], OutputParser | HarmonyParser]:
         tok = self.tok
         if not tok.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -165,6 +172,8 @@ class Service:
         if use_tools and "tools" not in tok.chat_template and tool_prompt is None:
             raise APIError(400, "this model's chat template does not support tools", param="tools")
         extra = req.chat_template_kwargs or {}
+        if req.reasoning_effort is not None:  # gpt-oss's template reads it; others ignore it
+            extra = {"reasoning_effort": req.reasoning_effort, **extra}
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(extra))
         if reserved:
             raise APIError(
@@ -189,7 +198,7 @@ class Service:
             raise APIError(400, str(exc), param="messages") from None
         # a template that writes the BOS token itself must not get a second one
         add_bos = False if tok.bos_token and text.startswith(tok.bos_token) else None
-        parser = OutputParser(
+        parser = output_parser(
             self.format, use_tools=use_tools, thinking=starts_thinking(self.format, text), tools=tools
         )
         return tok.encode(text, add_bos=add_bos), parser
@@ -277,7 +286,9 @@ class Service:
             job.cancelled.set()  # no-op once finished; otherwise stops the engine at its next token
             watcher.cancel()
 
-    async def answer(self, request: Request, job: Job, req: Sampling, parser: OutputParser | None) -> Any:
+    async def answer(
+        self, request: Request, job: Job, req: Sampling, parser: OutputParser | HarmonyParser | None
+    ) -> Any:
         """A chat answer goes through its parser; a completion (parser None) is text as generated."""
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         fmt = Answer(parser is not None, self.model_name, include_usage)
@@ -310,7 +321,7 @@ class Service:
         raise APIError(500, "generation ended without a result", type="server_error")
 
     async def stream(
-        self, first: Event, events: AsyncIterator[Event], fmt: Answer, parser: OutputParser | None
+        self, first: Event, events: AsyncIterator[Event], fmt: Answer, parser: OutputParser | HarmonyParser | None
     ) -> AsyncIterator[str]:
         """The SSE body of a generation whose first event (text or the end, not an error) is known."""
 

@@ -10,6 +10,9 @@ The family is read off the chat template (the markers it writes), never set by t
   {..}<|tool_call_end|>...<|tool_calls_section_end|>`.
 - GLM-4.5/4.6: `<think>...</think>`, calls `<tool_call>NAME\\n<arg_key>k</arg_key>\\n<arg_value>v
   </arg_value>\\n</tool_call>` with each value as text (JSON for non-string parameters).
+- GPT-OSS (harmony): messages `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final
+  <|message|>...`; the analysis channel is reasoning, final (and commentary without a recipient) content,
+  and a message addressed `to=functions.NAME` (in its role or its channel part) a call with JSON arguments.
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ class ChatFormat:
     parse: Callable[[str, dict[str, dict[str, Any]]], list[ParsedCall] | None]
     close_optional: bool  # a block the generation ended inside still counts
     tool_markers: tuple[str, ...]  # tokens the tool parser must see as text
+    message_markers: tuple[str, ...] = ()  # tokens that frame every message (harmony's), always seen
 
     @property
     def think_markers(self) -> tuple[str, ...]:
-        return (THINK_OPEN, THINK_CLOSE) if self.thinks else ()
+        return (THINK_OPEN, THINK_CLOSE) if self.thinks else self.message_markers
 
 
 # ---------------------------------------------------------------------------------------- call bodies
@@ -149,10 +153,25 @@ GLM = ChatFormat(
     ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
 )
 
+H_START, H_CHANNEL, H_MESSAGE, H_END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
+H_CONSTRAIN, H_CALL, H_RETURN = "<|constrain|>", "<|call|>", "<|return|>"
+HARMONY = ChatFormat(
+    "harmony",
+    False,
+    "",
+    "",
+    lambda b, t: None,
+    False,
+    (),
+    (H_START, H_CHANNEL, H_MESSAGE, H_END, H_CONSTRAIN),
+)
+
 
 def chat_format(template: str | None) -> ChatFormat:
     """The family a chat template belongs to, from the markers it writes."""
     t = template or ""
+    if "<|channel|>" in t and "<|message|>" in t:
+        return HARMONY
     if "<｜tool▁calls▁begin｜>" in t or "<｜Assistant｜>" in t:
         return DEEPSEEK
     if "<|tool_calls_section_begin|>" in t or "<|im_assistant|>" in t:
@@ -303,3 +322,98 @@ def split_answer(parser: OutputParser, text: str) -> tuple[str, str, list[ToolCa
     reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
     content = "".join(p for p in pieces if isinstance(p, str))
     return reasoning, content, parser.calls
+
+
+# ------------------------------------------------------------------------------ harmony (GPT-OSS)
+
+_H_RECIPIENT = re.compile(r"\bto=functions\.([^<\s]+)")
+_H_CHANNEL = re.compile(re.escape(H_CHANNEL) + r"\s*(\w+)")
+_H_BODY_ENDS = [H_END, H_CALL, H_RETURN, H_START]
+
+
+class HarmonyParser:
+    """Splits a streamed GPT-OSS answer (harmony messages, as llama.cpp's gpt-oss parser reads them) into
+    Reasoning, content (str) and ToolCall pieces, with OutputParser's interface.
+
+    Each message is a header (role, `<|channel|>NAME`, maybe ` to=functions.NAME` and a content type)
+    up to `<|message|>`, then a body up to `<|end|>`, `<|call|>` or `<|return|>` (the last two end the
+    generation, so the body usually just stops). Bodies are passed on as written. A call body whose
+    arguments are not a JSON object, and any call when the request gave no tools, is content.
+    """
+
+    def __init__(self, fmt: ChatFormat, *, use_tools: bool, tools: list[dict[str, Any]] | None = None):
+        self.fmt = fmt
+        self.use_tools = use_tools
+        self.calls: list[ToolCall] = []
+        self.buf = ""
+        self.kind: str | None = None  # in a body: "reasoning", "content" or "call"; None in a header
+        self.name = ""  # the called function, in a call body
+
+    def feed(self, text: str) -> list[Piece]:
+        self.buf += text
+        out: list[Piece] = []
+        while True:
+            if self.kind is None:
+                i = self.buf.find(H_MESSAGE)
+                if i < 0:
+                    return out
+                self._header(self.buf[:i])
+                self.buf = self.buf[i + len(H_MESSAGE) :]
+                continue
+            hits = [i for m in _H_BODY_ENDS if (i := self.buf.find(m)) >= 0]
+            if not hits:
+                if self.kind != "call":
+                    cut = len(self.buf) - partial_suffix(self.buf, _H_BODY_ENDS)
+                    self._body(self.buf[:cut], out)
+                    self.buf = self.buf[cut:]
+                return out
+            end = min(hits)
+            self._body(self.buf[:end], out, last=True)
+            rest = self.buf[end:]
+            marker = next(m for m in _H_BODY_ENDS if rest.startswith(m))
+            self.buf = rest if marker == H_START else rest[len(marker) :]  # <|start|> opens the next header
+            self.kind = None
+
+    def finish(self) -> list[Piece]:
+        """At the end of generation: an unfinished body as it stands; a header with no body is dropped,
+        unless it is plain text the model wrote without any header (then it is content)."""
+        out: list[Piece] = []
+        if self.kind is not None:
+            self._body(self.buf, out, last=True)
+        elif self.buf and not any(m in self.buf for m in (H_START, H_CHANNEL, H_END)):
+            out.append(self.buf)
+        self.buf, self.kind = "", None
+        return out
+
+    def _header(self, header: str) -> None:
+        recipient = _H_RECIPIENT.search(header)
+        channel = _H_CHANNEL.search(header)
+        if recipient and self.use_tools:
+            self.kind, self.name = "call", recipient.group(1)
+        elif channel and channel.group(1) == "analysis":
+            self.kind = "reasoning"
+        else:
+            self.kind = "content"
+
+    def _body(self, text: str, out: list[Piece], last: bool = False) -> None:
+        if self.kind == "call":
+            if not last:
+                return
+            args = _json_object(text.strip())
+            if args is not None:
+                call = ToolCall(len(self.calls), self.name, args)
+                self.calls.append(call)
+                out.append(call)
+            elif text:
+                out.append(text)
+        elif text:
+            out.append(Reasoning(text) if self.kind == "reasoning" else text)
+
+
+def output_parser(
+    fmt: ChatFormat, *, use_tools: bool, thinking: bool = False, tools: list[dict[str, Any]] | None = None
+) -> OutputParser | HarmonyParser:
+    """The parser for a family's answers."""
+    if fmt is HARMONY:
+        return HarmonyParser(fmt, use_tools=use_tools, tools=tools)
+    return OutputParser(fmt, use_tools=use_tools, thinking=thinking, tools=tools)

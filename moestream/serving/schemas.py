@@ -103,6 +103,7 @@ class ChatRequest(Sampling):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} (vLLM's name)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # OpenAI's; gpt-oss's template reads it
     logprobs: bool | None = None
 
 
