@@ -199,7 +199,7 @@ def metrics_text(worker: Worker) -> str:
     """Prometheus text exposition format."""
     m = worker.metrics
     e = worker.engine.snapshot()
-    pc = worker.engine.prompt_cache
+    pc = getattr(worker.engine, "prompt_cache", None)  # an engine without one keeps no conversations
     rows = [
         ("requests_total", "counter", "requests taken by the engine worker", m.requests),
         ("requests_cancelled_total", "counter", "requests stopped because the client went away", m.cancelled),
