@@ -100,6 +100,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_prompt_cache_arg(p: argparse.ArgumentParser) -> None:
+    """serve and chat: keep earlier conversations' KV cache for a request that extends one."""
+    p.add_argument(
+        "--prompt-cache-mb",
+        type=values.whole(0, values.MB_MAX),
+        default=None,
+        help="MB of the budget that keep recent conversations' KV cache, so that a request extending one "
+        "prefills only its new tokens (0: off; default 512 where it takes at most a quarter of the expert "
+        "cache's room, else 0)",
+    )
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temp", type=values.temperature, default=0.0, help="temperature (0 = greedy, the default)")
     p.add_argument("--top-k", type=values.top_k, default=0, help="keep the K most likely tokens (0 = off)")
@@ -127,6 +139,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         pin_profile=args.pin_profile,
         pin_mb=args.pin_mb,
         keep_free_mb=args.keep_free_mb,
+        prompt_cache_mb=getattr(args, "prompt_cache_mb", 0),  # run and the analyses keep none
         progress=True,
     )
 

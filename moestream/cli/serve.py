@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from moestream.cli import values
-from moestream.cli.options import add_engine_args, add_sampling_args, open_engine, sampler
+from moestream.cli.options import add_engine_args, add_prompt_cache_arg, add_sampling_args, open_engine, sampler
 from moestream.errors import MoestreamError
 from moestream.serving.app import DEFAULT_MAX_TOKENS, Defaults, default_model_name, serve
 from moestream.serving.chat import HELP, ChatSession, repl
@@ -60,6 +60,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
+    add_prompt_cache_arg(p)
     # defaults for requests that leave them out; 1.0 is OpenAI's default temperature
     p.add_argument("--temp", type=values.temperature, default=1.0, help="default temperature (default 1.0)")
     p.add_argument("--top-k", type=values.top_k, default=0, help="default top-k (default 0 = off)")
@@ -83,6 +84,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 def _chat_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
+    add_prompt_cache_arg(p)
     add_sampling_args(p)
     p.add_argument("-n", type=values.positive, default=None, help="most tokens per answer (default: up to the context)")
     p.add_argument("--system", type=values.text, default=None, help="system message")

@@ -17,6 +17,7 @@ from moestream.compute import native
 from moestream.engine.model_file import open_model, tokenizer_if_any
 from moestream.engine.options import EngineOptions
 from moestream.engine.planning import DEFAULT_UBATCH, SlotPlanner, read_buffers
+from moestream.engine.prompt_cache import PromptCache, common_prefix
 from moestream.engine.sampling import Sampler
 from moestream.engine.stats import EngineSnapshot, Generation, GenerationStats, GenerationStep
 from moestream.errors import BudgetError, ContextError
@@ -60,6 +61,9 @@ class Engine:
         if n_slots is None:
             self.plan, self.ubatch, read_ahead = planner.plan(read_ahead)
             n_slots, self.span = self.plan.n_slots, self.plan.span
+        # conversations kept across requests, in the MB the plan counted (without a budget: the option's)
+        cache_mb = planner.prompt_cache_mb
+        self.prompt_cache = PromptCache(cache_mb * MB) if cache_mb else None
         self.kv.query_chunk = self.ubatch  # a span's attention runs a micro-batch of queries at a time
         self.reader = self._open_reader(read_ahead)
         self.cache = self._open_cache(n_slots, read_ahead)
@@ -283,17 +287,29 @@ class Engine:
             steps.close()
 
     def _reuse_prefix(self, prompt: list[int]) -> int:
-        """Keep the KV cache for the longest prefix this prompt shares with what it holds; its length."""
-        common_len = 0
-        for a, b in zip(self._kv_tokens, prompt, strict=False):  # they differ in length
-            if a != b:
-                break
-            common_len += 1
-        common_len = min(common_len, len(prompt) - 1)  # the last prompt token must run to give logits
+        """Resume the KV cache at the longest prefix this prompt shares with what it holds or with a saved
+        conversation (which it then holds); the length resumed at."""
+        limit = len(prompt) - 1  # the last prompt token must run to give logits
+        common_len = min(common_prefix(self._kv_tokens, prompt), limit)
+        pc = self.prompt_cache
+        if pc is not None:
+            hit = pc.lookup(prompt, limit)
+            # the live conversation is saved before a saved one replaces it or this prompt cuts it short
+            if hit is not None and hit.resume > self.kv.resumable(common_len):
+                self._save_conversation()
+                resumed = self.kv.restore(hit.snapshot, hit.resume)
+                self._kv_tokens = list(prompt[:resumed])
+                return resumed
+            if common_len < len(self._kv_tokens):
+                self._save_conversation()
         # A recurrent state can only go back to a checkpoint, so the state says where it really resumes.
         common_len = self.kv.truncate(common_len)
         self._kv_tokens = list(prompt[:common_len])
         return common_len
+
+    def _save_conversation(self) -> None:
+        if self.prompt_cache is not None and self._kv_tokens:
+            self.prompt_cache.save(self._kv_tokens, self.kv.snapshot(len(self._kv_tokens)))
 
     def _steps(
         self, prompt: list[int], max_new_tokens: int, sampler: Sampler, stop_ids: set[int], st: GenerationStats

@@ -30,6 +30,9 @@ class EngineOptions:
     reserve_mb: int | None = None  # the plan's reserve for what no estimate names (None: the default)
     keep_free_mb: int | None = None  # elastic cache: give slots back when available RAM falls below this
     mlock: bool | None = None  # None: lock the dense weights where RLIMIT_MEMLOCK allows
+    # conversations kept across requests (their KV cache) for a prompt that extends one; 0: off; None: the
+    # planner's default where the budget affords it (serve, chat)
+    prompt_cache_mb: int | None = 0
     # compute
     ctx: int | None = None  # None: min(the model's, 4096)
     threads: int | None = None  # None: all cores
@@ -65,5 +68,7 @@ class EngineOptions:
             value = getattr(self, name)
             if value is not None and value > most:
                 raise MoestreamError(f"{_POSITIVE[name]} must be at most {most}, got {value}")
+        if self.prompt_cache_mb is not None and self.prompt_cache_mb < 0:
+            raise MoestreamError(f"--prompt-cache-mb must be 0 or more, got {self.prompt_cache_mb}")
         if self.min_hits < 0:
             raise MoestreamError(f"--admit-min-hits must be 0 or more, got {self.min_hits}")

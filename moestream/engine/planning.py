@@ -17,6 +17,7 @@ from moestream.streaming.budget import (
     SPAN_SHARE,
     UBATCH_CHOICES,
     BudgetPlan,
+    budget_bytes,
     choose_span,
     choose_ubatch,
     plan_slots,
@@ -26,6 +27,10 @@ from moestream.streaming.expert_store import ExpertStore
 from moestream.streaming.read_ahead import AHEAD_MIN_LAYERS, ahead_experts, ahead_reads
 from moestream.streaming.reader import ALIGN
 
+# The prompt cache serve and chat keep by default, where it takes at most PROMPT_CACHE_SHARE of the room the
+# expert slots would have beyond their minimum (else none: under that much memory pressure slots matter more).
+PROMPT_CACHE_DEFAULT_MB = 512
+PROMPT_CACHE_SHARE = 0.25
 DEFAULT_UBATCH = 128  # small micro-batches keep compute buffers and the expert union small
 # What the runtime itself grows by while loading (kernels and the C library initialised on first use, heap
 # left over from reading tensors, which release_free_heap mostly returns), so that the pre-check never names
@@ -81,8 +86,11 @@ class SlotPlanner:
         self.kw = _plan_args(
             model, ctx, options.io_threads, options.ubatch or UBATCH_CHOICES[-1], options.ram_budget_mb
         )
-        if options.reserve_mb is not None:
-            self.kw["reserve_mb"] = options.reserve_mb
+        self.base_reserve_mb = DEFAULT_RESERVE_MB if options.reserve_mb is None else options.reserve_mb
+        # the prompt cache grows into its MB as conversations are saved, so the plan holds them for it
+        pc = options.prompt_cache_mb
+        self.prompt_cache_mb = PROMPT_CACHE_DEFAULT_MB if pc is None else pc  # plan() may lower the default
+        self.kw["reserve_mb"] = self.base_reserve_mb + (pc or 0)
 
     def refuse(self) -> None:
         """Raise BudgetError before loading anything if the dense weights alone break the budget."""
@@ -95,6 +103,9 @@ class SlotPlanner:
         """(the plan, the micro-batch, whether the read-ahead runs), measured with the weights loaded; the
         plan's span is the prompt span (choose_span, or the one the options give)."""
         m, o, kw = self.model, self.options, self.kw
+        if o.prompt_cache_mb is None:
+            self.prompt_cache_mb = self._default_prompt_cache()
+            kw["reserve_mb"] = self.base_reserve_mb + self.prompt_cache_mb
         ubatch = o.ubatch or DEFAULT_UBATCH
         fit = {k: v for k, v in kw.items() if k not in ("compute", "max_slots")}
         if o.ubatch is None:
@@ -115,6 +126,13 @@ class SlotPlanner:
         if with_ahead.n_slots < room:
             return plan, ubatch, False
         return with_ahead, ubatch, True
+
+    def _default_prompt_cache(self) -> int:
+        """PROMPT_CACHE_DEFAULT_MB where it takes at most PROMPT_CACHE_SHARE of the slots' room, else 0."""
+        kw, resident = self.kw, rss_bytes()
+        fixed = resident + kw["compute"] + kw["reader"] + self.base_reserve_mb * MB
+        room = budget_bytes(kw["budget_mb"], resident) - fixed - kw["min_slots"] * kw["slot_nbytes"]
+        return PROMPT_CACHE_DEFAULT_MB if PROMPT_CACHE_DEFAULT_MB * MB <= PROMPT_CACHE_SHARE * room else 0
 
     def _compute(self, tokens: int) -> int:
         """Compute buffers of a forward call over `tokens` prompt tokens (a span's attention runs in chunks,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -313,6 +314,50 @@ class KVCache:
         """
         self.length = min(self.length, length)
         return self.length
+
+    def resumable(self, length: int) -> int:
+        """The length truncate(length) would keep, without truncating."""
+        return min(self.length, length)
+
+    def rows(self) -> list[torch.Tensor]:
+        """The per-position tensors (position on dim 0) a snapshot copies."""
+        return [t for t in self.k + self.v if t is not None]
+
+    def snapshot(self, length: int) -> KVSnapshot:
+        """A copy of positions < length, to be restored into this cache later (a prompt cache)."""
+        length = min(length, self.length)
+        return KVSnapshot(length, [t[:length].clone() for t in self.rows()])
+
+    def restore(self, snap: KVSnapshot, length: int) -> int:
+        """Hold the snapshot's first `length` positions (the rest is forgotten); returns the length held."""
+        length = snap.resume_at(length)
+        for t, saved in zip(self.rows(), snap.rows, strict=True):
+            t[:length] = saved[:length]
+        self.length = length
+        return length
+
+
+@dataclass(eq=False)
+class KVSnapshot:
+    """Saved cache positions 0..length-1; states: recurrent states by position (hybrid caches), which a
+    restore can only resume at; None where every position is a place to resume."""
+
+    length: int
+    rows: list[torch.Tensor]
+    states: list[tuple[int, dict[int, torch.Tensor], dict[int, torch.Tensor]]] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(t.numel() * t.element_size() for t in self.rows)
+        for _pos, conv, ssm in self.states or []:
+            n += sum(t.numel() * t.element_size() for t in [*conv.values(), *ssm.values()])
+        return n
+
+    def resume_at(self, length: int) -> int:
+        """The longest prefix of at most `length` positions a restore can hold."""
+        if self.states is None:
+            return min(length, self.length)
+        return max((pos for pos, _c, _s in self.states if pos <= length), default=0)
 
 
 SINK_SCORES_BYTES = 32 << 20  # float32 scores attend_with_sinks holds at a time (query rows chunked to fit)

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from moestream.models.common import KVCache, rms_norm
+from moestream.models.common import KVCache, KVSnapshot, rms_norm
 from moestream.models.loader import Weights
 
 CHUNK = 64  # prompt chunk of the delta rule (as transformers' torch_chunk_gated_delta_rule)
@@ -228,6 +228,38 @@ class HybridCache(KVCache):
             self.rewind(length)
         return self.length
 
+    def resumable(self, length: int) -> int:
+        if length >= self.length:
+            return self.length
+        return max((c.pos for c in self.checkpoints if 0 <= c.pos <= length), default=0)
+
+    def snapshot(self, length: int) -> KVSnapshot:
+        """KV positions < length and the recurrent states it can resume at: the live state (when it is at or
+        before length) and the checkpoints, the latest that fit the checkpoint slots."""
+        length = min(length, self.length)
+        states = [(c.pos, c.conv, c.ssm) for c in self.checkpoints if 0 < c.pos <= length]
+        if self.length <= length:
+            states = [s for s in states if s[0] != self.length] + [(self.length, self.conv, self.ssm)]
+        states = sorted(states, key=lambda s: s[0])[-len(self.checkpoints) :] if self.checkpoints else []
+        copies = [(pos, _clone(conv), _clone(ssm)) for pos, conv, ssm in states]
+        return KVSnapshot(length, [t[:length].clone() for t in self.rows()], copies)
+
+    def restore(self, snap: KVSnapshot, length: int) -> int:
+        """The snapshot's states become the checkpoints; the live state resumes at the latest one <= length."""
+        assert snap.states is not None
+        for c in self.checkpoints:
+            c.pos = -1
+        for c, (pos, conv, ssm) in zip(self.checkpoints, snap.states, strict=False):
+            for i in conv:
+                c.conv[i].copy_(conv[i])
+                c.ssm[i].copy_(ssm[i])
+            c.pos = pos
+        for t, saved in zip(self.rows(), snap.rows, strict=True):
+            t[: snap.length] = saved
+        self.length = snap.length
+        self.rewind(length)
+        return self.length
+
     def rewind(self, length: int) -> None:
         """Drop the live state for the latest checkpoint at or before `length` (zeros if there is none)."""
         for c in self.checkpoints:
@@ -242,3 +274,7 @@ class HybridCache(KVCache):
                 self.conv[i].copy_(best.conv[i])
                 self.ssm[i].copy_(best.ssm[i])
         self.length = best.pos if best is not None else 0
+
+
+def _clone(states: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    return {i: t.clone() for i, t in states.items()}

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moestream.models.common import QUERY_CHUNK, RoPE, causal_mask, query_chunks, rms_norm, wide_torch
+from moestream.models.common import QUERY_CHUNK, KVCache, RoPE, causal_mask, query_chunks, rms_norm, wide_torch
 from moestream.models.loader import Weights
 
 
@@ -54,6 +54,13 @@ class MLACache:
     def truncate(self, length: int) -> int:
         self.length = min(self.length, length)
         return self.length
+
+    def rows(self) -> list[torch.Tensor]:
+        return self.latent + self.rope
+
+    resumable = KVCache.resumable
+    snapshot = KVCache.snapshot
+    restore = KVCache.restore
 
 
 def deinterleave(rope_dim: int) -> torch.Tensor:
