@@ -105,10 +105,10 @@ def add_prompt_cache_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompt-cache-mb",
         type=values.whole(0, values.MB_MAX),
-        default=None,
-        help="MB of the budget that keep recent conversations' KV cache, so that a request extending one "
-        "prefills only its new tokens (0: off; default 512 where it takes at most a quarter of the expert "
-        "cache's room, else 0)",
+        default=0,
+        help="MB of the budget that keep recent conversations' KV cache, so that a request extending one of "
+        "several interleaved conversations prefills only its new tokens (default 0: only the last "
+        "conversation's KV cache is kept; the MB come out of the expert cache)",
     )
 
 
