@@ -204,6 +204,8 @@ class Engine:
             read_busy_mb_s=r.busy_bandwidth / 1e6,
             read_run_len=r.run_len,
             read_buffer_wait_s=r.buffer_wait_s,
+            prompt_cache_entries=len(self.prompt_cache) if self.prompt_cache is not None else 0,
+            prompt_cache_bytes=self.prompt_cache.nbytes if self.prompt_cache is not None else 0,
         )
 
     def wait_prefault(self) -> None:

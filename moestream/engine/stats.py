@@ -90,6 +90,8 @@ class EngineSnapshot:
     read_busy_mb_s: float = 0.0  # MB/s over that time
     read_run_len: int = 1  # experts a prompt's run read takes at most (1: no run reads)
     read_buffer_wait_s: float = 0.0  # reads waiting for a free buffer, summed
+    prompt_cache_entries: int = 0  # earlier conversations kept for prompts that extend them
+    prompt_cache_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:

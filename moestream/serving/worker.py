@@ -199,7 +199,6 @@ def metrics_text(worker: Worker) -> str:
     """Prometheus text exposition format."""
     m = worker.metrics
     e = worker.engine.snapshot()
-    pc = getattr(worker.engine, "prompt_cache", None)  # an engine without one keeps no conversations
     rows = [
         ("requests_total", "counter", "requests taken by the engine worker", m.requests),
         ("requests_cancelled_total", "counter", "requests stopped because the client went away", m.cancelled),
@@ -209,8 +208,8 @@ def metrics_text(worker: Worker) -> str:
         ("prompt_tokens_total", "counter", "prompt tokens, cached ones included", m.prompt_tokens),
         ("prompt_cached_tokens_total", "counter", "prompt tokens reused from the KV cache", m.cached_tokens),
         ("generated_tokens_total", "counter", "tokens generated", m.generated_tokens),
-        ("prompt_cache_entries", "gauge", "conversations kept for prompts that extend them", len(pc or ())),
-        ("prompt_cache_bytes", "gauge", "bytes those conversations' KV cache takes", pc.nbytes if pc else 0),
+        ("prompt_cache_entries", "gauge", "conversations kept for prompts that extend them", e.prompt_cache_entries),
+        ("prompt_cache_bytes", "gauge", "bytes those conversations' KV cache takes", e.prompt_cache_bytes),
         ("last_prompt_tokens_per_second", "gauge", "prompt speed of the last request", m.last_prompt_tps),
         ("last_decode_tokens_per_second", "gauge", "decode speed of the last request", m.last_decode_tps),
         ("expert_cache_hits_total", "counter", "routed experts found in the RAM cache", e.hits),
