@@ -378,20 +378,24 @@ def _check_tokens(case: Case, status: int, usage: dict[str, Any] | None) -> Outc
     return Outcome(case.family, status, None)
 
 
-def table(outcomes: list[Outcome]) -> str:
-    """Per family: cases, answers by status code, defects."""
+def tally(outcomes: list[Outcome]) -> dict[str, tuple[int, int, Counter]]:
+    """Per family, and over all of them under "all": (cases, defects, answers by status code)."""
     by: dict[str, list[Outcome]] = defaultdict(list)
     for o in outcomes:
         by[o.family].append(o)
+    by["all"] = list(outcomes)
+    return {fam: (len(rows), sum(o.defect is not None for o in rows), Counter(o.status for o in rows))
+            for fam, rows in by.items()}  # fmt: skip
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """Per family: cases, answers by status code, defects."""
     lines = [f"{'family':<16} {'cases':>6}  {'defects':>7}  status codes"]
-    for fam in sorted(by):
-        rows = by[fam]
-        codes = Counter(o.status for o in rows)
+    counts = tally(outcomes)
+    for fam in [*sorted(f for f in counts if f != "all"), "all"]:
+        n, defects, codes = counts[fam]
         shown = " ".join(f"{c or 'none'}:{codes[c]}" for c in sorted(codes))
-        lines.append(f"{fam:<16} {len(rows):>6}  {sum(o.defect is not None for o in rows):>7}  {shown}")
-    total = Counter(o.status for o in outcomes)
-    shown = " ".join(f"{c or 'none'}:{total[c]}" for c in sorted(total))
-    lines.append(f"{'all':<16} {len(outcomes):>6}  {sum(o.defect is not None for o in outcomes):>7}  {shown}")
+        lines.append(f"{fam:<16} {n:>6}  {defects:>7}  {shown}")
     return "\n".join(lines)
 
 

@@ -23,24 +23,10 @@ from moestream.serving.app import create_app
 from moestream.serving.chat_formats import HARMONY, HarmonyParser, chat_format, output_parser, split_answer
 from moestream.serving.schemas import ChatRequest
 from moestream.serving.text import Reasoning, ToolCall
+from tests.test_reasoning_tools import CALL, TOOLS
 from tests.test_server import ScriptedEngine, _running
 
 TEMPLATE = (Path(__file__).parent / "templates" / "gpt-oss.jinja").read_text()
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
-CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
 TOOL_TURN = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris?"},

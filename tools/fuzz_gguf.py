@@ -73,11 +73,17 @@ def main() -> int:
     return 1 if any(o.outcome in DEFECTS for _, o, _ in results) else 0
 
 
-def write_json(path: str, results, args: argparse.Namespace, seconds: float) -> None:
+def tally(results) -> dict[str, Counter]:
+    """Outcomes per family, and over all of them under "all"."""
     per_family: dict[str, Counter] = defaultdict(Counter)
     for case, out, _ in results:
         per_family[case.family][out.outcome] += 1
         per_family["all"][out.outcome] += 1
+    return per_family
+
+
+def write_json(path: str, results, args: argparse.Namespace, seconds: float) -> None:
+    per_family = tally(results)
     doc = {
         "tool": "tools/fuzz_gguf.py",
         "seed": args.seed,
@@ -97,10 +103,7 @@ def write_json(path: str, results, args: argparse.Namespace, seconds: float) -> 
 
 
 def report(results, seed: int, seconds: float) -> None:
-    table: dict[str, Counter] = defaultdict(Counter)
-    for case, out, _ in results:
-        table[case.family][out.outcome] += 1
-        table["all"][out.outcome] += 1
+    table = tally(results)
     cols = ["cases", "ok", "clean", *DEFECTS]
     print(f"\n{len(results)} cases, seed {seed}, {seconds:.0f} s ({sum(c for _, _, c in results)} through the CLI)")
     print(f"{'family':<14}" + "".join(f"{c:>10}" for c in cols))

@@ -14,7 +14,6 @@ import json
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,6 +27,7 @@ from tests.hostile_requests import (  # noqa: E402
     send,
     start_server,
     table,
+    tally,
     wait_healthy,
 )
 
@@ -74,18 +74,17 @@ def main() -> int:
 
 
 def write_json(path: str, outcomes: list, args: argparse.Namespace, seconds: float, alive: bool) -> None:
-    per_family: dict[str, Counter] = defaultdict(Counter)
-    for o in outcomes:
-        for fam in (o.family, "all"):
-            per_family[fam][str(o.status)] += 1
-            per_family[fam]["defects"] += o.defect is not None
+    per_family = {
+        fam: {**{str(code): n for code, n in codes.items()}, "defects": defects}
+        for fam, (_, defects, codes) in tally(outcomes).items()
+    }
     doc = {
         "tool": "tools/fuzz_requests.py",
         "seed": args.seed,
         "requests": len(outcomes),
         "seconds": round(seconds, 1),
         "server_alive_after": alive,
-        "status_codes": {fam: dict(row) for fam, row in per_family.items()},
+        "status_codes": per_family,
         "defects": [{"family": o.family, "status": o.status, "defect": o.defect, "detail": o.detail} for o in outcomes
                     if o.defect],
     }  # fmt: skip

@@ -10,7 +10,7 @@ import torch
 
 from moestream.compute import linear
 from moestream.models.common import ExpertProvider, RouteHook, resident_tensors, rms_norm, wide_torch
-from moestream.models.loader import Weights, config_from_gguf
+from moestream.models.loader import Weights
 
 
 class MoEModel:
@@ -37,11 +37,6 @@ class MoEModel:
         # the output head runs once a token, widened to every thread when it is not in the lane form (a
         # Q4_K_M's Q6_K head); the per-layer weights must all be lane for torch to stay at one thread
         self.lane_decode = linear.all_lane([lin for lin in w.linears if lin is not self.output])
-
-    @classmethod
-    def config_from_gguf(cls, f: Any) -> Any:
-        """For callers holding an open GGUFFile (see loader.config_from_gguf)."""
-        return config_from_gguf(cls, f)
 
     def resident_tensors(self) -> list[torch.Tensor | np.ndarray]:
         return resident_tensors(self)
