@@ -38,6 +38,9 @@ METRICS = (
     "hit_rate",
     "read_wait_ms_per_token",
     "measured_over_ceiling",
+    "ttft_s",
+    "prompt_disk_bytes",
+    "engine_prompt_bytes",
 )
 
 
@@ -88,15 +91,25 @@ class RunResult:
             return 1e3 * w / tokens if w is not None else None
         if name == "measured_over_ceiling":
             return self.ceiling.get("measured_over_ceiling") if self.ceiling else None
+        if name == "ttft_s":  # process start to the end of the prefill, load included
+            return self.wall_s - s["decode_s"]
+        if name == "prompt_disk_bytes":  # kernel's count for both engines
+            if self.engine == "moestream":
+                return e.get("prompt_read_bytes")
+            return s.get("prompt_bytes_read")
+        if name == "engine_prompt_bytes":  # moestream's own count of expert bytes the prompt read
+            return s["bytes_read"] - s["decode_bytes_read"] if self.engine == "moestream" else None
         raise KeyError(name)
 
 
 # ---- running an engine ---------------------------------------------------------------------------
 
 
-def generation_args(model: str, prompt: str, tokens: int, threads: int) -> list[str]:
+def generation_args(model: str, prompt: str, tokens: int, threads: int, ctx: int | None = None) -> list[str]:
     """The flags both engines' command lines share (moestream run and llamacpp_run.py)."""
-    return ["-m", model, "-p", prompt, "-n", str(tokens), "--threads", str(threads)]
+    return ["-m", model, "-p", prompt, "-n", str(tokens), "--threads", str(threads)] + (
+        ["--ctx", str(ctx)] if ctx else []
+    )
 
 
 def run_moestream(
@@ -108,9 +121,11 @@ def run_moestream(
     extra: list[str],
     timeout_s: float,
     tree: str | None = None,
+    ctx: int | None = None,
 ) -> tuple[Measured, dict[str, Any]]:
     """One `moestream run` in a fresh process; returns (outside view, its --stats-json). tree: run the moestream
-    package of another checkout (a `git worktree` of an older commit) instead of this one."""
+    package of another checkout (a `git worktree` of an older commit) instead of this one; ctx: --ctx (default:
+    the engine's)."""
 
     def cmd(stats_path: str) -> list[str]:
         c = [
@@ -121,7 +136,7 @@ def run_moestream(
             "-m",
             "moestream",
             "run",
-            *generation_args(model, prompt, tokens, threads),
+            *generation_args(model, prompt, tokens, threads, ctx),
             "--stats-json",
             stats_path,
             *extra,
@@ -132,13 +147,13 @@ def run_moestream(
 
 
 def run_llamacpp(
-    model: str, prompt: str, tokens: int, threads: int, repack: bool, timeout_s: float
+    model: str, prompt: str, tokens: int, threads: int, repack: bool, timeout_s: float, ctx: int | None = None
 ) -> tuple[Measured, dict[str, Any]]:
     def cmd(stats_path: str) -> list[str]:
         return [
             sys.executable,
             LLAMA_RUNNER,
-            *generation_args(model, prompt, tokens, threads),
+            *generation_args(model, prompt, tokens, threads, ctx),
             "--repack",
             "on" if repack else "off",
             "--json",
@@ -175,6 +190,8 @@ def external_view(m: Measured) -> dict[str, Any]:
     }
     if "first_output" in m.marks and "stats_line" in m.marks:
         out["decode_read_bytes"] = m.marks["stats_line"] - m.marks["first_output"]
+    if "loaded" in m.marks and "first_output" in m.marks:
+        out["prompt_read_bytes"] = m.marks["first_output"] - m.marks["loaded"]
     return out
 
 

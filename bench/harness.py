@@ -42,6 +42,7 @@ DEFAULT_PROMPT = (
     "caches of its processor, and why reading the same bytes twice can cost very different amounts of time."
 )
 STATS_LINE = re.compile(rb"^prompt \d+ tok @ .* decode \d+ tok @")
+LOADED_LINE = re.compile(rb"^mlock: ")  # `moestream run` prints it once loaded, right before the prompt
 
 
 def log(msg: str) -> None:
@@ -220,8 +221,9 @@ class Measured:
 def run_measured(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None) -> Measured:
     """Run `cmd` as the OOM killer's first choice; watch its /proc/PID/io from outside.
 
-    Marks: `first_output` (read_bytes when the first stdout byte arrives: moestream's first token, the end
-    of its prefill) and `stats_line` (when its stats line reaches stderr: the end of decoding).
+    Marks: `loaded` (read_bytes when moestream's mlock line reaches stderr: the model is loaded, the prompt
+    starts), `first_output` (when the first stdout byte arrives: moestream's first token, the end of its
+    prefill) and `stats_line` (when its stats line reaches stderr: the end of decoding).
     """
     kills_before = oom_kills()
     t0 = time.perf_counter()
@@ -254,6 +256,8 @@ def run_measured(cmd: list[str], timeout_s: float, env: dict[str, str] | None = 
     def read_stderr() -> None:
         assert proc.stderr is not None
         for line in proc.stderr:
+            if LOADED_LINE.match(line):
+                mark("loaded")
             if STATS_LINE.match(line):
                 mark("stats_line")
             err_lines.append(line)

@@ -87,6 +87,17 @@ def load_llama(model: str, *, threads: int, ctx: int, mmap: bool, repack: bool) 
             lib.llama_model_default_params = default_params
 
 
+def tokenize(model: str, text: str) -> list[int]:
+    """The prompt's tokens as generate() makes them (vocabulary only: no weights loaded)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=model, vocab_only=True, verbose=False)
+    try:
+        return llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+    finally:
+        llm.close()
+
+
 def generate(model: str, prompt: str, n: int, *, threads: int, ctx: int, mmap: bool, repack: bool) -> dict[str, Any]:
     import llama_cpp.llama_cpp as lib
 

@@ -1,0 +1,166 @@
+"""An agent's second turn against `moestream serve`: one fresh server, a first request with a long prompt, then
+a second that extends it (the first prompt + the first answer + new text), both streamed.
+
+Per request: time to first token (request sent -> first SSE chunk; the server sends its status line only
+with the first token, so this is the prefill as a client sees it), the usage it reports
+(`prompt_tokens_details.cached_tokens`: prompt tokens restored from the prompt cache instead of prefilled),
+and the disk bytes the server read during the request (/proc/PID/io). Prompts go as token ids to
+/v1/completions, so the server prefills exactly the ids given; the first answer is re-encoded from its text,
+as a client that only sees text would send it back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import openai
+from harness import REPO_DIR, make_oom_victim, proc_read_bytes, tail
+
+from moestream.formats.tokenizer import Tokenizer
+
+MODEL_NAME = "bench"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> None:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with rc {proc.returncode} before answering /health")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server did not answer /health within {timeout_s:.0f} s")
+
+
+def request(client: openai.OpenAI, pid: int, ids: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed completion: time to its first chunk, its whole time, usage and the disk bytes read."""
+    io0 = proc_read_bytes(pid)
+    t0 = time.perf_counter()
+    first: float | None = None
+    text: list[str] = []
+    usage = None
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt=ids,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if first is None:
+            first = time.perf_counter() - t0
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    total = time.perf_counter() - t0
+    io1 = proc_read_bytes(pid)
+    details = usage.prompt_tokens_details if usage is not None else None
+    return {
+        "prompt_tokens_sent": len(ids),
+        "ttft_s": first,
+        "total_s": total,
+        "prompt_tokens": usage.prompt_tokens if usage is not None else None,
+        "cached_tokens": details.cached_tokens if details is not None else None,
+        "completion_tokens": usage.completion_tokens if usage is not None else None,
+        "read_bytes": io1 - io0 if io0 is not None and io1 is not None else None,
+        "text": "".join(text),
+    }
+
+
+def serve_cmd(model: str, port: int, ctx: int, threads: int, budget_mb: int | None, cache_mb: int, extra: list[str]):
+    cmd = [sys.executable, "-m", "moestream", "serve", "-m", model, "--port", str(port), "--ctx", str(ctx)]
+    cmd += ["--threads", str(threads), "--prompt-cache-mb", str(cache_mb), "--temp", "0", "--seed", "0"]
+    cmd += ["--model-name", MODEL_NAME, "--log-level", "warning", *extra]
+    return cmd + (["--ram-budget-mb", str(budget_mb)] if budget_mb is not None else [])
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 60) -> tuple[int, int]:
+    """SIGTERM, then SIGKILL after grace_s; (exit code, peak RSS bytes from wait4)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    t0 = time.perf_counter()
+    while True:
+        pid, wstatus, ru = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.perf_counter() - t0 > grace_s:
+            os.killpg(proc.pid, signal.SIGKILL)
+            grace_s = float("inf")
+        time.sleep(0.1)
+    rc = os.waitstatus_to_exitcode(wstatus)
+    proc.returncode = rc
+    return rc, ru.ru_maxrss * 1024
+
+
+def agent_turn(
+    model: str,
+    tok: Tokenizer,
+    first_ids: list[int],
+    new_ids: list[int],
+    *,
+    answer_tokens: int,
+    ctx: int,
+    threads: int,
+    budget_mb: int | None,
+    cache_mb: int,
+    extra: list[str],
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Both turns in one fresh server; the second's prompt = first_ids + the re-encoded answer + new_ids."""
+    port = free_port()
+    cmd = serve_cmd(model, port, ctx, threads, budget_mb, cache_mb, extra)
+    doc: dict[str, Any] = {"cmd": cmd, "status": "ok", "turns": []}
+    with tempfile.TemporaryFile() as log_file:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            preexec_fn=make_oom_victim,
+            start_new_session=True,
+            cwd=REPO_DIR,
+        )
+        try:
+            wait_healthy(proc, port, timeout_s)
+            doc["load_s"] = time.perf_counter() - t0
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=timeout_s, max_retries=0
+            )
+            first = request(client, proc.pid, first_ids, answer_tokens)
+            answer_ids = tok.encode(first["text"], add_bos=False)
+            second = request(client, proc.pid, first_ids + answer_ids + new_ids, answer_tokens)
+            doc["turns"] = [first, second]
+            doc["answer_tokens_reencoded"] = len(answer_ids)
+            if first["ttft_s"] and second["ttft_s"] is not None:
+                doc["ttft_ratio"] = second["ttft_s"] / first["ttft_s"]
+        except (RuntimeError, openai.OpenAIError) as exc:
+            doc["status"] = f"failed: {exc}"
+        finally:
+            rc, peak = stop(proc)
+            doc["rc"], doc["peak_rss"] = rc, peak
+            if rc == -signal.SIGKILL and doc["status"] == "ok":
+                doc["status"] = "killed (SIGKILL)"
+            log_file.seek(0)
+            doc["log_tail"] = tail(log_file.read().decode("utf-8", "replace"), 5)
+    return doc
