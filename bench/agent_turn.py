@@ -23,7 +23,7 @@ import urllib.request
 from typing import Any
 
 import openai
-from harness import REPO_DIR, make_oom_victim, proc_read_bytes, tail
+from harness import REPO_DIR, make_oom_victim, oom_kills, proc_read_bytes, tail
 
 from moestream.formats.tokenizer import Tokenizer
 
@@ -36,11 +36,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def exited(pid: int) -> bool:
+    """Whether the child has exited, without reaping it (stop() reaps it with wait4 for its rusage)."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
 def wait_healthy(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> None:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with rc {proc.returncode} before answering /health")
+        if exited(proc.pid):
+            raise RuntimeError("the server exited before answering /health")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                 if r.status == 200:
@@ -97,8 +102,8 @@ def serve_cmd(model: str, port: int, ctx: int, threads: int, budget_mb: int | No
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 60) -> tuple[int, int]:
     """SIGTERM, then SIGKILL after grace_s; (exit code, peak RSS bytes from wait4)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+    if not exited(proc.pid):
+        os.kill(proc.pid, signal.SIGTERM)
     t0 = time.perf_counter()
     while True:
         pid, wstatus, ru = os.wait4(proc.pid, os.WNOHANG)
@@ -131,6 +136,7 @@ def agent_turn(
     port = free_port()
     cmd = serve_cmd(model, port, ctx, threads, budget_mb, cache_mb, extra)
     doc: dict[str, Any] = {"cmd": cmd, "status": "ok", "turns": []}
+    kills_before = oom_kills()
     with tempfile.TemporaryFile() as log_file:
         t0 = time.perf_counter()
         proc = subprocess.Popen(
@@ -159,7 +165,9 @@ def agent_turn(
         finally:
             rc, peak = stop(proc)
             doc["rc"], doc["peak_rss"] = rc, peak
-            if rc == -signal.SIGKILL and doc["status"] == "ok":
+            if rc == -signal.SIGKILL and oom_kills() > kills_before:
+                doc["status"] = "oom-killed"
+            elif rc == -signal.SIGKILL and doc["status"] == "ok":
                 doc["status"] = "killed (SIGKILL)"
             log_file.seek(0)
             doc["log_tail"] = tail(log_file.read().decode("utf-8", "replace"), 5)

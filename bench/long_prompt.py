@@ -51,9 +51,7 @@ from engine_runs import (
 )
 from harness import GIB, MIB, add_results_args, log, run_meta, save_results, spread
 from long_prompt_report import markdown, plot
-from prompt_text import PromptMaker, corpus_info, llama_view, model_facts
-
-from moestream.formats.tokenizer import Tokenizer
+from prompt_text import ModelFacts, PromptMaker, corpus_info, llama_view, model_facts
 
 CONDITIONS = ("pagecache", "pressure")
 LLAMA_VARIANT = "mmap, repack off (use_extra_bufts=False)"
@@ -109,8 +107,7 @@ def agent_runs(
     args: argparse.Namespace,
     condition: str,
     maker: PromptMaker,
-    tok: Tokenizer,
-    kv_per_token: float,
+    facts: ModelFacts,
     budget: int | None,
     extra: list[str],
     balloon: Balloon | None,
@@ -120,7 +117,7 @@ def agent_runs(
     ctx = run_ctx(total, 0)
     cache_mb = args.prompt_cache_mb
     if cache_mb is None:  # one snapshot of the whole conversation, with room to spare
-        cache_mb = math.ceil(1.25 * kv_per_token * total / MIB) + 64
+        cache_mb = math.ceil(1.25 * facts.kv_bytes(total) / MIB) + 64
     doc: dict[str, Any] = {
         "first_tokens": args.agent_tokens,
         "new_tokens": args.agent_new,
@@ -132,7 +129,7 @@ def agent_runs(
         setup = prepare(condition, args.model, balloon)
         run = agent_turn(
             args.model,
-            tok,
+            facts.tokenizer,
             prompt.ids,
             prompt.following,
             answer_tokens=args.agent_answer,
@@ -164,7 +161,7 @@ def run_condition(
     args: argparse.Namespace,
     condition: str,
     maker: PromptMaker,
-    facts: Any,
+    facts: ModelFacts,
     prompts: dict[int, Any],
     extra: list[str],
 ) -> dict[str, Any]:
@@ -191,9 +188,7 @@ def run_condition(
                             f"{run_line(r, facts.routed_bytes)}"
                         )
             if args.agent_tokens and args.agent_repeat:
-                doc["agent"] = agent_runs(
-                    args, condition, maker, facts.tokenizer, facts.kv_bytes_per_token, budget, extra, balloon
-                )
+                doc["agent"] = agent_runs(args, condition, maker, facts, budget, extra, balloon)
     except BalloonError as exc:
         log(f"[{condition}] stopped: {exc}")
         doc["error"] = str(exc)
@@ -280,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             args,
             model_bytes=os.path.getsize(args.model),
             routed_bytes=facts.routed_bytes,
+            kv_bytes_per_token=facts.kv_bytes_per_token,
             corpus=corpus_info(),
             tokenization=tokenization,
             llama_variant=LLAMA_VARIANT,

@@ -9,9 +9,17 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
-from harness import GIB, MIB, cell, spread  # noqa: E402
+from harness import GIB, MIB, spread  # noqa: E402
+from harness import cell as spread_cell  # noqa: E402
 
 ENGINES = ("moestream", "llama.cpp")
+
+
+def cell(s: dict[str, float] | None, suffix: str = "") -> str:
+    """harness.cell, with an exact zero (llama.cpp's prompt reads when the file is cached) written as 0."""
+    if s is not None and s["min"] == s["max"] == 0:
+        return "0"
+    return spread_cell(s, suffix=suffix)
 
 
 def scaled(s: dict[str, float] | None, factor: float) -> dict[str, float] | None:
@@ -68,7 +76,7 @@ def agent_rows(cond: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         f", a {agent['first_tokens']}-token prompt, then it + the answer + {agent['new_tokens']} new tokens "
         f"({len(ok)}/{len(agent['runs'])} servers ok).",
         "",
-        "| turn | prompt tokens | cached tokens | first token s | disk MiB |",
+        "| turn | prompt tokens | cached tokens | first token s | disk MiB (whole request) |",
         "|---|---|---|---|---|",
     ]
     for i, name in enumerate(("first", "second")):

@@ -43,7 +43,11 @@ class ModelFacts:
     path: str
     tokenizer: Tokenizer
     routed_bytes: int  # sum of the routed *_exps tensors' bytes
-    kv_bytes_per_token: float  # moestream's KV cache for one position (all layers)
+    kv_bytes_per_token: int  # moestream's KV cache for one position (all layers)
+    kv_fixed_bytes: int  # what it holds whatever the length (a hybrid model's recurrent states)
+
+    def kv_bytes(self, tokens: int) -> int:
+        return self.kv_fixed_bytes + self.kv_bytes_per_token * tokens
 
 
 def model_facts(path: str) -> ModelFacts:
@@ -52,8 +56,9 @@ def model_facts(path: str) -> ModelFacts:
         tok = tokenizer_if_any(m.gguf)
         if tok is None:
             raise SystemExit(f"error: {path} has no tokenizer; long prompts need one")
-        per_token = m.arch.kv_nbytes(m.cfg, 1024, m.exact) / 1024
-        return ModelFacts(path, tok, routed_nbytes(m.gguf), per_token)
+        at_1k, at_2k = (m.arch.kv_nbytes(m.cfg, n, m.exact) for n in (1024, 2048))
+        per_token = (at_2k - at_1k) // 1024
+        return ModelFacts(path, tok, routed_nbytes(m.gguf), per_token, at_1k - 1024 * per_token)
     finally:
         m.close()
 
