@@ -16,8 +16,8 @@ from moestream.errors import ComputeError
 from moestream.formats import quants
 
 pytestmark = pytest.mark.skipif(not native.lane_ok(), reason="needs AVX-512 VNNI and the native library")
-PER32_TYPES = [T.Q5_0, T.Q5_1, T.MXFP4]  # scales per 32 weights: rows of any multiple of 32
-LANE_TYPES = [T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q3_K, T.Q2_K, *PER32_TYPES]
+PER32_TYPES = [T.Q4_0, T.Q8_0, T.Q5_0, T.Q5_1, T.MXFP4]  # scales per 32 weights: rows of any multiple of 32
+LANE_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q3_K, T.Q2_K, *PER32_TYPES]
 
 
 def reference(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> np.ndarray:
@@ -138,10 +138,11 @@ def test_sizes_match_the_gguf_blocks():
         assert linear.compute_kind(t, 768, 2048, False) == "lane"
         assert linear.packed_nbytes(t, 768, 2048, False) == 768 * per_row
         assert native.lib().ms_lane_row_bytes(int(t), 2048) == per_row
-    assert linear.compute_kind(T.Q4_0, 64, 96, False) != "lane"  # rows must be whole 256-groups
+    assert linear.compute_kind(T.Q5_K, 64, 768, False) == "lane"
+    assert linear.compute_kind(T.Q4_0, 64, 96, False) == "lane"  # per-32 types: rows of 32-blocks
     assert linear.compute_kind(T.Q4_1, 768, 2048, False) == "bf16"
-    assert linear.compute_kind(T.Q5_0, 2048, 1408, False) == "lane"  # per-32 types: rows of 32-blocks
-    assert linear.compute_kind(T.Q8_0, 2048, 1408, False) != "lane"
+    assert linear.compute_kind(T.Q5_0, 2048, 1408, False) == "lane"
+    assert linear.compute_kind(T.Q8_0, 2048, 1408, False) == "lane"
 
 
 def test_results_do_not_depend_on_thread_count():
@@ -215,7 +216,7 @@ def test_scalar_build_reports_no_lane_kernels():
 
 def test_bad_shapes_are_refused():
     lib = native.lib()
-    for t, k in ((T.Q4_0, 96), (T.Q4_1, 256), (T.Q5_0, 48), (T.Q6_K, 384), (T.Q4_K, 0), (T.Q4_K, -256)):
+    for t, k in ((T.Q4_0, 80), (T.Q4_1, 256), (T.Q4_K, 1408), (T.Q5_0, 48), (T.Q6_K, 384), (T.Q4_K, 0), (T.Q4_K, -256)):
         with pytest.raises(ComputeError, match="ms_lane_row_bytes"):
             lib.ms_lane_row_bytes(int(t), k)
     with pytest.raises(ComputeError, match="unsupported weight type"):
@@ -282,3 +283,46 @@ def test_q4_k_m_model_computes_its_q6_k_experts_in_lane_form(tmp_path):
         finally:
             eng.close()
     assert outs[0] == outs[1]
+
+
+def test_v2_lite_style_model_computes_its_q5_0_downs_in_lane_form(tmp_path, monkeypatch):
+    """llama.cpp's Q4_K_M writes a DeepSeek-V2-Lite-style expert down (rows of 128 here, 1408 in the real one:
+    not whole 256-groups) as Q5_0, or Q8_0 on the layers given more bits. Those experts now take slots of their
+    GGUF size instead of widened bf16 ones, and give the greedy tokens and (up to activation rounding) the
+    logits of the widened form, streamed or not."""
+    from moestream.analysis.synth import write_synth
+    from moestream.engine.engine import Engine
+    from moestream.engine.options import EngineOptions
+    from moestream.engine.sampling import Sampler
+
+    path = write_synth("tiny-deepseek2", "Q4_K_M", tmp_path / "m.gguf", progress=False)
+    prompt = list(range(20, 60))
+
+    def run(n_slots: int) -> tuple[torch.Tensor, list[int], int, str]:
+        eng = Engine(path, EngineOptions(n_slots=n_slots, threads=1))
+        try:
+            # most layers' downs are Q5_0 (Q4_K's fallback), some Q8_0 (Q6_K's, on the layers given more bits)
+            five = [i for i, lay in enumerate(eng.store.layouts) if lay.down[0] == T.Q5_0]
+            assert five and all(eng.store.layouts[i].down[2] % 256 for i in five)
+            with torch.inference_mode():
+                logits = eng.model.forward(prompt, eng.kv, 0, all_logits=True)
+            eng.kv.truncate(0)
+            _, _, down = next(eng.cache.fetch(five[0], [0]))[1]
+            return logits, eng.generate(prompt, 8, Sampler()).tokens, eng.store.slot_nbytes, down.kind
+        finally:
+            eng.close()
+
+    l_lane, t_lane, slot_lane, kind = run(64)
+    assert kind == "lane"
+    l_stream, t_stream, _, _ = run(6)
+    with monkeypatch.context() as mp:  # as before these kernels: Q5_0 rows of 128 widened to bf16
+        mp.setattr(linear, "LANE_K_PER32", frozenset())
+        l_wide, t_wide, slot_wide, kind = run(64)
+    assert kind == "bf16"
+    assert t_lane == t_wide == t_stream
+    torch.testing.assert_close(l_stream, l_lane, rtol=0, atol=0)
+    per_position = (l_lane - l_wide).norm(dim=-1) / l_wide.norm(dim=-1)
+    assert float(per_position.max()) < 2e-2
+    h, f = 256, 128
+    # slots are sized for the largest expert: a Q8_0 down's
+    assert slot_lane == -(-(2 * f * h * 148 // 256 + h * f * 34 // 32 + 3 * 64) // 4096) * 4096 < slot_wide

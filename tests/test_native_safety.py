@@ -39,7 +39,7 @@ rng = np.random.default_rng(0)
 BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
           12: (256, 144), 13: (256, 176), 14: (256, 210), 39: (32, 17)}
 LANE = (2, 8, 12, 13, 14, 6, 7, 39)
-PER32 = (6, 7, 39)  # lane types whose rows need only be whole 32-blocks
+PER32 = (2, 8, 6, 7, 39)  # lane types whose rows need only be whole 32-blocks
 refused = done = 0
 
 

@@ -37,8 +37,8 @@
  *   IQ4_XS's nibbles index a table of 16 int8 values; the kernel looks them up (vpshufb) as kvalues + 128,
  *   unsigned as the VNNI product wants, and takes 128 * sum(x) back off, as Q8_0 does.
  *
- *   Q5_0, Q5_1 and MXFP4 have one scale per 32 weights, so their rows need only be a multiple of 32: a row's last
- *   group may hold any number of lanes from 1 to 16 (the kernels load it masked).
+ *   Q4_0, Q8_0, Q5_0, Q5_1 and MXFP4 have one scale per 32 weights, so their rows need only be a multiple of 32:
+ *   a row's last group may then hold any number of lanes from 1 to 16 (the kernels load it masked).
  *     Q5_0: nibbles [4][L][4] | fifth bits [L][4] | d f16 [L]                         22 L bytes (as GGUF)
  *     Q5_1: nibbles [4][L][4] | fifth bits [L][4] | d f16 [L] | m f16 [L]             24 L bytes (as GGUF)
  *     MXFP4: nibbles [4][L][4] | e u8 [L]                                             17 L bytes (as GGUF)
@@ -128,7 +128,9 @@ static inline int64_t super_bytes(int type) { /* bytes per 256 weights (8 lanes)
 }
 
 /* the types whose rows need only be whole blocks of 32 (any group may then hold fewer than 8 lanes) */
-static inline int per32_type(int type) { return type == QT_Q5_0 || type == QT_Q5_1 || type == QT_MXFP4; }
+static inline int per32_type(int type) {
+    return type == QT_Q4_0 || type == QT_Q8_0 || type == QT_Q5_0 || type == QT_Q5_1 || type == QT_MXFP4;
+}
 
 /* lanes of the group starting at sub-block s0 of a row of nsub */
 static inline int group_lanes(int64_t nsub, int64_t s0) { return nsub - s0 >= 16 ? 16 : (int)(nsub - s0); }

@@ -55,7 +55,7 @@ static void pack_row_q4_0(const uint8_t *src, int64_t k, uint8_t *dst) {
         uint8_t *nib = dst, *d = dst + 16 * L;
         int j = 0;
 #ifdef MS_VNNI
-        for (; j < L; j += 4) {
+        for (; j + 4 <= L; j += 4) {
             const uint8_t *b = src + (s0 + j) * 18;
             put_nibble_lanes4(_mm_loadu_si128((const __m128i *)(b + 2)), _mm_loadu_si128((const __m128i *)(b + 20)),
                               _mm_loadu_si128((const __m128i *)(b + 38)), _mm_loadu_si128((const __m128i *)(b + 56)),
