@@ -9,6 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
+from moestream.compute import native
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
@@ -117,9 +118,13 @@ def test_mxfp4_greedy_tokens_equal_transformers_and_under_streaming(mxfp4_model)
     prompt, n = toks[:40], 10
     with torch.no_grad():
         want = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt) :].tolist()
-    for slots, exact in ((16, True), (2, True), (3, None)):  # every expert cached; streamed; the bf16 path
+    for slots, exact in ((16, True), (2, True), (3, None)):  # every expert cached; streamed; the native path
         eng = Engine(path, EngineOptions(n_slots=slots, ubatch=16, exact=exact))
         try:
+            if not exact and native.lane_ok():  # MXFP4 at its own 4 bits in the slots, not widened
+                lay = eng.store.layouts[0]
+                assert lay.all_lane and eng.store.slot_nbytes == -(-(sum(lay.packed) + 3 * 64) // 4096) * 4096
+                assert sum(lay.packed) == 3 * 256 * 256 * 17 // 32
             got = eng.generate(prompt, n, Sampler()).tokens
         finally:
             eng.close()

@@ -16,7 +16,8 @@ from moestream.errors import ComputeError
 from moestream.formats import quants
 
 pytestmark = pytest.mark.skipif(not native.lane_ok(), reason="needs AVX-512 VNNI and the native library")
-LANE_TYPES = [T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q3_K, T.Q2_K]
+PER32_TYPES = [T.Q4_0, T.Q8_0, T.Q5_0, T.Q5_1, T.MXFP4]  # scales per 32 weights: rows of any multiple of 32
+LANE_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q3_K, T.Q2_K, *PER32_TYPES]
 
 
 def reference(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> np.ndarray:
@@ -52,6 +53,72 @@ def test_matmul_is_the_quantized_product(ggml_type, n, k, m):
     assert np.linalg.norm(y - exact) / np.linalg.norm(exact) < 2e-2
 
 
+@pytest.mark.parametrize("ggml_type", PER32_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("n", "k"), [(37, 1408), (64, 352), (3, 32), (5, 2880), (16, 1024)])
+def test_rows_of_any_multiple_of_32(ggml_type, n, k):
+    """DeepSeek-V2-Lite's 1408-wide ffn_down (Q5_0 in a Q4_K_M file) and GPT-OSS's 2880-wide MXFP4 experts: a
+    row's last group holds 1..15 lanes and is read masked. The product is the quantized one for m = 1, 2, 5, 16
+    rows, each row the same bits as computed alone."""
+    rng = np.random.default_rng(n * k)
+    raw = quants.random_gguf(ggml_type, n * k, rng)
+    w = reference(raw, ggml_type, (n, k))
+    lin = linear.from_gguf(raw, ggml_type, n, k, False)
+    assert lin.kind == "lane" and lin.nbytes == quants.tensor_nbytes(ggml_type, n * k)  # as the GGUF blocks
+    np.testing.assert_array_equal(lin.dense().numpy().view(np.uint32), w.view(np.uint32))
+    for m in (1, 2, 5, 16):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        y = lin(torch.from_numpy(x)).numpy()
+        want = q8_activations(x).astype(np.float64) @ w.T.astype(np.float64)
+        np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        for i in range(m):
+            np.testing.assert_array_equal(lin(torch.from_numpy(x[i : i + 1])).numpy()[0], y[i])
+
+
+@pytest.mark.parametrize("ggml_type", LANE_TYPES, ids=lambda t: t.name)
+def test_each_row_is_computed_alone(ggml_type):
+    """Batched decode relies on it: a row's result has the same bits whatever the other rows of the call
+    (the one-token kernel, two weight rows at a time, and the many-token one agree bit for bit)."""
+    n, k = 67, 1280
+    rng = np.random.default_rng(int(ggml_type))
+    lin = linear.from_gguf(quants.random_gguf(ggml_type, n * k, rng), ggml_type, n, k, False)
+    x = torch.from_numpy(rng.standard_normal((16, k)).astype(np.float32))
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(16)])
+    for m in (2, 5, 16):
+        assert torch.equal(lin(x[:m]), alone[:m])
+
+
+@pytest.mark.parametrize("ggml_type", PER32_TYPES, ids=lambda t: t.name)
+def test_fallback_agrees_with_the_lane_kernels(ggml_type, monkeypatch):
+    """Without VNNI (here: switched off) these types are widened to bf16 by the C decoder, not numpy: the
+    slow-path note does not name them, and the two forms give the same product within rounding."""
+    n, k = 48, 1408
+    rng = np.random.default_rng(3)
+    raw = quants.random_gguf(ggml_type, n * k, rng)
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+    lane = linear.from_gguf(raw, ggml_type, n, k, False)
+    assert lane.kind == "lane" and not linear.slow_path(ggml_type, n, k, False)
+    monkeypatch.setattr(native, "lane_ok", lambda: False)
+    wide = linear.from_gguf(raw, ggml_type, n, k, False)
+    assert wide.kind == "bf16" and not linear.slow_path(ggml_type, n, k, False)
+    assert linear.packed_nbytes(ggml_type, n, k, False) == n * k * 2
+    w = reference(raw, ggml_type, (n, k))
+    torch.testing.assert_close(wide.dense(), torch.from_numpy(w).to(torch.bfloat16).float(), rtol=0, atol=0)
+    a, b = lane(x), wide(x)
+    assert float(torch.linalg.norm(a - b) / torch.linalg.norm(b)) < 2e-2
+
+
+def test_scalar_build_decodes_mxfp4_as_gguf():
+    """The portable C decoder (no F16C, no AVX) of the fallback path, every byte value in every position."""
+    lib = native.lib(("-DMS_SCALAR",))
+    b = np.tile(np.arange(256, dtype=np.uint8)[:, None], (1, 17))
+    b = (b + np.arange(17, dtype=np.uint8) * 37).astype(np.uint8).reshape(-1)
+    out = np.zeros(256 * 32, np.float32)
+    assert lib.ms_dequant(int(T.MXFP4), b.ctypes.data, out.size, out.ctypes.data, 0) == 0
+    with np.errstate(over="ignore"):  # e = 255 times 12 is inf, in both
+        want = reference(b, T.MXFP4, (256, 32)).reshape(-1)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
 def test_sizes_match_the_gguf_blocks():
     # as their GGUF blocks but for Q4_K's and Q5_K's d/dmin pairs (one per 256 weights, stored per 8 lanes)
     per_256 = (
@@ -63,13 +130,19 @@ def test_sizes_match_the_gguf_blocks():
         (T.IQ4_XS, 138),
         (T.Q3_K, 114),
         (T.Q2_K, 84),
+        (T.Q5_0, 176),
+        (T.Q5_1, 192),
+        (T.MXFP4, 136),
     )
     for t, per_row in ((t, 2048 // 256 * b) for t, b in per_256):
         assert linear.compute_kind(t, 768, 2048, False) == "lane"
         assert linear.packed_nbytes(t, 768, 2048, False) == 768 * per_row
         assert native.lib().ms_lane_row_bytes(int(t), 2048) == per_row
-    assert linear.compute_kind(T.Q4_0, 64, 96, False) != "lane"  # rows must be whole 256-groups
-    assert linear.compute_kind(T.Q5_0, 768, 2048, False) == "bf16"
+    assert linear.compute_kind(T.Q5_K, 64, 768, False) == "lane"
+    assert linear.compute_kind(T.Q4_0, 64, 96, False) == "lane"  # per-32 types: rows of 32-blocks
+    assert linear.compute_kind(T.Q4_1, 768, 2048, False) == "bf16"
+    assert linear.compute_kind(T.Q5_0, 2048, 1408, False) == "lane"
+    assert linear.compute_kind(T.Q8_0, 2048, 1408, False) == "lane"
 
 
 def test_results_do_not_depend_on_thread_count():
@@ -98,15 +171,20 @@ def test_concat_stacks_rows():
     assert linear.concat([parts[0], mixed]) is None  # one kernel per type
 
 
-@pytest.mark.parametrize("down_type", [T.Q4_0, T.Q8_0, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q3_K, T.Q2_K])
-def test_swiglu_group_equals_expert_by_expert(down_type):
-    h, f = 512, 256
+@pytest.mark.parametrize(
+    ("gu_type", "down_type", "f"),
+    [(T.Q4_K, t, 256) for t in (T.Q4_0, T.Q8_0, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q3_K, T.Q2_K, *PER32_TYPES)]
+    + [(T.Q4_K, T.Q5_0, 352), (T.Q4_K, T.Q5_1, 352), (T.MXFP4, T.MXFP4, 352)],  # a width of 11 lanes
+    ids=lambda v: v.name if isinstance(v, T) else str(v),
+)
+def test_swiglu_group_equals_expert_by_expert(gu_type, down_type, f):
+    h = 512
     rng = np.random.default_rng(7)
     experts, refs = [], []
     for _ in range(3):
-        gu = quants.random_gguf(T.Q4_K, 2 * f * h, rng)
+        gu = quants.random_gguf(gu_type, 2 * f * h, rng)
         dn = quants.random_gguf(down_type, h * f, rng)
-        gate_up = linear.from_gguf(gu, T.Q4_K, 2 * f, h, False)
+        gate_up = linear.from_gguf(gu, gu_type, 2 * f, h, False)
         down = linear.from_gguf(dn, down_type, h, f, False)
         experts.append((gate_up, None, down))
         refs.append((gate_up, down))
@@ -138,23 +216,24 @@ def test_scalar_build_reports_no_lane_kernels():
 
 def test_bad_shapes_are_refused():
     lib = native.lib()
-    for t, k in ((T.Q4_0, 96), (T.Q5_0, 256), (T.Q6_K, 384), (T.Q4_K, 0), (T.Q4_K, -256)):
+    for t, k in ((T.Q4_0, 80), (T.Q4_1, 256), (T.Q4_K, 1408), (T.Q5_0, 48), (T.Q6_K, 384), (T.Q4_K, 0), (T.Q4_K, -256)):
         with pytest.raises(ComputeError, match="ms_lane_row_bytes"):
             lib.ms_lane_row_bytes(int(t), k)
     with pytest.raises(ComputeError, match="unsupported weight type"):
-        lib.ms_lane_pack(int(T.Q5_0), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0))
+        lib.ms_lane_pack(int(T.Q4_1), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0))
     with pytest.raises(ComputeError, match="null or misaligned"):
         lib.ms_lane_pack(int(T.Q4_K), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0))
     with pytest.raises(ComputeError, match="sizes or counts"):
         lib.ms_lane_pack(int(T.Q4_K), ctypes.c_void_p(0), 0, 256, ctypes.c_void_p(0))
 
 
-@pytest.mark.parametrize("count", [1, 2, 8])
+@pytest.mark.parametrize("count", [1, 2, 10])
 def test_packing_many_segments_at_once_equals_one_by_one(count):
     rng = np.random.default_rng(count)
     lib = native.lib()
     shapes = [(T.Q4_0, 96, 512), (T.Q6_K, 33, 768), (T.Q8_0, 64, 256), (T.Q5_K, 128, 2048), (T.Q4_K, 7, 256),
-              (T.IQ4_XS, 40, 768), (T.Q3_K, 9, 512), (T.Q2_K, 24, 1280)][:count]  # fmt: skip
+              (T.IQ4_XS, 40, 768), (T.Q3_K, 9, 512), (T.Q2_K, 24, 1280), (T.Q5_0, 11, 1408), (T.MXFP4, 5, 2880)
+              ][:count]  # fmt: skip
     raws = [quants.random_gguf(t, n * k, rng) for t, n, k in shapes]
     sizes = [n * lib.ms_lane_row_bytes(int(t), k) for t, n, k in shapes]
     one = [np.zeros(sz, np.uint8) for sz in sizes]
@@ -171,7 +250,7 @@ def test_packing_many_segments_at_once_equals_one_by_one(count):
     assert lib.ms_lane_pack_many(count, *(a.ctypes.data for a in arrays)) == 0
     for a, b in zip(one, many, strict=True):
         np.testing.assert_array_equal(a, b)
-    arrays[0][0] = int(T.Q5_0)  # no lane form: refused before anything is written
+    arrays[0][0] = int(T.Q4_1)  # no lane form: refused before anything is written
     with pytest.raises(ComputeError, match="ms_lane_pack_many"):
         lib.ms_lane_pack_many(count, *(a.ctypes.data for a in arrays))
     assert lib.ms_lane_pack_many(0, *(a.ctypes.data for a in arrays)) == 0  # nothing to do
@@ -204,3 +283,46 @@ def test_q4_k_m_model_computes_its_q6_k_experts_in_lane_form(tmp_path):
         finally:
             eng.close()
     assert outs[0] == outs[1]
+
+
+def test_v2_lite_style_model_computes_its_q5_0_downs_in_lane_form(tmp_path, monkeypatch):
+    """llama.cpp's Q4_K_M writes a DeepSeek-V2-Lite-style expert down (rows of 128 here, 1408 in the real one:
+    not whole 256-groups) as Q5_0, or Q8_0 on the layers given more bits. Those experts now take slots of their
+    GGUF size instead of widened bf16 ones, and give the greedy tokens and (up to activation rounding) the
+    logits of the widened form, streamed or not."""
+    from moestream.analysis.synth import write_synth
+    from moestream.engine.engine import Engine
+    from moestream.engine.options import EngineOptions
+    from moestream.engine.sampling import Sampler
+
+    path = write_synth("tiny-deepseek2", "Q4_K_M", tmp_path / "m.gguf", progress=False)
+    prompt = list(range(20, 60))
+
+    def run(n_slots: int) -> tuple[torch.Tensor, list[int], int, str]:
+        eng = Engine(path, EngineOptions(n_slots=n_slots, threads=1))
+        try:
+            # most layers' downs are Q5_0 (Q4_K's fallback), some Q8_0 (Q6_K's, on the layers given more bits)
+            five = [i for i, lay in enumerate(eng.store.layouts) if lay.down[0] == T.Q5_0]
+            assert five and all(eng.store.layouts[i].down[2] % 256 for i in five)
+            with torch.inference_mode():
+                logits = eng.model.forward(prompt, eng.kv, 0, all_logits=True)
+            eng.kv.truncate(0)
+            _, _, down = next(eng.cache.fetch(five[0], [0]))[1]
+            return logits, eng.generate(prompt, 8, Sampler()).tokens, eng.store.slot_nbytes, down.kind
+        finally:
+            eng.close()
+
+    l_lane, t_lane, slot_lane, kind = run(64)
+    assert kind == "lane"
+    l_stream, t_stream, _, _ = run(6)
+    with monkeypatch.context() as mp:  # as before these kernels: Q5_0 rows of 128 widened to bf16
+        mp.setattr(linear, "LANE_K_PER32", frozenset())
+        l_wide, t_wide, slot_wide, kind = run(64)
+    assert kind == "bf16"
+    assert t_lane == t_wide == t_stream
+    torch.testing.assert_close(l_stream, l_lane, rtol=0, atol=0)
+    per_position = (l_lane - l_wide).norm(dim=-1) / l_wide.norm(dim=-1)
+    assert float(per_position.max()) < 2e-2
+    h, f = 256, 128
+    # slots are sized for the largest expert: a Q8_0 down's
+    assert slot_lane == -(-(2 * f * h * 148 // 256 + h * f * 34 // 32 + 3 * 64) // 4096) * 4096 < slot_wide

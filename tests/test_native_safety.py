@@ -37,8 +37,9 @@ lib = native.load_library(sys.argv[1])
 lib.ms_set_threads(2)
 rng = np.random.default_rng(0)
 BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-          12: (256, 144), 13: (256, 176), 14: (256, 210)}
-LANE = (2, 8, 12, 13, 14)
+          12: (256, 144), 13: (256, 176), 14: (256, 210), 39: (32, 17)}
+LANE = (2, 8, 12, 13, 14, 6, 7, 39)
+PER32 = (2, 8, 6, 7, 39)  # lane types whose rows need only be whole 32-blocks
 refused = done = 0
 
 
@@ -156,6 +157,46 @@ if lib.ms_lane_supported():
         call(lib.ms_lane_pack, t, ptr(raw), -1, k, ptr(lane), want=native.BAD_SHAPE)
         call(lib.ms_lane_unpack, t, ptr(lane), n, k, None, want=native.BAD_PTR)
     call(lib.ms_qmm, 3, ptr(lane), 5, 256, ptr(xs), 1, 256, ptr(y), 5, want=native.BAD_TYPE)
+
+    # rows of a multiple of 32 only: a last group of 1..15 lanes, read masked; rows cut short of a block refused
+    for t in PER32:
+        for n, k in ((3, 32), (5, 352), (2, 1408), (1, 2880)):
+            raw = garbage(t, n * k)
+            rb = lib.ms_lane_row_bytes(t, k)
+            lane = np.zeros(n * rb + 64, np.uint8)
+            lane[n * rb:] = 0xA5
+            call(lib.ms_lane_pack, t, ptr(raw), n, k, ptr(lane))
+            assert (lane[n * rb:] == 0xA5).all()
+            dense = np.zeros(n * k + 16, np.float32)
+            dense[n * k:] = 7
+            call(lib.ms_lane_unpack, t, ptr(lane), n, k, ptr(dense))
+            assert (dense[n * k:] == 7).all()
+            for m in (1, 2, 5):
+                xs = rng.standard_normal((m, k)).astype(np.float32)
+                xs[-1, -1] = np.nan
+                y = np.zeros(m * n + 16, np.float32)
+                y[m * n:] = 7
+                call(lib.ms_qmm, t, ptr(lane), n, k, ptr(xs), m, k, ptr(y), n)
+                assert (y[m * n:] == 7).all()
+        for k in (16, 48, 1400, 0):
+            call(lib.ms_lane_row_bytes, t, k, want=native.BAD_SHAPE)
+            call(lib.ms_qmm, t, ptr(lane), 1, k, ptr(xs), 1, max(k, 1), ptr(y), 1, want=native.BAD_SHAPE)
+        # SwiGLU experts of an odd width (f = 352: a group of 11 lanes), Q4_K gate/up with this down
+        h, f = 512, 352
+        raw_gu, raw_dn = garbage(12, 2 * f * h), garbage(t, h * f)
+        gu = np.zeros(2 * f * lib.ms_lane_row_bytes(12, h), np.uint8)
+        dn = np.zeros(h * lib.ms_lane_row_bytes(t, f) + 64, np.uint8)
+        call(lib.ms_lane_pack, 12, ptr(raw_gu), 2 * f, h, ptr(gu))
+        call(lib.ms_lane_pack, t, ptr(raw_dn), h, f, ptr(dn))
+        xs = rng.standard_normal((2, h)).astype(np.float32)
+        out = np.zeros(2 * h + 16, np.float32)
+        out[2 * h:] = 7
+        one = lambda n, v: (ctypes.c_int64 * 1)(v) if n == "m" else (ctypes.c_void_p * 1)(v)  # noqa: E731
+        call(lib.ms_moe_ffn, 1, (ctypes.c_int * 1)(12), one("p", ptr(gu)), (ctypes.c_int * 1)(t), one("p", ptr(dn)),
+             h, f, one("p", ptr(xs)), one("m", 2), one("p", ptr(out)))
+        assert (out[2 * h:] == 7).all()
+        call(lib.ms_moe_ffn, 1, (ctypes.c_int * 1)(12), one("p", ptr(gu)), (ctypes.c_int * 1)(12), one("p", ptr(dn)),
+             h, f, one("p", ptr(xs)), one("m", 2), one("p", ptr(out)), want=native.BAD_SHAPE)  # Q4_K rows of 352
 
     # several segments at once, and bad counts
     segs = [(t, 3, 512, garbage(t, 3 * 512)) for t in LANE]

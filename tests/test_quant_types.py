@@ -79,7 +79,7 @@ def test_bf16_rounding_is_torchs():
     assert np.isnan(nan_bits.view(np.float32)).all()
 
 
-@pytest.mark.parametrize("ggml_type", LOWBIT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T(t) for t in sorted(linear.DECODED_TYPES)], ids=lambda t: t.name)
 def test_slow_path_packs_the_decoded_weight(ggml_type, monkeypatch):
     """An expert of a type without a kernel is widened once: bf16 of the reference decode (float32 exact).
     Every type takes this path where the lane kernels cannot run (no VNNI; here: switched off)."""
@@ -118,6 +118,9 @@ def test_slow_path_decodes_in_slices(monkeypatch):
 
 def _scaled_blocks(ggml_type: int, n_elems: int, std: float, rng: np.random.Generator) -> np.ndarray:
     """Random valid blocks whose decoded weights have about `std` (every type is linear in its scale)."""
+    if ggml_type not in lowbit.DECODERS:  # Q5_0 / Q5_1: gguf's own encoder on normal weights
+        w = (rng.standard_normal(n_elems) * std).astype(np.float32).reshape(-1, 256)
+        return np.asarray(gq.quantize(w, T(ggml_type)), np.uint8).reshape(-1)
     block, size = quants.BLOCK_SIZES[ggml_type]
     b = rng.integers(0, 256, (n_elems // block, size), dtype=np.uint8)
     lowbit.fix_random_blocks(ggml_type, b, np.ones(b.shape[0]))
@@ -212,10 +215,11 @@ def test_model_with_slow_type_experts(float_model, tmp_path, capfd, ggml_type):
 
 
 @pytest.mark.skipif(not native.lane_ok(), reason="needs AVX-512 VNNI and the native library")
-@pytest.mark.parametrize("ggml_type", [T.Q2_K, T.Q3_K, T.IQ4_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.Q2_K, T.Q3_K, T.IQ4_XS, T.Q5_0, T.Q5_1, T.MXFP4], ids=lambda t: t.name)
 def test_model_with_native_low_bit_experts(float_model, tmp_path, capfd, ggml_type):
-    """Q2_K, Q3_K and IQ4_XS experts computed at their own bits: no note, slots of about their GGUF size, the
-    logits of the widened file up to the int8 rounding of the activations, and streaming changes nothing."""
+    """Q2_K, Q3_K, IQ4_XS, Q5_0, Q5_1 and MXFP4 experts computed at their own bits: no note, slots of about
+    their GGUF size (exactly it for the last three), the logits of the widened file up to the int8 rounding of
+    the activations, and streaming changes nothing."""
     src, cfg = float_model
     p_low, p_wide = _low_and_wide(src, tmp_path, ggml_type)
     capfd.readouterr()
@@ -228,11 +232,16 @@ def test_model_with_native_low_bit_experts(float_model, tmp_path, capfd, ggml_ty
     finally:
         f.close()
     assert m.store.slot_nbytes <= 4 * gguf_bytes  # three projections at about their own bits, not bf16's
+    if ggml_type in (T.Q5_0, T.Q5_1, T.MXFP4):
+        assert m.store.slot_nbytes == -(-(3 * gguf_bytes + 3 * 64) // 4096) * 4096
 
     prompt = random_tokens(30, cfg.vocab_size, seed=4)
     runs = _run([(p_wide, 64), (p_low, 64), (p_low, cfg.num_experts_per_tok)], prompt)
     (l_wide, _, _), (l_low, t_low, hit_all), (l_stream, t_stream, hit_two) = runs
-    assert float((l_low - l_wide).norm() / l_wide.norm()) < 2e-2
+    # int8 rounding of the activations: ~0.5% a position; at most one position may be off by more, where a
+    # router near-tie picks another expert (MXFP4's random experts have one at position 19)
+    per_position = (l_low - l_wide).norm(dim=-1) / l_wide.norm(dim=-1)
+    assert float(per_position.median()) < 1e-2 and int((per_position > 2e-2).sum()) <= 1
     torch.testing.assert_close(l_stream, l_low, rtol=0, atol=0)
     assert t_low == t_stream
     assert hit_two < hit_all

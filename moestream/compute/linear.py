@@ -1,15 +1,16 @@
 """The compute form of one weight matrix: GGUF bytes in, `y = x @ W.T` out.
 
 Four forms, picked per tensor by `compute_kind`:
-  lane  Q4_0 / Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS / Q3_K / Q2_K kept at their own bits in the lane layout of
-        native/internal.h (a reshuffle of the GGUF blocks, about the same size, by lane_pack.c) and multiplied by
-        the VNNI kernels of qmm_vnni.c against int8-quantized activations, as llama.cpp does. Needs AVX-512
-        VNNI and rows of a multiple of 256; else one of:
+  lane  Q4_0 / Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS / Q3_K / Q2_K / Q5_0 / Q5_1 / MXFP4 kept at their own bits in
+        the lane layout of native/internal.h (a reshuffle of the GGUF blocks, about the same size, by
+        lane_pack.c) and multiplied by the VNNI kernels of qmm_vnni.c against int8-quantized activations, as
+        llama.cpp does. Needs AVX-512 VNNI and rows of a multiple of 256 (of 32 for Q4_0 / Q8_0 / Q5_0 / Q5_1 /
+        MXFP4, whose scales are per 32 weights); else one of:
   int4  Q4_0 / Q4_K kept at 4 bits in torch's CPU int4pack layout and multiplied with
         `_weight_int4pack_mm_for_cpu` (the fastest CPU matvec we measured; both formats map onto it
         exactly up to bf16 rounding of each group's scale and zero).
   bf16  every other quantized type (and BF16): decoded once, F.linear in bf16. The types the C library
-        cannot decode (the 1-3 bit K/IQ/ternary types, IQ4, MXFP4: `DECODED_TYPES`) are decoded by numpy,
+        cannot decode (the 1-3 bit K/IQ/ternary types, IQ4: `DECODED_TYPES`) are decoded by numpy,
         once per cache fill for an expert and once at load for a resident weight: correct, but slower.
   f32   F32/F16 weights, and everything when exact=True (logits checked against a float reference).
 
@@ -44,10 +45,15 @@ INT4_GEMM_MIN_ROWS = 48
 EXPAND_SCRATCH_BYTES = 8 << 20  # bf16 scratch for one slice of an expanded weight
 
 INT4_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K)})
-LANE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q3_K, T.Q2_K))
+LANE_TYPES = frozenset(
+    int(t) for t in (T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q3_K, T.Q2_K, T.Q5_0, T.Q5_1, T.MXFP4)
+)
 LANE_K = 256  # rows must be whole groups of the lane layout
+# ... or, for the types with a scale per 32 weights, whole blocks of 32 (V2-Lite's 1408-wide expert downs)
+LANE_K_PER32 = frozenset(int(t) for t in (T.Q4_0, T.Q8_0, T.Q5_0, T.Q5_1, T.MXFP4))
 F32_TYPES = frozenset({int(T.F32), int(T.F16)})
-DECODED_TYPES = frozenset(lowbit.DECODERS)  # no native decoder: numpy widens them (see slow_path)
+# no native decoder: numpy widens them (see slow_path); the C library decodes MXFP4 (pack.c)
+DECODED_TYPES = frozenset(lowbit.DECODERS) - {int(T.MXFP4)}
 DECODE_ROWS_BYTES = 4 << 20  # float32 rows decoded at a time by the numpy path (bounds its temporaries)
 
 
@@ -177,11 +183,16 @@ def compute_kind(ggml_type: int, n: int, k: int, exact: bool) -> str:
     quants.tensor_nbytes(ggml_type, k)  # raises for an unsupported type or a ragged row
     if exact or ggml_type in F32_TYPES:
         return "f32"
-    if ggml_type in LANE_TYPES and k % LANE_K == 0 and native.lane_ok():
+    if ggml_type in LANE_TYPES and k % lane_k(ggml_type) == 0 and native.lane_ok():
         return "lane"
     if ggml_type in INT4_TYPES and n % INT4_BLOCK_N == 0 and k % GROUP == 0:
         return "int4"
     return "bf16"
+
+
+def lane_k(ggml_type: int) -> int:
+    """What the row length of a lane-form weight of `ggml_type` must be a multiple of."""
+    return 32 if ggml_type in LANE_K_PER32 else LANE_K
 
 
 def slow_path(ggml_type: int, n: int, k: int, exact: bool) -> bool:

@@ -47,6 +47,15 @@ static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] <
 
 static inline float rd_fp16(const uint8_t *p) { return fp16_to_fp32(rd16(p)); }
 
+/* MXFP4's exponent byte -> 2^(e - 128), half its scale as the value table is doubled (ggml_e8m0_to_fp32_half;
+ * e < 2 gives a subnormal, exact) */
+static inline float mxfp4_scale(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* Q4_K / Q5_K: 8 six-bit scales and mins packed in 12 bytes */
 static inline void k_scale_min(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     for (int j = 0; j < 4; j++) {

@@ -1,16 +1,21 @@
 /* The lane layout (described in internal.h): its sizes, GGUF rows packed into it, and back to floats. */
 #include "internal.h"
+#if defined(__BMI2__) && !defined(MS_SCALAR)
+#include <immintrin.h>
+#endif
 
 /* IQ4_NL / IQ4_XS's 16 non-linear values (ggml's kvalues_iq4nl) */
 static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* MXFP4's e2m1 values, doubled (ggml's kvalues_mxfp4) */
+static const int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* ---------------------------------------------------------------------------------------------------- */
 /* layout sizes */
 
 int64_t ms_lane_row_bytes(int type, int64_t k) {
     if (super_bytes(type) < 0) return MS_BAD_TYPE;
-    if (!dim_ok(k) || k % 256) return MS_BAD_SHAPE;
-    return super_bytes(type) * (k / 256);
+    if (!dim_ok(k) || k % (per32_type(type) ? 32 : 256)) return MS_BAD_SHAPE;
+    return super_bytes(type) * k / 256; /* exact: a per-32 type's block bytes are a multiple of 8 */
 }
 
 int ms_lane_supported(void) {
@@ -46,11 +51,11 @@ static inline void put_nibble_lanes4(__m128i r0, __m128i r1, __m128i r2, __m128i
 static void pack_row_q4_0(const uint8_t *src, int64_t k, uint8_t *dst) {
     int64_t nsub = k / 32;
     for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
-        int L = nsub - s0 >= 16 ? 16 : 8;
+        int L = group_lanes(nsub, s0);
         uint8_t *nib = dst, *d = dst + 16 * L;
         int j = 0;
 #ifdef MS_VNNI
-        for (; j < L; j += 4) {
+        for (; j + 4 <= L; j += 4) {
             const uint8_t *b = src + (s0 + j) * 18;
             put_nibble_lanes4(_mm_loadu_si128((const __m128i *)(b + 2)), _mm_loadu_si128((const __m128i *)(b + 20)),
                               _mm_loadu_si128((const __m128i *)(b + 38)), _mm_loadu_si128((const __m128i *)(b + 56)),
@@ -73,7 +78,7 @@ static void pack_row_q4_0(const uint8_t *src, int64_t k, uint8_t *dst) {
 static void pack_row_q8_0(const uint8_t *src, int64_t k, uint8_t *dst) {
     int64_t nsub = k / 32;
     for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
-        int L = nsub - s0 >= 16 ? 16 : 8;
+        int L = group_lanes(nsub, s0);
         uint8_t *w = dst, *d = dst + 32 * L;
         for (int j = 0; j < L; j++) {
             const uint8_t *b = src + (s0 + j) * 34;
@@ -310,10 +315,77 @@ static void pack_row_q2_q3(const uint8_t *src, int64_t k, uint8_t *dst, int thre
     }
 }
 
+/* Q5_0 / Q5_1's 32 fifth bits (bit i: weight i) -> the 4 fifth-bit bytes of its lane: byte t holds in bits 2c
+ * and 2c + 1 the fifth bits of weights 4c + t and 16 + 4c + t (chunk c's low and high nibble) */
+static inline uint32_t fifth_bit_bytes(uint32_t qh) {
+    uint32_t out = 0;
+#if defined(__BMI2__) && !defined(MS_SCALAR)
+    for (int t = 0; t < 4; t++) { /* bits t + 4i: chunk 0..3's low-nibble weights, then their high ones */
+        uint32_t x = _pext_u32(qh, 0x11111111u << t);
+        out |= (_pdep_u32(x & 0xF, 0x55) | _pdep_u32(x >> 4, 0xAA)) << (8 * t);
+    }
+    return out;
+#endif
+    for (int t = 0; t < 4; t++) {
+        uint32_t b = 0;
+        for (int c = 0; c < 4; c++) b |= ((qh >> (4 * c + t)) & 1) << (2 * c) | ((qh >> (16 + 4 * c + t)) & 1) << (2 * c + 1);
+        out |= b << (8 * t);
+    }
+    return out;
+}
+
+/* Q5_0 (one = 0) and Q5_1 rows: nibbles as Q4_0's, fifth bits, d (and Q5_1's m) */
+static void pack_row_q5(const uint8_t *src, int64_t k, uint8_t *dst, int one) {
+    const int bb = one ? 24 : 22, off = one ? 4 : 2; /* block bytes; where qh starts */
+    int64_t nsub = k / 32;
+    for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
+        int L = group_lanes(nsub, s0);
+        uint8_t *nib = dst, *hb = dst + 16 * L, *d = hb + 4 * L;
+        for (int j = 0; j < L; j++) {
+            const uint8_t *b = src + (s0 + j) * bb;
+            uint32_t qh;
+            memcpy(&qh, b + off, 4);
+            qh = fifth_bit_bytes(qh);
+            memcpy(hb + 4 * j, &qh, 4);
+            put_nibble_lane(b + off + 4, nib, L, j);
+            memcpy(d + 2 * j, b, 2);
+            if (one) memcpy(d + 2 * L + 2 * j, b + 2, 2);
+        }
+        dst += group_bytes(one ? QT_Q5_1 : QT_Q5_0, L);
+    }
+}
+
+/* MXFP4: nibbles as Q4_0's (its qs bytes are laid out the same), then the exponent bytes */
+static void pack_row_mxfp4(const uint8_t *src, int64_t k, uint8_t *dst) {
+    int64_t nsub = k / 32;
+    for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
+        int L = group_lanes(nsub, s0);
+        uint8_t *nib = dst, *e = dst + 16 * L;
+        int j = 0;
+#ifdef MS_VNNI
+        for (; j + 4 <= L; j += 4) {
+            const uint8_t *b = src + (s0 + j) * 17;
+            put_nibble_lanes4(_mm_loadu_si128((const __m128i *)(b + 1)), _mm_loadu_si128((const __m128i *)(b + 18)),
+                              _mm_loadu_si128((const __m128i *)(b + 35)), _mm_loadu_si128((const __m128i *)(b + 52)),
+                              nib, L, j);
+            e[j] = b[0], e[j + 1] = b[17], e[j + 2] = b[34], e[j + 3] = b[51];
+        }
+#endif
+        for (; j < L; j++) {
+            const uint8_t *b = src + (s0 + j) * 17;
+            put_nibble_lane(b + 1, nib, L, j);
+            e[j] = b[0];
+        }
+        dst += 17 * L;
+    }
+}
+
 static const int64_t gguf_block_bytes[] = {[QT_Q4_0] = 18, [QT_Q8_0] = 34, [QT_Q2_K] = 84, [QT_Q3_K] = 110,
-                                           [QT_Q4_K] = 144, [QT_Q5_K] = 176, [QT_Q6_K] = 210, [QT_IQ4_XS] = 136};
+                                           [QT_Q4_K] = 144, [QT_Q5_K] = 176, [QT_Q6_K] = 210, [QT_IQ4_XS] = 136,
+                                           [QT_Q5_0] = 22, [QT_Q5_1] = 24, [QT_MXFP4] = 17};
 static const int64_t gguf_block_elems[] = {[QT_Q4_0] = 32, [QT_Q8_0] = 32, [QT_Q2_K] = 256, [QT_Q3_K] = 256,
-                                           [QT_Q4_K] = 256, [QT_Q5_K] = 256, [QT_Q6_K] = 256, [QT_IQ4_XS] = 256};
+                                           [QT_Q4_K] = 256, [QT_Q5_K] = 256, [QT_Q6_K] = 256, [QT_IQ4_XS] = 256,
+                                           [QT_Q5_0] = 32, [QT_Q5_1] = 32, [QT_MXFP4] = 32};
 
 /* rows [0, n) of a GGUF [n, k] tensor -> the lane layout at dst (ms_lane_row_bytes(type, k) per row) */
 int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
@@ -330,6 +402,8 @@ int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *ds
         else if (type == QT_Q4_K || type == QT_Q5_K) pack_row_k(s, k, d, type == QT_Q5_K);
         else if (type == QT_IQ4_XS) pack_row_iq4_xs(s, k, d);
         else if (type == QT_Q2_K || type == QT_Q3_K) pack_row_q2_q3(s, k, d, type == QT_Q3_K);
+        else if (type == QT_Q5_0 || type == QT_Q5_1) pack_row_q5(s, k, d, type == QT_Q5_1);
+        else if (type == QT_MXFP4) pack_row_mxfp4(s, k, d);
         else pack_row_q6_k(s, k, d);
     }
     return MS_OK;
@@ -346,7 +420,7 @@ int ms_lane_unpack(int type, const uint8_t *w, int64_t n, int64_t k, float *out)
         const uint8_t *g = w + r * rb;
         float *y = out + r * k;
         for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
-            int L = nsub - s0 >= 16 ? 16 : 8;
+            int L = group_lanes(nsub, s0);
             for (int j = 0; j < L; j++) {
                 float *o = y + (s0 + j) * 32;
                 for (int s = 0; s < 8; s++)
@@ -373,6 +447,9 @@ int ms_lane_unpack(int type, const uint8_t *w, int64_t n, int64_t k, float *out)
                                 float d = rd_fp16((dd + 2 * (j / 8))), dmin = rd_fp16((dd + L / 4 + 2 * (j / 8)));
                                 v = d * (float)(scm & 0xF) * (float)q - dmin * (float)(scm >> 4);
                             }
+                        } else if (type == QT_MXFP4) {
+                            uint8_t byte = g[((s >> 1) * L + j) * 4 + t];
+                            v = mxfp4_scale(g[16 * L + j]) * (float)mxfp4_values[(s & 1) ? byte >> 4 : byte & 0xF];
                         } else if (type == QT_IQ4_XS) {
                             uint8_t byte = g[((s >> 1) * L + j) * 4 + t];
                             const int8_t *sc = (const int8_t *)(g + 16 * L);
@@ -380,8 +457,11 @@ int ms_lane_unpack(int type, const uint8_t *w, int64_t n, int64_t k, float *out)
                         } else {
                             uint8_t byte = g[((s >> 1) * L + j) * 4 + t];
                             int q = (s & 1) ? byte >> 4 : byte & 0xF;
-                            if (type == QT_Q5_K) q |= ((g[16 * L + j * 4 + t] >> s) & 1) << 4; /* bit 2c + (s & 1) = s */
+                            if (type == QT_Q5_K || type == QT_Q5_0 || type == QT_Q5_1)
+                                q |= ((g[16 * L + j * 4 + t] >> s) & 1) << 4; /* bit 2c + (s & 1) = s */
                             if (type == QT_Q4_0) v = (float)(q - 8) * rd_fp16((g + 16 * L + 2 * j));
+                            else if (type == QT_Q5_0) v = rd_fp16(g + 20 * L + 2 * j) * (float)(q - 16);
+                            else if (type == QT_Q5_1) v = rd_fp16(g + 20 * L + 2 * j) * (float)q + rd_fp16(g + 22 * L + 2 * j);
                             else {
                                 const uint8_t *sc = g + (type == QT_Q5_K ? 20 : 16) * L, *mn = sc + L, *dd = mn + L,
                                               *dm = dd + 2 * (L / 8);

@@ -20,7 +20,7 @@
 #define MS_ABI_VERSION 1
 
 enum {
-    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, T_MXFP4 = 39,
 };
 
 #define QK_K 256
@@ -142,6 +142,15 @@ static void dq_q6_k(const uint8_t *b, float *y) {
     }
 }
 
+static void dq_mxfp4(const uint8_t *b, float *y) {
+    static const int8_t v[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    const float d = mxfp4_scale(b[0]);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)v[b[1 + j] & 0xF];
+        y[j + 16] = d * (float)v[b[1 + j] >> 4];
+    }
+}
+
 typedef void (*dq_fn)(const uint8_t *, float *);
 
 static int block_info(int type, int *bs, int *ts, dq_fn *fn) {
@@ -154,6 +163,7 @@ static int block_info(int type, int *bs, int *ts, dq_fn *fn) {
     case T_Q4_K: *bs = QK_K, *ts = 144, *fn = dq_q4_k; return MS_OK;
     case T_Q5_K: *bs = QK_K, *ts = 176, *fn = dq_q5_k; return MS_OK;
     case T_Q6_K: *bs = QK_K, *ts = 210, *fn = dq_q6_k; return MS_OK;
+    case T_MXFP4: *bs = 32, *ts = 17, *fn = dq_mxfp4; return MS_OK;
     default: return MS_BAD_TYPE;
     }
 }

@@ -42,7 +42,7 @@ static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row)
     int64_t nsub = k / 32;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
-        int L = nsub - s0 >= 16 ? 16 : 8;
+        int L = group_lanes(nsub, s0);
         for (int j = 0; j < L; j++) {
             const float *v = x + (s0 + j) * 32;
             __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
@@ -83,7 +83,7 @@ static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row)
     int8_t *q = r.q;
     int64_t nsub = k / 32;
     for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
-        int L = nsub - s0 >= 16 ? 16 : 8;
+        int L = group_lanes(nsub, s0);
         for (int j = 0; j < L; j++) {
             const float *v = x + (s0 + j) * 32;
             float amax = 0;
@@ -190,7 +190,8 @@ int ms_qmm(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int
     return MS_NO_SIMD;
 #else
     if (super_bytes(type) < 0) return MS_BAD_TYPE;
-    if (!dims_ok(n, k) || k % 256 || !count_ok(m) || !prod_ok(m, ldx) || ldx < k || ldy < n) return MS_BAD_SHAPE;
+    if (!dims_ok(n, k) || ms_lane_row_bytes(type, k) < 0 || !count_ok(m) || !prod_ok(m, ldx) || ldx < k || ldy < n)
+        return MS_BAD_SHAPE;
     if (m == 0) return MS_OK;
     if (!w || !x || !y) return MS_BAD_PTR;
     void *mem = scratch_get(xprep_bytes(m, k));
@@ -255,12 +256,13 @@ int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const 
     (void)n_exp; (void)type_gu; (void)w_gu; (void)type_d; (void)w_d; (void)h; (void)f; (void)x; (void)m; (void)out;
     return MS_NO_SIMD;
 #else
-    if (!dim_ok(h) || !dim_ok(f) || h % 256 || f % 256) return MS_BAD_SHAPE;
+    if (!dim_ok(h) || !dim_ok(f) || h % 32 || f % 32) return MS_BAD_SHAPE;
     if (n_exp < 1 || n_exp > 1024) return MS_BAD_SHAPE;
     if (!type_gu || !w_gu || !type_d || !w_d || !x || !m || !out) return MS_BAD_PTR;
     int64_t rows = 0, row0[n_exp + 1];
     for (int e = 0; e < n_exp; e++) {
         if (super_bytes(type_gu[e]) < 0 || super_bytes(type_d[e]) < 0) return MS_BAD_TYPE;
+        if (ms_lane_row_bytes(type_gu[e], h) < 0 || ms_lane_row_bytes(type_d[e], f) < 0) return MS_BAD_SHAPE;
         if (!count_ok(m[e])) return MS_BAD_SHAPE;
         if (m[e] && (!w_gu[e] || !w_d[e] || !x[e] || !out[e])) return MS_BAD_PTR;
         row0[e] = rows;

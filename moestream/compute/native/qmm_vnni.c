@@ -47,10 +47,23 @@ static inline __attribute__((always_inline)) __m512i q23_weights(int T, __m512i 
     return w;
 }
 
+/* MXFP4's per-lane scales 2^(e - 128) from its exponent bytes (as mxfp4_scale in blocks.h) */
+static inline __m512 mxfp4_scales(const uint8_t *e, __mmask16 mf) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mf, e));
+    const __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(v, _mm512_set1_epi32(1)), 23);
+    const __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), v);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(v, _mm512_set1_epi32(2)), big, small));
+}
+
 static inline __attribute__((always_inline)) void group_scales(int T, const uint8_t *g, int L, __mmask16 mf,
                                                                __m512 *scale, __m512 *mins) {
     if (T == QT_Q8_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 32 * L));
     else if (T == QT_Q4_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 16 * L));
+    else if (T == QT_MXFP4) *scale = mxfp4_scales(g + 16 * L, mf);
+    else if (T == QT_Q5_0 || T == QT_Q5_1) { /* d, and Q5_1's m in `mins` */
+        *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 20 * L));
+        if (T == QT_Q5_1) *mins = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 22 * L));
+    }
     else if (T == QT_Q6_K || T == QT_Q3_K || T == QT_IQ4_XS) {
         /* int8 scales per lane (Q6_K, Q3_K: per half, the second half's in `mins`), d per 8 lanes */
         const int halves = T == QT_IQ4_XS ? 1 : 2;
@@ -83,9 +96,18 @@ static inline __attribute__((always_inline)) void group_scales(int T, const uint
     }
 }
 
-#define LDB(L, p) ((L) == 16 ? _mm512_loadu_si512((const void *)(p)) : _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(p))))
-#define LDF(L, p) ((L) == 16 ? _mm512_loadu_ps(p) : _mm512_zextps256_ps512(_mm256_loadu_ps(p)))
-#define LDI(L, p) ((L) == 16 ? _mm512_loadu_si512((const void *)(p)) : _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(p))))
+/* masks of a group's L lanes: over its int32 lanes, and over its bytes (4 a lane) */
+#define LANES16(L) ((__mmask16)((L) == 16 ? 0xFFFF : (1u << (L)) - 1))
+#define LANES64(L) ((L) == 16 ? ~(__mmask64)0 : ((__mmask64)1 << (4 * (L))) - 1)
+/* a group's 4 L bytes, floats, int32s (L = 16 and 8 as plain loads; a per-32 type's last group masked) */
+#define LDB(L, p) ((L) == 16 ? _mm512_loadu_si512((const void *)(p)) \
+                   : (L) == 8 ? _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(p))) \
+                              : _mm512_maskz_loadu_epi8(LANES64(L), (const void *)(p)))
+#define LDF(L, p) ((L) == 16 ? _mm512_loadu_ps(p) : (L) == 8 ? _mm512_zextps256_ps512(_mm256_loadu_ps(p)) \
+                                                   : _mm512_maskz_loadu_ps(LANES16(L), p))
+#define LDI(L, p) ((L) == 16 ? _mm512_loadu_si512((const void *)(p)) \
+                   : (L) == 8 ? _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(p))) \
+                              : _mm512_maskz_loadu_epi32(LANES16(L), (const void *)(p)))
 
 /* Q6_K chunk c of a group: its 6-bit weights for the even step (w0) and the odd step (w1), from the chunk's
  * nibbles v and its pair's high-bit bytes h (already shifted right by 4 for an odd chunk) */
@@ -93,6 +115,12 @@ static inline __attribute__((always_inline)) void group_scales(int T, const uint
 static inline __m512i iq4_table(void) {
     return _mm512_broadcast_i32x4(_mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153,
                                                 (char)166, (char)181, (char)197, (char)217, (char)241));
+}
+
+/* MXFP4's doubled e2m1 values + 128, as iq4_table */
+static inline __m512i mxfp4_table(void) {
+    return _mm512_broadcast_i32x4(_mm_setr_epi8((char)128, (char)129, (char)130, (char)131, (char)132, (char)134,
+                                                (char)136, (char)140, (char)128, 127, 126, 125, 124, 122, 120, 116));
 }
 
 static inline __attribute__((always_inline)) void q6_weights(__m512i v, __m512i h, __m512i *w0, __m512i *w1) {
@@ -109,27 +137,29 @@ static inline __attribute__((always_inline)) void q5_weights(__m512i v, __m512i 
     *w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(_mm512_slli_epi16(h, 3), m10));
 }
 
-/* One group (L = 16 or 8 lanes, a constant) of two rows against one token. */
+/* One group (L = 16 or 8 lanes, a constant; any 1..16 for the last group of a per-32 type) of two rows
+ * against one token. */
 static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const uint8_t *ga, const uint8_t *gb,
                                                              const int8_t *xq, const xprep *x, int64_t s0,
                                                              __m512 *acca, __m512 *accb) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __mmask16 mf = L == 16 ? 0xFFFF : 0x00FF;
+    const __mmask16 mf = LANES16(L);
     const int cb = 4 * L;
     for (int64_t o = 0; o < group_bytes(T, L); o += 64) {
         _mm_prefetch((const char *)ga + PF_DIST + o, PF_HINT);
         _mm_prefetch((const char *)gb + PF_DIST + o, PF_HINT);
     }
     __m512i a0, a1, b0, b1;
-    if (T == QT_Q4_K || T == QT_Q5_K || T == QT_Q2_K) {
+    if (T == QT_Q4_K || T == QT_Q5_K || T == QT_Q2_K || T == QT_Q5_1) {
         a0 = b0 = _mm512_setzero_si512();
     } else if (T == QT_Q6_K) {
         a0 = b0 = LDI(L, x->n32lo + s0);
     } else if (T == QT_Q3_K) { /* -4 * (half sums) */
         a0 = b0 = _mm512_srai_epi32(LDI(L, x->n32lo + s0), 3);
     } else {
-        a0 = LDI(L, x->n8sx + s0);
-        if (T == QT_Q8_0 || T == QT_IQ4_XS) a0 = _mm512_slli_epi32(a0, 4);
+        a0 = LDI(L, x->n8sx + s0); /* -8 sum(x): Q4_0's offset; x2 Q5_0's, x16 the table types' and Q8_0's */
+        if (T == QT_Q8_0 || T == QT_IQ4_XS || T == QT_MXFP4) a0 = _mm512_slli_epi32(a0, 4);
+        if (T == QT_Q5_0) a0 = _mm512_slli_epi32(a0, 1);
         b0 = a0;
     }
     a1 = b1 = T == QT_Q6_K ? LDI(L, x->n32hi + s0)
@@ -162,7 +192,7 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
             b0 = _mm512_dpbusd_epi32(b0, wb0, xl);
             b1 = _mm512_dpbusd_epi32(b1, wb1, xh);
         }
-    } else if (T == QT_Q5_K) {
+    } else if (T == QT_Q5_K || T == QT_Q5_0 || T == QT_Q5_1) {
         const __m512i ha = LDB(L, ga + 16 * L), hb = LDB(L, gb + 16 * L);
         for (int c = 0; c < 4; c++) {
             __m512i xl = LDB(L, xq + 2 * c * cb), xh = LDB(L, xq + (2 * c + 1) * cb);
@@ -174,8 +204,8 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
             b0 = _mm512_dpbusd_epi32(b0, wb0, xl);
             b1 = _mm512_dpbusd_epi32(b1, wb1, xh);
         }
-    } else if (T == QT_IQ4_XS) {
-        const __m512i tbl = iq4_table();
+    } else if (T == QT_IQ4_XS || T == QT_MXFP4) {
+        const __m512i tbl = T == QT_MXFP4 ? mxfp4_table() : iq4_table();
         for (int c = 0; c < 4; c++) {
             __m512i xl = LDB(L, xq + 2 * c * cb), xh = LDB(L, xq + (2 * c + 1) * cb);
             __m512i va = LDB(L, ga + c * cb), vb = LDB(L, gb + c * cb);
@@ -229,6 +259,11 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
         *acca = _mm512_fnmadd_ps(ma, dxsx, *acca);
         *accb = _mm512_fnmadd_ps(mbv, dxsx, *accb);
     }
+    if (T == QT_Q5_1) {
+        __m512 dxsx = LDF(L, x->dxsx + s0);
+        *acca = _mm512_fmadd_ps(ma, dxsx, *acca);
+        *accb = _mm512_fmadd_ps(mbv, dxsx, *accb);
+    }
 }
 
 static inline __attribute__((always_inline)) void qmv2(int T, const qmm_job *J, int64_t r0, int64_t r1) {
@@ -245,7 +280,11 @@ static inline __attribute__((always_inline)) void qmv2(int T, const qmm_job *J, 
             gb += group_bytes(T, 16);
             xq += 32 * 16;
         }
-        if (s0 < nsub) qmv2_group(T, 8, ga, gb, xq, J->x, s0, &acca, &accb);
+        if (s0 < nsub) {
+            const int rem = (int)(nsub - s0);
+            if (!per32_type(T) || rem == 8) qmv2_group(T, 8, ga, gb, xq, J->x, s0, &acca, &accb);
+            else qmv2_group(T, rem, ga, gb, xq, J->x, s0, &acca, &accb);
+        }
         J->y[r] = hsum(acca);
         J->y[r + 1] = hsum(accb);
     }
@@ -260,6 +299,9 @@ void ms_internal_qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) {
     else if (J->type == QT_IQ4_XS) qmv2(QT_IQ4_XS, J, r0, r1);
     else if (J->type == QT_Q3_K) qmv2(QT_Q3_K, J, r0, r1);
     else if (J->type == QT_Q2_K) qmv2(QT_Q2_K, J, r0, r1);
+    else if (J->type == QT_Q5_0) qmv2(QT_Q5_0, J, r0, r1);
+    else if (J->type == QT_Q5_1) qmv2(QT_Q5_1, J, r0, r1);
+    else if (J->type == QT_MXFP4) qmv2(QT_MXFP4, J, r0, r1);
     else qmv2(QT_Q8_0, J, r0, r1);
 }
 
@@ -278,9 +320,9 @@ void ms_internal_qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
             int8_t *xq[MT];
             for (int i = 0; i < mt; i++) xq[i] = J->x->q + (m0 + i) * k;
             for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
-                const int L = nsub - s0 >= 16 ? 16 : 8;
-                const __mmask64 mb = L == 16 ? ~(__mmask64)0 : 0xFFFFFFFFull;
-                const __mmask16 mf = L == 16 ? 0xFFFF : 0x00FF;
+                const int L = group_lanes(nsub, s0);
+                const __mmask64 mb = LANES64(L);
+                const __mmask16 mf = LANES16(L);
                 const int cb = 4 * L; /* bytes per chunk / step */
                 if (m0 == 0)
                     for (int64_t o = 0; o < 34 * L; o += 64) _mm_prefetch((const char *)g + PF_DIST + o, PF_HINT);
@@ -294,7 +336,7 @@ void ms_internal_qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                         const __m512i v = _mm512_maskz_loadu_epi8(mb, g + (s >> 2) * cb);
                         w[s] = type == QT_Q3_K ? q23_weights(QT_Q3_K, v, h, s) : q23_weights(QT_Q2_K, v, h, s);
                     }
-                } else if (type == QT_Q5_K) {
+                } else if (type == QT_Q5_K || type == QT_Q5_0 || type == QT_Q5_1) {
                     __m512i h = _mm512_maskz_loadu_epi8(mb, g + 16 * L);
                     for (int c = 0; c < 4; c++)
                         q5_weights(_mm512_maskz_loadu_epi8(mb, g + c * cb), h, c, &w[2 * c], &w[2 * c + 1]);
@@ -309,9 +351,10 @@ void ms_internal_qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                         __m512i v = _mm512_maskz_loadu_epi8(mb, g + c * cb);
                         w[2 * c] = _mm512_and_si512(v, m4);
                         w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                        if (type == QT_IQ4_XS) {
-                            w[2 * c] = _mm512_shuffle_epi8(iq4_table(), w[2 * c]);
-                            w[2 * c + 1] = _mm512_shuffle_epi8(iq4_table(), w[2 * c + 1]);
+                        if (type == QT_IQ4_XS || type == QT_MXFP4) {
+                            const __m512i tbl = type == QT_MXFP4 ? mxfp4_table() : iq4_table();
+                            w[2 * c] = _mm512_shuffle_epi8(tbl, w[2 * c]);
+                            w[2 * c + 1] = _mm512_shuffle_epi8(tbl, w[2 * c + 1]);
                         }
                     }
                 }
@@ -323,7 +366,7 @@ void ms_internal_qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                     const int64_t xi = (m0 + i) * nsub + s0;
                     const int8_t *xp = xq[i];
                     __m512i a0, a1;
-                    if (type == QT_Q4_K || type == QT_Q5_K || type == QT_Q2_K) {
+                    if (type == QT_Q4_K || type == QT_Q5_K || type == QT_Q2_K || type == QT_Q5_1) {
                         a0 = _mm512_setzero_si512();
                     } else if (type == QT_Q6_K) {
                         a0 = _mm512_maskz_loadu_epi32(mf, J->x->n32lo + xi);
@@ -331,7 +374,8 @@ void ms_internal_qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                         a0 = _mm512_srai_epi32(_mm512_maskz_loadu_epi32(mf, J->x->n32lo + xi), 3);
                     } else {
                         a0 = _mm512_maskz_loadu_epi32(mf, J->x->n8sx + xi);
-                        if (type == QT_Q8_0 || type == QT_IQ4_XS) a0 = _mm512_slli_epi32(a0, 4);
+                        if (type == QT_Q8_0 || type == QT_IQ4_XS || type == QT_MXFP4) a0 = _mm512_slli_epi32(a0, 4);
+                        if (type == QT_Q5_0) a0 = _mm512_slli_epi32(a0, 1);
                     }
                     a1 = type == QT_Q6_K   ? _mm512_maskz_loadu_epi32(mf, J->x->n32hi + xi)
                          : type == QT_Q3_K ? _mm512_srai_epi32(_mm512_maskz_loadu_epi32(mf, J->x->n32hi + xi), 3)
@@ -356,6 +400,8 @@ void ms_internal_qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
                     acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, dxv), acc[i]);
                     if (type == QT_Q4_K || type == QT_Q5_K)
                         acc[i] = _mm512_fnmadd_ps(mins, _mm512_maskz_loadu_ps(mf, J->x->dxsx + xi), acc[i]);
+                    if (type == QT_Q5_1)
+                        acc[i] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(mf, J->x->dxsx + xi), acc[i]);
                     xq[i] += 32 * L;
                 }
             }
