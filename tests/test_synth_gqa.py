@@ -305,3 +305,24 @@ def test_cli_writes_a_shape_and_refuses_mxfp4_elsewhere(tmp_path):
     r = subprocess.run(run, capture_output=True, text=True)
     assert r.returncode == 2 and "MXFP4 is offered for the shapes gpt-oss-20b" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_the_compact_harmony_template_writes_harmonys_messages():
+    """synth's gpt-oss template writes the turns, calls and results as gpt-oss's real template does (the
+    system message is shorter, the tools' types plainer), and takes reasoning_effort."""
+    from moestream.formats.chat_template import render_chat
+    from moestream.serving.chat_formats import HARMONY, chat_format
+    from tests.test_harmony import TOOL_CALL, TOOL_RESULT, TOOL_TURN, TOOLS
+
+    tmpl = harmony_tokenizer_metadata()["tokenizer.chat_template"]
+    assert chat_format(tmpl) is HARMONY
+    out = render_chat(tmpl, TOOL_TURN, tools=TOOLS, reasoning_effort="low")
+    assert out.startswith("<|start|>system<|message|>Reasoning: low\n\n# Valid channels: analysis, commentary, final.")
+    # the tools' parameters as JSON, where the real template writes TypeScript types
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n## functions" in out
+    assert "// Current weather\ntype get_weather = (_: {" in out
+    assert out.endswith(
+        "<|start|>user<|message|>Weather in Paris?<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
+        + TOOL_CALL + TOOL_RESULT + "<|start|>assistant"
+    )  # fmt: skip

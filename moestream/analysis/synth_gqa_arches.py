@@ -43,49 +43,47 @@ HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|const
 # `functions.NAME`, and an answer's reasoning is kept only while the turn has no final answer yet.
 HARMONY_TEMPLATE = """\
 {%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort else 'medium' -%}
-<|start|>system<|message|>Reasoning: {{ effort }}
-
-# Valid channels: analysis, commentary, final. Channel must be included for every message.
-{%- if tools %}
-Calls to these tools must go to the commentary channel: 'functions'.{% endif %}<|end|>
+{{- '<|start|>system<|message|>Reasoning: ' + effort + '\\n\\n' -}}
+{{- '# Valid channels: analysis, commentary, final. Channel must be included for every message.' -}}
+{%- if tools %}{{ "\\nCalls to these tools must go to the commentary channel: 'functions'." }}{% endif -%}
+{{- '<|end|>' -}}
 {%- set ns = namespace(first=0, call='') -%}
 {%- if messages and messages[0].role in ('system', 'developer') %}{% set ns.first = 1 %}{% endif -%}
 {%- if ns.first or tools -%}
-<|start|>developer<|message|>
-{%- if ns.first %}# Instructions
-
-{{ messages[0].content }}{% if tools %}
-
-{% endif %}{% endif -%}
-{%- if tools %}# Tools
-
-## functions
-
-namespace functions {
-{% for t in tools %}
-// {{ t.function.description }}
-type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;
-{% endfor %}
-} // namespace functions{% endif %}<|end|>
+{{- '<|start|>developer<|message|>' -}}
+{%- if ns.first %}{{ '# Instructions\\n\\n' + messages[0].content }}{% if tools %}{{ '\\n\\n' }}{% endif %}{% endif -%}
+{%- if tools -%}
+{{- '# Tools\\n\\n## functions\\n\\nnamespace functions {\\n\\n' -}}
+{%- for t in tools -%}
+{{- '// ' + (t.function.description or '') + '\\ntype ' + t.function.name + ' = (_: ' -}}
+{{- t.function.parameters | tojson -}}
+{{- ') => any;\\n\\n' -}}
+{%- endfor -%}
+{{- '} // namespace functions' -}}
+{%- endif -%}
+{{- '<|end|>' -}}
 {%- endif -%}
 {%- for m in messages[ns.first:] -%}
 {%- if m.role == 'user' -%}
-<|start|>user<|message|>{{ m.content }}<|end|>
+{{- '<|start|>user<|message|>' + (m.content or '') + '<|end|>' -}}
 {%- elif m.role == 'assistant' and m.tool_calls -%}
-{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif -%}
+{%- if m.thinking %}{{ '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' }}{% endif -%}
 {%- for c in m.tool_calls -%}
 {%- set f = c.function if c.function is defined else c -%}
 {%- set ns.call = f.name -%}
-<|start|>assistant to=functions.{{ f.name }}<|channel|>commentary json<|message|>
-{%- if f.arguments is string %}{{ f.arguments }}{% else %}{{ f.arguments | tojson }}{% endif %}<|call|>
+{{- '<|start|>assistant to=functions.' + f.name + '<|channel|>commentary json<|message|>' -}}
+{%- if f.arguments is string %}{{ f.arguments }}{% else %}{{ f.arguments | tojson }}{% endif -%}
+{{- '<|call|>' -}}
 {%- endfor -%}
 {%- elif m.role == 'assistant' -%}
-<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>
+{{- '<|start|>assistant<|channel|>final<|message|>' + (m.content or '') + '<|end|>' -}}
 {%- elif m.role == 'tool' -%}
-<|start|>functions.{{ ns.call }} to=assistant<|channel|>commentary<|message|>{{ m.content | tojson }}<|end|>
+{{- '<|start|>functions.' + ns.call + ' to=assistant<|channel|>commentary<|message|>' -}}
+{{- m.content | tojson -}}
+{{- '<|end|>' -}}
 {%- endif -%}
 {%- endfor -%}
-{%- if add_generation_prompt %}<|start|>assistant{% endif -%}
+{%- if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif -%}
 """
 
 
