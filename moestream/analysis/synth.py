@@ -1,5 +1,6 @@
 """Synthetic GGUF models at real shapes with random weights: qwen3moe and qwen35moe here, deepseek2
-(DeepSeek-V2/V3, Kimi-K2) and glm4moe (GLM-4.5/4.6) in synth_arches.py.
+(DeepSeek-V2/V3, Kimi-K2) and glm4moe (GLM-4.5/4.6) in synth_arches.py, gpt-oss, Mixtral, OLMoE and
+Qwen2-MoE in synth_gqa_arches.py.
 
 They exercise the engine (and llama.cpp, for baselines) at full size without downloading anything:
 same tensor names, shapes, types and expert layout as a converted GGUF of that model.
@@ -24,6 +25,7 @@ from gguf import LlamaFileType
 
 from moestream.analysis.synth_arches import ARCH_SHAPES, DeepSeekShape, GlmShape, llama_cpp_loads
 from moestream.analysis.synth_blocks import header_table, norm_spec, random_blocks, spec, uniform_spec, use_more_bits
+from moestream.analysis.synth_gqa_arches import GQA_SHAPES, GqaShape
 from moestream.formats.gguf_write import TensorSpec, write_gguf
 from moestream.formats.tokenizer import build_tiny_bpe_metadata
 
@@ -62,7 +64,7 @@ class SynthShape:
         return self.arch == "qwen35moe" and (layer + 1) % self.full_attention_interval != 0
 
 
-SHAPES: dict[str, SynthShape | DeepSeekShape | GlmShape] = {
+SHAPES: dict[str, SynthShape | DeepSeekShape | GlmShape | GqaShape] = {
     "tiny": SynthShape(
         n_layers=4,
         hidden=256,
@@ -122,6 +124,7 @@ SHAPES: dict[str, SynthShape | DeepSeekShape | GlmShape] = {
         rot_dim=64,
     ),
     **ARCH_SHAPES,  # deepseek2 and glm4moe
+    **GQA_SHAPES,  # gpt-oss, llama (Mixtral), olmoe, qwen2moe
 }
 
 QUANTS: dict[str, T] = {
@@ -133,6 +136,7 @@ QUANTS: dict[str, T] = {
     "F16": T.F16,
     "BF16": T.BF16,
     "F32": T.F32,
+    "MXFP4": T.MXFP4,  # llama-quantize's MXFP4_MOE: experts MXFP4, the rest Q8_0 (gqa shapes only)
 }
 _FILE_TYPE = {
     T.Q4_0: LlamaFileType.MOSTLY_Q4_0,
@@ -142,6 +146,7 @@ _FILE_TYPE = {
     T.F16: LlamaFileType.MOSTLY_F16,
     T.BF16: LlamaFileType.MOSTLY_BF16,
     T.F32: LlamaFileType.ALL_F32,
+    T.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,
 }
 
 
@@ -276,13 +281,16 @@ def _quant_type(name: str) -> T:
         raise ValueError(f"unknown quant {name!r}; choose one of {', '.join(QUANTS)}") from None
 
 
-AnyShape = SynthShape | DeepSeekShape | GlmShape
+AnyShape = SynthShape | DeepSeekShape | GlmShape | GqaShape
 
 
-def _resolve(shape: str, layers: int | None) -> AnyShape:
+def _resolve(shape: str, layers: int | None, quant: str | None = None) -> AnyShape:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
     s = SHAPES[shape]
+    if quant is not None and quant.upper() == "MXFP4" and not isinstance(s, GqaShape):
+        gqa = ", ".join(n for n in GQA_SHAPES if not n.startswith("tiny"))
+        raise ValueError(f"MXFP4 is offered for the shapes {gqa} (and their tiny ones), not {shape}")
     if layers is None:
         return s
     low = getattr(s, "n_dense", 0) + 1  # a slice keeps at least one MoE block
@@ -297,10 +305,14 @@ def _specs(s: AnyShape, expert: T, dense: T, vocab: int, seed: int, k_m: bool) -
     return s.tensors(expert, dense, vocab, seed, k_m)
 
 
+def _tokenizer_md(s: AnyShape) -> dict[str, Any]:
+    return s.tokenizer_metadata() if isinstance(s, GqaShape) else build_tiny_bpe_metadata()
+
+
 def synth_nbytes(shape: str, quant: str, layers: int | None = None, *, dense: str | None = None) -> int:
     """Bytes of tensor data write_synth would write (plus a header under 1 MB): for a disk-space check."""
-    s = _resolve(shape, layers)
-    vocab = getattr(s, "vocab", None) or len(build_tiny_bpe_metadata()["tokenizer.ggml.tokens"])
+    s = _resolve(shape, layers, quant)
+    vocab = getattr(s, "vocab", None) or len(_tokenizer_md(s)["tokenizer.ggml.tokens"])
     specs = _specs(s, _quant_type(quant), _quant_type(dense or quant), vocab, 0, quant.upper() == "Q4_K_M")
     return sum(t.nbytes for t in specs)
 
@@ -318,16 +330,18 @@ def write_synth(
     """Write a random-weight GGUF of a named shape; returns the path.
 
     quant: type of the expert tensors ('Q4_0', 'Q8_0', 'Q4_K', 'Q6_K', 'F16', also 'BF16', 'F32'), or 'Q4_K_M':
-    Q4_K with llama.cpp's Q4_K_M exceptions (q4_k_m_type; synth_arches.q4_k_m_type for deepseek2/glm4moe).
+    Q4_K with llama.cpp's Q4_K_M exceptions (q4_k_m_type; synth_arches.q4_k_m_type for deepseek2/glm4moe,
+    synth_gqa_arches.q4_k_m_type for the gqa shapes), or 'MXFP4' (gqa shapes: llama-quantize's MXFP4_MOE).
+    gpt-oss shapes keep their experts MXFP4 in every quantized mix, as the published files do.
     dense: type of the embeddings, attention and output weights; default the same as `quant`, as
     llama-quantize does. Norms and the router stay F32 (the converter keeps ffn_gate_inp in F32).
     layers: keep only the first N layers (a quick model of the same per-layer shape); for deepseek2 and
     glm4moe N counts every block, the leading dense ones included (glm4moe's nextn block comes after them).
     """
-    s = _resolve(shape, layers)
+    s = _resolve(shape, layers, quant)
     expert_type = _quant_type(quant)
     dense_type = _quant_type(dense or quant)
-    tok_md = build_tiny_bpe_metadata()
+    tok_md = _tokenizer_md(s)
     vocab = getattr(s, "vocab", None) or len(tok_md["tokenizer.ggml.tokens"])
     if vocab != len(tok_md["tokenizer.ggml.tokens"]):
         raise ValueError(f"{shape} wants vocab {vocab} but the tokenizer has {len(tok_md['tokenizer.ggml.tokens'])}")

@@ -35,6 +35,8 @@ _Q8_0_MS = 5461.5
 _Q4_K_MS = 21.25
 _Q5_K_MS = 85.25
 _Q6_K_MS = 341.5
+#   MXFP4: ggml's doubled e2m1 table (0, 1, 2, 3, 4, 6, 8, 12 and negatives) -> 34.25 times 2^(2(e-128))
+_MXFP4_MS = 34.25
 
 # elements and bytes per block, and the byte range of the header (scales) that the table overwrites
 _BLOCK = {
@@ -116,11 +118,43 @@ def header_table(ggml_type: T, std: float, rng: np.random.Generator) -> np.ndarr
     raise ValueError(f"no random-block generator for {ggml_type.name}")
 
 
+def mxfp4_exponents(std: float, rng: np.random.Generator) -> np.ndarray:
+    """256 valid MXFP4 block exponents (e8m0 bytes) whose blocks have weight std `std` on average.
+
+    The scale is a power of two, so blocks take the two exponents around the wanted scale, in the share
+    that makes the mean square exact (the e2m1 codes themselves are symmetric: zero-mean weights)."""
+    want = std * std / _MXFP4_MS  # mean of 2^(2(e-128)) over the blocks
+    k = math.floor(math.log(want, 4))
+    share = (want / 4.0**k - 1.0) / 3.0  # of blocks at k + 1: 4^k (1 + 3 share) = want
+    e = np.full(256, k + 128, np.int64)
+    e[: round(256 * share)] += 1
+    rng.shuffle(e)
+    if e.min() < 1 or e.max() > 254:
+        raise ValueError(f"weight std {std} is out of MXFP4's range")
+    return e.astype(np.uint8)
+
+
+def _random_mxfp4(n_elems: int, std: float, bitgen: np.random.SFC64) -> Iterator[np.ndarray]:
+    """MXFP4 blocks ([e8m0][16 bytes of e2m1 pairs], 17 bytes): the first code byte picks the exponent."""
+    table = mxfp4_exponents(std, np.random.Generator(np.random.SFC64(bitgen.random_raw())))
+    n_blocks = n_elems // 32
+    per_chunk = max(8, CHUNK_BYTES // 17 // 8 * 8)
+    for start in range(0, n_blocks, per_chunk):
+        nb = min(per_chunk, n_blocks - start)
+        raw = bitgen.random_raw(-(-nb * 17 // 8)).view(np.uint8)[: nb * 17]
+        b = raw.reshape(nb, 17)
+        b[:, 0] = table[b[:, 1]]
+        yield raw
+
+
 def random_blocks(ggml_type: T, n_elems: int, std: float, seed: Any) -> Iterator[np.ndarray]:
     """Raw GGUF bytes of `n_elems` random weights with std ~`std`, in chunks of ~CHUNK_BYTES."""
     bitgen = np.random.SFC64(np.random.SeedSequence(seed))  # SFC64.random_raw: ~3 GB/s of bits
     if ggml_type in (T.F32, T.F16, T.BF16):
         yield from _random_floats(ggml_type, n_elems, std, np.random.Generator(bitgen))
+        return
+    if ggml_type == T.MXFP4:
+        yield from _random_mxfp4(n_elems, std, bitgen)
         return
     block, size, h0, h1 = _BLOCK[ggml_type]
     table = header_table(ggml_type, std, np.random.Generator(np.random.SFC64(bitgen.random_raw())))

@@ -257,8 +257,9 @@ def _synth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quant",
         default="Q4_0",
-        help="expert weight type: Q4_0, Q4_K, Q4_K_M (llama-quantize's per-tensor mix), Q6_K, Q8_0, F16, BF16, F32 "
-        "(default Q4_0)",
+        help="expert weight type: Q4_0, Q4_K, Q4_K_M (llama-quantize's per-tensor mix), Q6_K, Q8_0, F16, BF16, F32, "
+        "MXFP4 (gpt-oss/mixtral/olmoe/qwen2 shapes: MXFP4 experts, Q8_0 elsewhere); gpt-oss shapes keep MXFP4 "
+        "experts in every quantized mix (default Q4_0)",
     )
     p.add_argument(
         "--layers",

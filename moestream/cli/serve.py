@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from moestream.cli import values
 from moestream.cli.options import add_engine_args, add_prompt_cache_arg, add_sampling_args, open_engine, sampler
@@ -42,7 +43,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     engine = open_engine(args)
     try:
         kwargs = {"enable_thinking": False} if args.no_think else {}
-        session = ChatSession(engine, pick, system=args.system, max_tokens=args.n, template_kwargs=kwargs)
+        session = ChatSession(
+            engine, pick, system=args.system, max_tokens=args.n, template_kwargs=kwargs, dim=sys.stdout.isatty()
+        )
         print(
             f"moestream chat: {args.model} (context {engine.ctx} tokens, {engine.snapshot().n_slots} expert "
             f"slots)\n{HELP}",

@@ -4,10 +4,16 @@ The whole conversation is re-rendered with the model's chat template every turn;
 KV cache of the previous turn and reuses the prefix the new prompt shares with it, so a follow-up only
 computes the new message. Ctrl-C during an answer stops that answer (a SIGINT handler sets a flag, and
 the answer stops iterating the generation at the next token); Ctrl-D or /exit quits.
+
+GPT-OSS (harmony) answers are split by the server's parser (chat_formats.HarmonyParser): the analysis
+channel is shown as reasoning (dimmed on a terminal, after a "thinking:" label), a call addressed to a
+function as such, and only the final channel's text (with the calls) is kept as the assistant's message,
+as gpt-oss's template expects of earlier turns. Other families' answers are shown and kept as written.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -18,7 +24,8 @@ from typing import Any, TextIO
 from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
 from moestream.formats.chat_template import render_chat
-from moestream.serving.text import stream_text
+from moestream.serving.chat_formats import HARMONY, HarmonyParser, Piece, chat_format
+from moestream.serving.text import Reasoning, ToolCall, stream_text
 
 try:
     import readline  # noqa: F401 - line editing and history for input()
@@ -29,6 +36,56 @@ from moestream.streaming.budget import MB, peak_rss_bytes, rss_bytes
 HELP = (
     "/reset clears the conversation, /stats shows speed and cache use, /exit quits (or Ctrl-D); Ctrl-C stops an answer"
 )
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+
+class HarmonyView:
+    """Turns a harmony answer's pieces into terminal text: reasoning after a "thinking:" label (dimmed when
+    `dim`), a tool call on a line of its own, the final answer as it comes; collects what is kept."""
+
+    def __init__(self, dim: bool):
+        self.dim = dim
+        self.in_reasoning = False
+        self.content: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.line_start = True  # what was shown ends a line
+
+    def show(self, piece: Piece) -> str:
+        out = ""
+        if isinstance(piece, Reasoning):
+            if not self.in_reasoning:
+                out += ("" if self.line_start else "\n") + (DIM if self.dim else "") + "thinking: "
+                self.in_reasoning = True
+            out += piece.text
+        else:
+            out += self.end_reasoning()
+            if isinstance(piece, ToolCall):
+                self.calls.append(piece)
+                at_start = out.endswith("\n") if out else self.line_start
+                out += ("" if at_start else "\n") + f"[tool call] {piece.name}({piece.arguments})\n"
+            else:
+                self.content.append(piece)
+                out += piece
+        if out:
+            self.line_start = out.endswith("\n")
+        return out
+
+    def end_reasoning(self) -> str:
+        if not self.in_reasoning:
+            return ""
+        self.in_reasoning = False
+        return (PLAIN if self.dim else "") + "\n"
+
+    def message(self) -> dict[str, Any]:
+        """The assistant's message for the history: the final channel's text and the calls it made (their
+        arguments as dicts, as templates take them)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
+        if self.calls:
+            calls = [c.to_dict() for c in self.calls]
+            for call in calls:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            msg["tool_calls"] = calls
+        return msg
 
 
 class ChatSession:
@@ -42,7 +99,9 @@ class ChatSession:
         system: str | None = None,
         max_tokens: int | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        dim: bool = False,
     ):
+        """dim: show a harmony answer's reasoning dimmed (a terminal that takes ANSI codes)."""
         self.engine = engine
         self.tok = engine.tokenizer
         if not self.tok.chat_template:
@@ -51,7 +110,12 @@ class ChatSession:
         self.system = system
         self.max_tokens = max_tokens
         self.template_kwargs = template_kwargs or {}
-        self.messages: list[dict[str, str]] = []
+        self.dim = dim
+        self.harmony = chat_format(self.tok.chat_template) is HARMONY
+        # harmony's message markers are special tokens: written as text so that the parser sees them
+        marks = (self.tok.encode(m, add_bos=False) for m in HARMONY.message_markers) if self.harmony else ()
+        self.keep = frozenset(i[0] for i in marks if len(i) == 1 and self.tok.is_special(i[0]))
+        self.messages: list[dict[str, Any]] = []
         self.last: Any = None  # GenerationStats of the last answer
         self.dropped = 0  # turns dropped so far to fit the context
         self.reset()
@@ -60,7 +124,7 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.engine.reset()
 
-    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]]) -> list[int]:
         tok = self.tok
         text = render_chat(
             tok.chat_template, messages, bos_token=tok.bos_token, eos_token=tok.eos_token, **self.template_kwargs
@@ -94,16 +158,23 @@ class ChatSession:
         return ids
 
     def ask(self, text: str, write: Callable[[str], None], stop: Callable[[], bool]) -> str:
-        """Answer `text`, writing the answer as it comes; returns the answer (cut short if stop())."""
+        """Answer `text`, writing the answer as it comes; returns the answer kept in the history (cut short
+        if stop()): the text as written, or for harmony the final channel's."""
         self.messages.append({"role": "user", "content": text})
         prompt = self._prompt()
         parts: list[str] = []
+        parser = HarmonyParser(HARMONY, use_tools=True) if self.harmony else None
+        view = HarmonyView(self.dim)
         max_tokens = self.max_tokens or self.engine.ctx
         try:
-            steps = stream_text(self.engine, prompt, max_tokens, self.sampler, stop_ids=self.tok.stop_ids)
+            steps = stream_text(
+                self.engine, prompt, max_tokens, self.sampler, stop_ids=self.tok.stop_ids, keep=self.keep
+            )
             with closing(steps):
                 for step in steps:
-                    if step.text:
+                    if step.text and parser is not None:
+                        write("".join(view.show(p) for p in parser.feed(step.text)))
+                    elif step.text:
                         parts.append(step.text)
                         write(step.text)
                     self.last = step.stats
@@ -112,10 +183,13 @@ class ChatSession:
         except BaseException:
             self.messages.pop()  # the question stays unasked
             raise
-        answer = "".join(parts)
         # a stopped answer stays in the history as far as it got: the next turn can refer to it
-        self.messages.append({"role": "assistant", "content": answer})
-        return answer
+        if parser is None:
+            self.messages.append({"role": "assistant", "content": "".join(parts)})
+        else:
+            write("".join(view.show(p) for p in parser.finish()) + view.end_reasoning())
+            self.messages.append(view.message())
+        return self.messages[-1]["content"]
 
     def stats_text(self) -> str:
         e = self.engine.snapshot()
