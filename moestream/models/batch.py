@@ -73,9 +73,7 @@ def per_row_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.cat([F.silu(gate[b : b + 1]) * up[b : b + 1] for b in range(gate.shape[0])])
 
 
-def moe_rows(
-    moe: MoE, x: torch.Tensor, experts: ExpertProvider, forced: list[torch.Tensor | None]
-) -> torch.Tensor:
+def moe_rows(moe: MoE, x: torch.Tensor, experts: ExpertProvider, forced: list[torch.Tensor | None]) -> torch.Tensor:
     """The MoE block on rows of x [B, hidden], each row routed (and forced) on its own; the union of their
     experts fetched once and each expert run once on all the rows routed to it."""
     E = moe.n_experts

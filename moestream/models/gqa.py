@@ -121,7 +121,7 @@ class GQAttention:
         """Rows of x [B, hidden], one token of each sequence: the projections on all rows at once where their
         kernel is row-invariant (models/batch.py), the rest per row over its own cache."""
         qkv = self.project(x, linear_rows)
-        cores = [self.core(qkv[b : b + 1], layer, kv, p, rope) for b, (kv, p) in enumerate(zip(kvs, positions))]
+        cores = [self.core(qkv[b : b + 1], layer, kvs[b], p, rope) for b, p in enumerate(positions)]
         return self.output(torch.cat(cores), linear_rows)
 
     def project(self, x: torch.Tensor, mm) -> torch.Tensor:
