@@ -175,7 +175,9 @@ def test_small_float_ops_rows_are_independent(m):
     torch.manual_seed(m)
     x, w, norm = torch.randn(m, 512), torch.randn(64, 512), torch.rand(512) + 0.5
     assert torch.equal(batch.f32_rows(x, w), torch.cat([f32_matmul(x[b : b + 1], w) for b in range(m)]))
-    assert torch.equal(batch.norm_rows(x, norm, 1e-6), torch.cat([rms_norm(x[b : b + 1], norm, 1e-6) for b in range(m)]))
+    assert torch.equal(
+        batch.norm_rows(x, norm, 1e-6), torch.cat([rms_norm(x[b : b + 1], norm, 1e-6) for b in range(m)])
+    )
     if m <= batch.GEMV_ROWS:
         assert _rowwise_equal(lambda r: f32_matmul(r, w), x)
     assert _rowwise_equal(lambda r: rms_norm(r, norm, 1e-6), x)

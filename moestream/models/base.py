@@ -20,7 +20,8 @@ class MoEModel:
     A subclass loads its layers between `__init__` (the embedding) and `_load_head` (norm and output head),
     so the weights are read in file order. Its `layers` are (mixer norm, mixer, FFN norm, FFN) per block, a
     block being x += mixer(norm(x)); x += FFN(norm(x)): `forward_batch` runs any such model; an architecture
-    whose mixer is not `mixer(h, layer, kv, pos, rope)` overrides `mix_rows`.
+    whose mixer is not `mixer(h, layer, kv, pos, rope)` overrides `mix_rows`; a mixer split as
+    batch.SplitMixer shares its projections across the rows of a batched step.
     """
 
     arch: str
@@ -82,9 +83,11 @@ class MoEModel:
 
     def mix_rows(self, i: int, x: torch.Tensor, kvs: list, positions: list[int]) -> torch.Tensor:
         """Block i's mixer output (before the residual) for rows of x [B, hidden], each over its own cache at
-        its own position; here each row alone, as forward runs one token."""
+        its own position: a SplitMixer's projections on all rows at once, any other mixer row by row."""
         norm, mixer = self.layers[i][0], self.layers[i][1]
         eps = self.cfg.rms_eps
+        if hasattr(mixer, "project"):
+            return batch.split_rows(mixer, batch.norm_rows(x, norm, eps), i, kvs, positions, self.rope)
         return torch.cat([mixer(rms_norm(x[b : b + 1], norm, eps), i, kvs[b], p, self.rope)
                           for b, p in enumerate(positions)])  # fmt: skip
 

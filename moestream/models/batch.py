@@ -15,6 +15,10 @@ most quantized models) is read once a step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
 import torch
 import torch.nn.functional as F
 
@@ -31,8 +35,10 @@ def per_row(fn, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([fn(x[b : b + 1]) for b in range(x.shape[0])])
 
 
-def linear_rows(lin: QLinear, x: torch.Tensor) -> torch.Tensor:
+def linear_rows(lin: QLinear | Fused, x: torch.Tensor) -> Any:
     """lin(x) for rows of x [B, K]: one call (the weight read once) where the kernel is row-invariant."""
+    if isinstance(lin, Fused):
+        return fused_rows(lin, x)
     return lin(x) if lin.kind == "lane" else per_row(lin, x)
 
 
@@ -60,6 +66,42 @@ def f32_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if native.lib() is None or x.dtype != torch.float32 or not w.is_contiguous():
         return per_row(lambda r: f32_matmul(r, w), x)
     return torch.cat([f32_matmul(x[a : a + GEMV_ROWS], w) for a in range(0, x.shape[0], GEMV_ROWS)])
+
+
+@dataclass(frozen=True)
+class Ops:
+    """How a mixer's row-wise parts run: `mm(linear, x)` and `norm(x, weight, eps)`. ALONE is forward's (the
+    tokens of one sequence), ROWS the batched step's (one token of each of several sequences)."""
+
+    mm: Callable[[Any, torch.Tensor], Any]
+    norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+ALONE = Ops(lambda lin, x: lin(x), rms_norm)
+ROWS = Ops(linear_rows, norm_rows)
+
+
+class SplitMixer(Protocol):
+    """A mixer whose projections (row-wise: shared by a batched step's rows) are split from what each
+    sequence does over its own cache at its own position."""
+
+    def project(self, x: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, ...]: ...
+
+    def core(self, parts: tuple[torch.Tensor, ...], layer: int, kv: Any, pos: int, rope: Any) -> torch.Tensor: ...
+
+    def output(self, a: torch.Tensor, ops: Ops) -> torch.Tensor: ...
+
+
+def split_call(mixer: SplitMixer, x: torch.Tensor, layer: int, kv: Any, pos: int, rope: Any) -> torch.Tensor:
+    """The mixer on T tokens of one sequence (forward)."""
+    return mixer.output(mixer.core(mixer.project(x, ALONE), layer, kv, pos, rope), ALONE)
+
+
+def split_rows(mixer: SplitMixer, x: torch.Tensor, layer: int, kvs: list, positions: list[int], rope: Any):
+    """The mixer on one token of each of B sequences: projections on all rows at once, the core per row."""
+    parts = mixer.project(x, ROWS)
+    cores = [mixer.core(tuple(t[b : b + 1] for t in parts), layer, kvs[b], p, rope) for b, p in enumerate(positions)]
+    return mixer.output(torch.cat(cores), ROWS)
 
 
 def swiglu_rows(ffn: DenseFFN, x: torch.Tensor) -> torch.Tensor:
