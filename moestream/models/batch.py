@@ -15,6 +15,7 @@ most quantized models) is read once a step.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -146,30 +147,37 @@ def routed_rows(
     expert outputs in its own buffer by expert id, reduced by one fixed-order product per row. The union of
     all rows' experts (in first-seen order) is fetched in one call."""
     H = x.shape[1]
-    outs, weights, union = [], [], {}  # union: expert -> [(row, its slot in that row's buffer)]
+    weights, union, slots = [], {}, 0  # union: expert -> [(row, its slot in the rows' flat buffer)]
     for b, (w, ids) in enumerate(routes):
         id_list, w_list = ids[0].tolist(), w[0].tolist()
         by_id = sorted(range(len(id_list)), key=id_list.__getitem__)
-        order = {id_list[p]: r for r, p in enumerate(by_id)}
+        order = {id_list[p]: slots + r for r, p in enumerate(by_id)}
         weights.append(torch.tensor([w_list[p] for p in by_id], dtype=x.dtype))
-        outs.append(torch.empty(len(id_list), H))
+        slots += len(id_list)
         for e in id_list:
             if e in order:
                 union.setdefault(e, []).append((b, order.pop(e)))
+    outs = torch.empty(slots, H)
     for group in experts.fetch_groups(layer, list(union)):
         if ffn is None and all(linear.lane_swiglu_ok(w) for _, w in group):
-            xs = [x[[b for b, _ in union[e]]].contiguous() for e, _ in group]
-            ys = [torch.empty(len(union[e]), H) for e, _ in group]
-            linear.lane_swiglu([w for _, w in group], xs, ys)
-            for (e, _), y in zip(group, ys, strict=True):
-                for (b, r), row in zip(union[e], y, strict=True):
-                    outs[b][r] = row
+            # the group's rows gathered in expert order: each expert's inputs and outputs one contiguous slice
+            pairs = [pair for e, _ in group for pair in union[e]]
+            xg = x[[b for b, _ in pairs]]
+            yg = torch.empty(len(pairs), H)
+            ends = list(itertools.accumulate(len(union[e]) for e, _ in group))
+            spans = list(zip([0, *ends[:-1]], ends, strict=True))
+            linear.lane_swiglu([w for _, w in group], [xg[a:b] for a, b in spans], [yg[a:b] for a, b in spans])
+            outs.index_copy_(0, torch.tensor([r for _, r in pairs]), yg)
             continue
         for e, expert in group:
             for b, r in union[e]:
                 xb = x[b : b + 1].to(expert[0].dtype)
-                outs[b][r] = ffn(e, expert, xb)[0] if ffn is not None else swiglu(expert, xb)[0].float()
-    return [(w @ o)[None] for w, o in zip(weights, outs, strict=True)]
+                outs[r] = ffn(e, expert, xb)[0] if ffn is not None else swiglu(expert, xb)[0].float()
+    mixed, first = [], 0
+    for w in weights:
+        mixed.append((w @ outs[first : first + len(w)])[None])
+        first += len(w)
+    return mixed
 
 
 def ffn_rows(
