@@ -186,3 +186,74 @@ def test_small_float_ops_rows_are_independent(m):
     for b in range(m):
         one = route_topk(logits[b : b + 1], 8, True)
         assert torch.equal(both[0][b], one[0][0]) and torch.equal(both[1][b], one[1][0])
+
+
+def test_forced_routes_per_row_at_its_own_position(tiny_file):
+    """A route hook (--route-trace) answers each row at its own position; rows equal forward alone."""
+    path, cfg = tiny_file
+    eng = Engine(path, EngineOptions(n_slots=64, ctx=CTX))
+    E, k = n_experts(cfg), cfg.num_experts_per_tok
+    calls = []
+
+    def hook(layer: int, pos: int, n: int) -> torch.Tensor:
+        calls.append((layer, pos, n))
+        return torch.tensor([[(layer + pos + j) % E for j in range(k)]] * n)
+
+    try:
+        model = eng.model
+        model.route_hook = hook
+        prompts = [random_tokens(n, cfg.vocab_size, seed=n) for n in PROMPTS]
+        with torch.inference_mode():
+            kvs, alone = [model.new_kv(CTX) for _ in prompts], [model.new_kv(CTX) for _ in prompts]
+            toks = []
+            for p, kv, kv_alone in zip(prompts, kvs, alone, strict=True):
+                toks.append(int(model.forward(p, kv, 0).argmax()))
+                model.forward(p, kv_alone, 0)
+            pos = [len(p) for p in prompts]
+            calls.clear()
+            out = model.forward_batch(toks, kvs, pos)
+            assert {(c[1], c[2]) for c in calls} == {(p, 1) for p in pos}
+            for b, p in enumerate(pos):
+                assert torch.equal(out[b], model.forward([toks[b]], alone[b], p))
+    finally:
+        eng.close()
+
+
+class FailingExperts(CountingExperts):
+    """Raises on the fetch of one layer (a read error mid-step)."""
+
+    def __init__(self, inner, fail_layer: int):
+        super().__init__(inner)
+        self.fail_layer = fail_layer
+
+    def fetch_groups(self, layer, ids, admit=True):
+        if layer == self.fail_layer:
+            raise OSError("read error")
+        return super().fetch_groups(layer, ids, admit)
+
+
+def test_failed_step_leaves_each_cache_to_retry(tiny_file):
+    """A step that fails part-way leaves every sequence where it was: the retried step equals forward alone."""
+    path, cfg = tiny_file
+    eng = Engine(path, EngineOptions(n_slots=64, ctx=CTX))
+    try:
+        model = eng.model
+        provider = model.experts
+        prompts = [random_tokens(n, cfg.vocab_size, seed=n) for n in PROMPTS]
+        with torch.inference_mode():
+            kvs, alone = [model.new_kv(CTX) for _ in prompts], [model.new_kv(CTX) for _ in prompts]
+            toks = []
+            for p, kv, kv_alone in zip(prompts, kvs, alone, strict=True):
+                toks.append(int(model.forward(p, kv, 0).argmax()))
+                model.forward(p, kv_alone, 0)
+            pos = [len(p) for p in prompts]
+            model.experts = FailingExperts(provider, fail_layer=1)
+            with pytest.raises(OSError):
+                model.forward_batch(toks, kvs, pos)
+            assert [kv.length for kv in kvs] == pos
+            model.experts = provider
+            out = model.forward_batch(toks, kvs, pos)
+            for b, p in enumerate(pos):
+                assert torch.equal(out[b], model.forward([toks[b]], alone[b], p))
+    finally:
+        eng.close()

@@ -66,18 +66,18 @@ class MoEModel:
             raise ValueError(f"forward_batch takes one token, cache and position per sequence ({B} tokens, "
                              f"{len(kvs)} caches, {len(positions)} positions, caches distinct)")  # fmt: skip
         eps = self.cfg.rms_eps
-        state = self.begin_rows(kvs, positions)
+        self.begin_rows(kvs, positions)
         x = self.embed(tokens)
         try:
             for i, (_, _, ffn_norm, ffn) in enumerate(self.layers):
                 x = x + self.mix_rows(i, x, kvs, positions)
-                layer = getattr(ffn, "expert_layer", i)
-                forced = [self.forced_routes(layer, p, 1) for p in positions]
+                moe_layer = getattr(ffn, "expert_layer", None)  # None: a dense block, never routed
+                forced = [None if moe_layer is None else self.forced_routes(moe_layer, p, 1) for p in positions]
                 x = x + batch.ffn_rows(ffn, batch.norm_rows(x, ffn_norm, eps), self.experts, forced)
         except BaseException:
-            self.abort_rows(kvs, positions, state)
+            self.abort_rows(kvs, positions)
             raise
-        self.end_rows(kvs, positions, state)
+        self.end_rows(kvs, positions)
         with wide_torch():
             return batch.linear_rows(self.output, batch.norm_rows(x, self.norm, eps))
 
@@ -91,13 +91,12 @@ class MoEModel:
         return torch.cat([mixer(rms_norm(x[b : b + 1], norm, eps), i, kvs[b], p, self.rope)
                           for b, p in enumerate(positions)])  # fmt: skip
 
-    def begin_rows(self, kvs: list, positions: list[int]) -> object:
-        """Per-step state a cache kind needs before a batched step (recurrent checkpoints)."""
-        return None
+    def begin_rows(self, kvs: list, positions: list[int]) -> None:
+        """Checks a cache kind makes before a batched step (recurrent states must be at their position)."""
 
-    def end_rows(self, kvs: list, positions: list[int], state: object) -> None:
+    def end_rows(self, kvs: list, positions: list[int]) -> None:
         for kv, p in zip(kvs, positions, strict=True):
             kv.advance(p + 1)
 
-    def abort_rows(self, kvs: list, positions: list[int], state: object) -> None:
+    def abort_rows(self, kvs: list, positions: list[int]) -> None:
         """A batched step failed part-way (a read error, Ctrl-C): undo what cannot be overwritten later."""

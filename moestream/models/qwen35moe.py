@@ -249,6 +249,6 @@ class Qwen35Moe(MoEModel):
                     f"the recurrent state holds {kv.length} positions but the step is at {p}; truncate the cache first"
                 )
 
-    def abort_rows(self, kvs: list, positions: list[int], state: object) -> None:
+    def abort_rows(self, kvs: list, positions: list[int]) -> None:
         for kv, p in zip(kvs, positions, strict=True):  # the layers run so far moved the states past p
             kv.rewind(p)
