@@ -55,7 +55,7 @@ def norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm of each row of x [B, dim], each through the path it takes alone (the native loop over rows
     takes as many rows as stay under its size limit)."""
     dim = x.shape[-1]
-    if native.lib() is None or x.dtype != torch.float32 or dim > SMALL_OP:
+    if native.lib() is None or x.dtype != torch.float32 or w.dtype != torch.float32 or dim > SMALL_OP:
         return per_row(lambda r: rms_norm(r, w, eps), x)
     step = SMALL_OP // dim
     return torch.cat([rms_norm(x[a : a + step], w, eps) for a in range(0, x.shape[0], step)])
