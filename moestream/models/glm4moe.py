@@ -26,6 +26,7 @@ import torch
 
 from moestream.compute import linear
 from moestream.models.base import MoEModel
+from moestream.models.batch import Ops, split_call
 from moestream.models.common import KVCache, RoPE, rms_norm
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.moe import MoE, Routing, dense_or_moe
@@ -154,11 +155,16 @@ class Attention:
         self.cfg = cfg
 
     def __call__(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
+        return split_call(self, x, layer, kv, pos, rope)
+
+    def project(self, x: torch.Tensor, ops: Ops) -> tuple[torch.Tensor]:
+        qkv = ops.mm(self.qkv, x) if self.qkv is not None else torch.cat([ops.mm(lin, x) for lin in self.parts], dim=-1)
+        return (qkv if self.bias is None else qkv + self.bias,)
+
+    def core(self, parts: tuple[torch.Tensor], layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
         cfg = self.cfg
-        T = x.shape[0]
-        qkv = self.qkv(x) if self.qkv is not None else torch.cat([lin(x) for lin in self.parts], dim=-1)
-        if self.bias is not None:
-            qkv = qkv + self.bias
+        (qkv,) = parts
+        T = qkv.shape[0]
         q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.reshape(T, cfg.n_heads, cfg.head_dim)
         k = k.reshape(T, cfg.n_kv_heads, cfg.head_dim)
@@ -169,7 +175,10 @@ class Attention:
             k = rms_norm(k, self.k_norm, cfg.rms_eps)
         keys, values = kv.update(layer, pos, rope(k, pos), v)
         out = kv.attend(rope(q, pos), keys, values, pos)
-        return self.o(out.reshape(T, cfg.n_heads * cfg.head_dim))
+        return out.reshape(T, cfg.n_heads * cfg.head_dim)
+
+    def output(self, a: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return ops.mm(self.o, a)
 
 
 class Glm4Moe(MoEModel):

@@ -24,6 +24,7 @@ import torch
 
 from moestream.compute import linear
 from moestream.models.base import MoEModel
+from moestream.models.batch import Ops, split_call
 from moestream.models.common import SINK_SCORES_BYTES, KVCache, RoPE, attend_with_sinks, rms_norm, yarn_inv_freq
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.moe import MoE, Routing
@@ -110,16 +111,26 @@ class Attention:
         self.cfg = cfg
 
     def __call__(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
+        return split_call(self, x, layer, kv, pos, rope)
+
+    def project(self, x: torch.Tensor, ops: Ops) -> tuple[torch.Tensor]:
+        qkv = ops.mm(self.qkv, x) if self.qkv is not None else torch.cat([ops.mm(lin, x) for lin in self.parts], dim=-1)
+        return (qkv + self.bias,)
+
+    def core(self, parts: tuple[torch.Tensor], layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
         cfg = self.cfg
-        T = x.shape[0]
-        qkv = self.qkv(x) if self.qkv is not None else torch.cat([lin(x) for lin in self.parts], dim=-1)
-        q, k, v = (qkv + self.bias).split(self.sizes, dim=-1)
+        (qkv,) = parts
+        T = qkv.shape[0]
+        q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.reshape(T, cfg.n_heads, cfg.head_dim)
         k = k.reshape(T, cfg.n_kv_heads, cfg.head_dim)
         v = v.reshape(T, cfg.n_kv_heads, cfg.head_dim)
         keys, values = kv.update(layer, pos, rope(k, pos), v)
         out = attend_with_sinks(rope(q, pos), keys, values, pos, self.sinks, self.window)
-        return self.o(out.reshape(T, cfg.n_heads * cfg.head_dim)) + self.o_bias
+        return out.reshape(T, cfg.n_heads * cfg.head_dim)
+
+    def output(self, a: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return ops.mm(self.o, a) + self.o_bias
 
 
 def _rope(cfg: GptOssConfig) -> RoPE:

@@ -20,6 +20,7 @@ import torch
 
 from moestream.compute import linear
 from moestream.models.base import MoEModel
+from moestream.models.batch import Ops, split_call
 from moestream.models.common import KVCache, RoPE, rms_norm
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.moe import MoE
@@ -113,12 +114,23 @@ class GQAttention:
         self.cfg = cfg
 
     def __call__(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
+        return split_call(self, x, layer, kv, pos, rope)
+
+    def project(self, x: torch.Tensor, ops: Ops) -> tuple[torch.Tensor]:
+        """(q|k|v [T, nq + 2 nkv] with biases,)"""
+        qkv = (
+            ops.mm(self.qkv, x)
+            if self.qkv is not None
+            else torch.cat([ops.mm(p, x) for p in (self.q, self.k, self.v)], -1)
+        )
+        return (qkv if self.bias is None else qkv + self.bias,)
+
+    def core(self, parts: tuple[torch.Tensor], layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
+        """Norms, RoPE, the cache update and attention of T tokens at pos..: [T, nq]."""
         cfg = self.cfg
-        T = x.shape[0]
+        (qkv,) = parts
+        T = qkv.shape[0]
         nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        qkv = self.qkv(x) if self.qkv is not None else torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
-        if self.bias is not None:
-            qkv = qkv + self.bias
         q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
         if self.q_norm is not None:
             q = rms_norm(q.contiguous(), self.q_norm, cfg.rms_eps)
@@ -126,7 +138,10 @@ class GQAttention:
         q = rope(q.reshape(T, cfg.n_heads, cfg.head_dim), pos)
         k = rope(k.reshape(T, cfg.n_kv_heads, cfg.head_dim), pos)
         keys, values = kv.update(layer, pos, k, v.reshape(T, cfg.n_kv_heads, cfg.head_dim))
-        out = self.o(kv.attend(q, keys, values, pos).reshape(T, nq))
+        return kv.attend(q, keys, values, pos).reshape(T, nq)
+
+    def output(self, a: torch.Tensor, ops: Ops) -> torch.Tensor:
+        out = ops.mm(self.o, a)
         return out if self.o_bias is None else out + self.o_bias
 
 

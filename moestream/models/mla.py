@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moestream.models.common import QUERY_CHUNK, KVCache, RoPE, causal_mask, query_chunks, rms_norm, wide_torch
+from moestream.models.batch import Ops, split_call
+from moestream.models.common import QUERY_CHUNK, KVCache, RoPE, causal_mask, query_chunks, wide_torch
 from moestream.models.loader import Weights
 
 
@@ -97,25 +98,31 @@ class MLAttention:
         self.o = w.linear(p + "attn_output.weight", H, nh * v)
         self.perm = deinterleave(R)
 
-    def project(self, x: torch.Tensor, pos: int, rope: RoPE) -> tuple[torch.Tensor, ...]:
-        """(q_nope [T, H, nope], q_pe [T, H, R] rotated, latent c [T, L], k_pe [T, R] rotated)."""
+    def __call__(self, x: torch.Tensor, layer: int, cache: MLACache, pos: int, rope: RoPE) -> torch.Tensor:
+        return split_call(self, x, layer, cache, pos, rope)
+
+    def project(self, x: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, ...]:
+        """The row-wise part: (q [T, H * (nope + rope)], the kv compression [T, L + R], latent c [T, L])."""
         cfg = self.cfg
-        T, L = x.shape[0], cfg.kv_lora_rank
         if cfg.q_lora_rank:
-            qa, kv = self.a(x)
-            q = self.q_b(rms_norm(qa, self.q_a_norm, cfg.rms_eps))
+            qa, kv = ops.mm(self.a, x)
+            q = ops.mm(self.q_b, ops.norm(qa, self.q_a_norm, cfg.rms_eps))
         else:
-            q, kv = self.a(x)
+            q, kv = ops.mm(self.a, x)
+        return q, kv, ops.norm(kv[:, : cfg.kv_lora_rank], self.kv_a_norm, cfg.rms_eps)
+
+    def output(self, a: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return ops.mm(self.o, a)
+
+    def core(self, parts: tuple[torch.Tensor, ...], layer: int, cache: MLACache, pos: int, rope: RoPE) -> torch.Tensor:
+        """RoPE at pos.., the cache update and attention: [T, H * v_head_dim]."""
+        cfg = self.cfg
+        q, kv, c = parts
+        T, L = q.shape[0], cfg.kv_lora_rank
         q = q.reshape(T, cfg.n_heads, cfg.qk_nope + cfg.qk_rope)
-        c = rms_norm(kv[:, :L], self.kv_a_norm, cfg.rms_eps)
         q_pe = rope(q[..., cfg.qk_nope :][..., self.perm], pos)
         k_pe = rope(kv[:, None, L:][..., self.perm], pos)[:, 0]
-        return q[..., : cfg.qk_nope], q_pe, c, k_pe
-
-    def __call__(self, x: torch.Tensor, layer: int, cache: MLACache, pos: int, rope: RoPE) -> torch.Tensor:
-        cfg = self.cfg
-        T = x.shape[0]
-        q_nope, q_pe, c, k_pe = self.project(x, pos, rope)
+        q_nope = q[..., : cfg.qk_nope]
         latents, keys = cache.update(layer, pos, c, k_pe)
         S, L = latents.shape[0], cfg.kv_lora_rank
         # a long span attends `query_chunk` queries at a time, each chunk over the positions up to its own
@@ -129,7 +136,7 @@ class MLAttention:
                 out[a:b] = self.naive(q_nope[a:b], q_pe[a:b], latents[:end], keys[:end], pos + a)
             else:
                 out[a:b] = self.absorbed(q_nope[a:b], q_pe[a:b], latents[:end], keys[:end], pos + a)
-        return self.o(out.reshape(T, cfg.n_heads * cfg.v_head_dim))
+        return out.reshape(T, cfg.n_heads * cfg.v_head_dim)
 
     def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor,
                  pos: int) -> torch.Tensor:  # fmt: skip

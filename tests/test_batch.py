@@ -1,0 +1,259 @@
+"""Batched decode (MoEModel.forward_batch): each row bit-identical to its sequence decoded alone, whatever
+shares the step, for every architecture, with every expert cached and under a budget that streams; each
+step fetches the union of its rows' experts once; and the kernels the batched path runs on several rows at
+once compute each row as they would alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from moestream.compute import linear, native
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+from moestream.formats import quants
+from moestream.models import batch
+from moestream.models.common import f32_matmul, rms_norm, route_topk
+from tests.hf_gguf import n_experts, one_torch_thread, random_tokens
+from tests.test_models import ARCH_CASES
+
+pytest.importorskip("transformers")
+
+one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
+
+PROMPTS = (3, 9, 17)  # prompt lengths of the three sequences (17: longer than the engine's micro-batch here)
+# which sequences decode in each step, in the order given to forward_batch: one joins at step 2, one
+# leaves at step 4 and comes back, rows change order
+SCHEDULE = [[0, 1], [1, 0], [0, 1, 2], [2, 0, 1], [1, 2], [2, 1], [0, 2, 1]]
+CTX = 64
+
+
+class CountingExperts:
+    """Wraps the engine's expert provider (every fetch still goes to it) and records each call's ids."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls: list[tuple[int, list[int]]] = []
+
+    def fetch_groups(self, layer, ids, admit=True):
+        self.calls.append((layer, list(ids)))
+        return self.inner.fetch_groups(layer, ids, admit)
+
+
+@pytest.fixture(scope="module", params=[(a, w) for a in ARCH_CASES for w in (0, 1)],
+                ids=lambda p: f"{p[0].id}-{'float' if p[1] == 0 else 'quantized'}")  # fmt: skip
+def tiny_file(request, tmp_path_factory):
+    arch, which = request.param
+    model = arch.hf_model(seed=3)
+    dense_type, expert_type = arch.stream_types[which]
+    path = str(tmp_path_factory.mktemp(arch.id) / "b.gguf")
+    if which == 0:
+        arch.write(model, path)
+    else:
+        arch.write(model, path, dense_type=dense_type, expert_type=expert_type)
+    return path, model.config
+
+
+def _decode_alone(model, prompts: list[list[int]], steps: dict[int, int]) -> dict[int, list[torch.Tensor]]:
+    """Each sequence prefilled and then greedy-decoded `steps[s]` tokens with forward alone: the logits."""
+    out = {}
+    for s, prompt in enumerate(prompts):
+        kv = model.new_kv(CTX)
+        logits = [model.forward(prompt, kv, 0)]
+        for j in range(steps[s]):
+            logits.append(model.forward([int(logits[-1].argmax())], kv, len(prompt) + j))
+        out[s] = logits
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streaming"])
+def test_batched_rows_equal_each_sequence_alone(tiny_file, stream):
+    path, cfg = tiny_file
+    k = cfg.num_experts_per_tok
+    slots = k + 3 if stream else cfg.num_hidden_layers * n_experts(cfg)
+    eng = Engine(path, EngineOptions(n_slots=slots, ubatch=8, ctx=CTX))
+    try:
+        model = eng.model
+        counting = CountingExperts(model.experts)
+        prompts = [random_tokens(n, cfg.vocab_size, seed=n) for n in PROMPTS]
+        steps = {s: sum(s in rows for rows in SCHEDULE) for s in range(len(prompts))}
+        with torch.inference_mode():
+            alone = _decode_alone(model, prompts, steps)
+            kvs = [model.new_kv(CTX) for _ in prompts]
+            logits = {s: [model.forward(p, kvs[s], 0)] for s, p in enumerate(prompts)}
+            assert all(torch.equal(logits[s][0], alone[s][0]) for s in logits)
+            model.experts = counting
+            for rows in SCHEDULE:
+                counting.calls.clear()
+                toks = [int(logits[s][-1].argmax()) for s in rows]
+                pos = [len(prompts[s]) + len(logits[s]) - 1 for s in rows]
+                out = model.forward_batch(toks, [kvs[s] for s in rows], pos)
+                assert out.shape == (len(rows), cfg.vocab_size) and out.dtype == torch.float32
+                for b, s in enumerate(rows):
+                    logits[s].append(out[b])
+                    assert kvs[s].length == pos[b] + 1
+                # one fetch per layer a step, of the union: no (layer, expert) twice
+                layers = [layer for layer, _ in counting.calls]
+                assert len(layers) == len(set(layers))
+                assert all(len(ids) == len(set(ids)) for _, ids in counting.calls)
+                assert max(len(ids) for _, ids in counting.calls) <= len(rows) * k
+        for s in range(len(prompts)):
+            assert len(logits[s]) == len(alone[s])
+            for j, (got, want) in enumerate(zip(logits[s], alone[s], strict=True)):
+                assert torch.equal(got, want), (s, j, (got - want).abs().max().item())
+        if stream:
+            assert eng.cache.used_slots <= slots
+    finally:
+        eng.close()
+
+
+def test_one_row_is_forward(tiny_file):
+    path, cfg = tiny_file
+    eng = Engine(path, EngineOptions(n_slots=64, ctx=CTX))
+    try:
+        model = eng.model
+        prompt = random_tokens(5, cfg.vocab_size)
+        kv_a, kv_b = model.new_kv(CTX), model.new_kv(CTX)
+        with torch.inference_mode():
+            t = int(model.forward(prompt, kv_a, 0).argmax())
+            model.forward(prompt, kv_b, 0)
+            assert torch.equal(model.forward_batch([t], [kv_a], [5])[0], model.forward([t], kv_b, 5))
+            with pytest.raises(ValueError):
+                model.forward_batch([t, t], [kv_a, kv_a], [6, 6])
+    finally:
+        eng.close()
+
+
+# ---- the kernels the batched path runs on several rows at once --------------------------------------
+
+lane_only = pytest.mark.skipif(not native.lane_ok(), reason="needs AVX-512 VNNI and the native library")
+
+
+def _rowwise_equal(fn, x: torch.Tensor) -> bool:
+    return torch.equal(fn(x), torch.cat([fn(x[b : b + 1]) for b in range(x.shape[0])]))
+
+
+@lane_only
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q3_K, T.Q2_K],
+                         ids=lambda t: t.name)  # fmt: skip
+@pytest.mark.parametrize(("n", "k", "m"), [(64, 256, 2), (96, 768, 7), (33, 2048, 16)])
+def test_lane_matmul_rows_are_independent(ggml_type, n, k, m):
+    rng = np.random.default_rng(n + k + m)
+    lin = linear.from_gguf(quants.random_gguf(ggml_type, n * k, rng), ggml_type, n, k, False)
+    assert lin.kind == "lane"
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    assert _rowwise_equal(lin, x)
+    assert torch.equal(batch.linear_rows(lin, x), torch.cat([lin(x[b : b + 1]) for b in range(m)]))
+
+
+@lane_only
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_lane_swiglu_rows_are_independent(ggml_type):
+    """Several experts with 1..5 rows each in one call: every row as that row alone through one expert."""
+    rng = np.random.default_rng(int(ggml_type))
+    hidden, ffn = 256, 512
+    experts = []
+    for _ in range(3):
+        gu = linear.from_gguf(quants.random_gguf(ggml_type, 2 * ffn * hidden, rng), ggml_type, 2 * ffn, hidden, False)
+        down = linear.from_gguf(quants.random_gguf(ggml_type, hidden * ffn, rng), ggml_type, hidden, ffn, False)
+        experts.append((gu, None, down))
+    xs = [torch.from_numpy(rng.standard_normal((m, hidden)).astype(np.float32)) for m in (1, 5, 3)]
+    outs = [torch.empty(x.shape[0], hidden) for x in xs]
+    linear.lane_swiglu(experts, xs, outs)
+    for e, x, o in zip(experts, xs, outs, strict=True):
+        for b in range(x.shape[0]):
+            alone = torch.empty(1, hidden)
+            linear.lane_swiglu([e], [x[b : b + 1].contiguous()], [alone])
+            assert torch.equal(o[b : b + 1], alone)
+
+
+@pytest.mark.parametrize("m", [2, 4, 9])
+def test_small_float_ops_rows_are_independent(m):
+    """The router's gemv (in chunks of up to 4 rows), the native RMSNorm and the native top-k."""
+    torch.manual_seed(m)
+    x, w, norm = torch.randn(m, 512), torch.randn(64, 512), torch.rand(512) + 0.5
+    assert torch.equal(batch.f32_rows(x, w), torch.cat([f32_matmul(x[b : b + 1], w) for b in range(m)]))
+    assert torch.equal(
+        batch.norm_rows(x, norm, 1e-6), torch.cat([rms_norm(x[b : b + 1], norm, 1e-6) for b in range(m)])
+    )
+    if m <= batch.GEMV_ROWS:
+        assert _rowwise_equal(lambda r: f32_matmul(r, w), x)
+    assert _rowwise_equal(lambda r: rms_norm(r, norm, 1e-6), x)
+    logits = torch.randn(m, 64)
+    both = route_topk(logits, 8, True)
+    for b in range(m):
+        one = route_topk(logits[b : b + 1], 8, True)
+        assert torch.equal(both[0][b], one[0][0]) and torch.equal(both[1][b], one[1][0])
+
+
+def test_forced_routes_per_row_at_its_own_position(tiny_file):
+    """A route hook (--route-trace) answers each row at its own position; rows equal forward alone."""
+    path, cfg = tiny_file
+    eng = Engine(path, EngineOptions(n_slots=64, ctx=CTX))
+    E, k = n_experts(cfg), cfg.num_experts_per_tok
+    calls = []
+
+    def hook(layer: int, pos: int, n: int) -> torch.Tensor:
+        calls.append((layer, pos, n))
+        return torch.tensor([[(layer + pos + j) % E for j in range(k)]] * n)
+
+    try:
+        model = eng.model
+        model.route_hook = hook
+        prompts = [random_tokens(n, cfg.vocab_size, seed=n) for n in PROMPTS]
+        with torch.inference_mode():
+            kvs, alone = [model.new_kv(CTX) for _ in prompts], [model.new_kv(CTX) for _ in prompts]
+            toks = []
+            for p, kv, kv_alone in zip(prompts, kvs, alone, strict=True):
+                toks.append(int(model.forward(p, kv, 0).argmax()))
+                model.forward(p, kv_alone, 0)
+            pos = [len(p) for p in prompts]
+            calls.clear()
+            out = model.forward_batch(toks, kvs, pos)
+            assert {(c[1], c[2]) for c in calls} == {(p, 1) for p in pos}
+            for b, p in enumerate(pos):
+                assert torch.equal(out[b], model.forward([toks[b]], alone[b], p))
+    finally:
+        eng.close()
+
+
+class FailingExperts(CountingExperts):
+    """Raises on the fetch of one layer (a read error mid-step)."""
+
+    def __init__(self, inner, fail_layer: int):
+        super().__init__(inner)
+        self.fail_layer = fail_layer
+
+    def fetch_groups(self, layer, ids, admit=True):
+        if layer == self.fail_layer:
+            raise OSError("read error")
+        return super().fetch_groups(layer, ids, admit)
+
+
+def test_failed_step_leaves_each_cache_to_retry(tiny_file):
+    """A step that fails part-way leaves every sequence where it was: the retried step equals forward alone."""
+    path, cfg = tiny_file
+    eng = Engine(path, EngineOptions(n_slots=64, ctx=CTX))
+    try:
+        model = eng.model
+        provider = model.experts
+        prompts = [random_tokens(n, cfg.vocab_size, seed=n) for n in PROMPTS]
+        with torch.inference_mode():
+            kvs, alone = [model.new_kv(CTX) for _ in prompts], [model.new_kv(CTX) for _ in prompts]
+            toks = []
+            for p, kv, kv_alone in zip(prompts, kvs, alone, strict=True):
+                toks.append(int(model.forward(p, kv, 0).argmax()))
+                model.forward(p, kv_alone, 0)
+            pos = [len(p) for p in prompts]
+            model.experts = FailingExperts(provider, fail_layer=1)
+            with pytest.raises(OSError):
+                model.forward_batch(toks, kvs, pos)
+            assert [kv.length for kv in kvs] == pos
+            model.experts = provider
+            out = model.forward_batch(toks, kvs, pos)
+            for b, p in enumerate(pos):
+                assert torch.equal(out[b], model.forward([toks[b]], alone[b], p))
+    finally:
+        eng.close()
