@@ -139,7 +139,7 @@ class Service:
     def health(self) -> dict[str, Any]:
         if not self.worker.thread.is_alive():
             raise APIError(503, "the engine worker is not running", type="server_error")
-        return {"status": "ok", "model": self.model_name, "queued": self.worker.jobs.qsize()}
+        return {"status": "ok", "model": self.model_name, "queued": self.worker.queued, "running": self.worker.running}
 
     # -- requests -> jobs --------------------------------------------------------------------------
 
