@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from moestream.compute import linear
+from moestream.models import batch
 from moestream.models.common import ExpertProvider, RouteHook, resident_tensors, rms_norm, wide_torch
 from moestream.models.loader import Weights
 
@@ -17,7 +18,9 @@ class MoEModel:
     """The resident part of a model plus its forward pass; routed experts come from `experts`.
 
     A subclass loads its layers between `__init__` (the embedding) and `_load_head` (norm and output head),
-    so the weights are read in file order.
+    so the weights are read in file order. Its `layers` are (mixer norm, mixer, FFN norm, FFN) per block, a
+    block being x += mixer(norm(x)); x += FFN(norm(x)): `forward_batch` runs any such model; an architecture
+    whose mixer is not `mixer(h, layer, kv, pos, rope)` overrides `mix_rows`.
     """
 
     arch: str
@@ -51,3 +54,47 @@ class MoEModel:
         with wide_torch():
             logits = self.output(rms_norm(x, self.norm, self.cfg.rms_eps))
         return logits if all_logits else logits[0]
+
+    def forward_batch(self, tokens: list[int], kvs: list, positions: list[int]) -> torch.Tensor:
+        """One new token for each of B sequences: tokens[b] at positions[b] over its own cache kvs[b] (advanced
+        as forward advances it). Returns the last-position logits [B, V] float32; row b is bit-identical to
+        forward([tokens[b]], kvs[b], positions[b]), whichever other rows share the step (models/batch.py)."""
+        assert self.experts is not None, "no expert provider attached"
+        B = len(tokens)
+        if not 1 <= B == len(kvs) == len(positions) or len({id(kv) for kv in kvs}) != B:
+            raise ValueError(f"forward_batch takes one token, cache and position per sequence ({B} tokens, "
+                             f"{len(kvs)} caches, {len(positions)} positions, caches distinct)")  # fmt: skip
+        eps = self.cfg.rms_eps
+        state = self.begin_rows(kvs, positions)
+        x = self.embed(tokens)
+        try:
+            for i, (_, _, ffn_norm, ffn) in enumerate(self.layers):
+                x = x + self.mix_rows(i, x, kvs, positions)
+                layer = getattr(ffn, "expert_layer", i)
+                forced = [self.forced_routes(layer, p, 1) for p in positions]
+                x = x + batch.ffn_rows(ffn, batch.norm_rows(x, ffn_norm, eps), self.experts, forced)
+        except BaseException:
+            self.abort_rows(kvs, positions, state)
+            raise
+        self.end_rows(kvs, positions, state)
+        with wide_torch():
+            return batch.linear_rows(self.output, batch.norm_rows(x, self.norm, eps))
+
+    def mix_rows(self, i: int, x: torch.Tensor, kvs: list, positions: list[int]) -> torch.Tensor:
+        """Block i's mixer output (before the residual) for rows of x [B, hidden], each over its own cache at
+        its own position; here each row alone, as forward runs one token."""
+        norm, mixer = self.layers[i][0], self.layers[i][1]
+        eps = self.cfg.rms_eps
+        return torch.cat([mixer(rms_norm(x[b : b + 1], norm, eps), i, kvs[b], p, self.rope)
+                          for b, p in enumerate(positions)])  # fmt: skip
+
+    def begin_rows(self, kvs: list, positions: list[int]) -> object:
+        """Per-step state a cache kind needs before a batched step (recurrent checkpoints)."""
+        return None
+
+    def end_rows(self, kvs: list, positions: list[int], state: object) -> None:
+        for kv, p in zip(kvs, positions, strict=True):
+            kv.advance(p + 1)
+
+    def abort_rows(self, kvs: list, positions: list[int], state: object) -> None:
+        """A batched step failed part-way (a read error, Ctrl-C): undo what cannot be overwritten later."""

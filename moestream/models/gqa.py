@@ -20,6 +20,8 @@ import torch
 
 from moestream.compute import linear
 from moestream.models.base import MoEModel
+from moestream.models.batch import linear_rows
+from moestream.models.batch import norm_rows as batch_norm
 from moestream.models.common import KVCache, RoPE, rms_norm
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.moe import MoE
@@ -113,12 +115,25 @@ class GQAttention:
         self.cfg = cfg
 
     def __call__(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
+        return self.output(self.core(self.project(x, _call), layer, kv, pos, rope), _call)
+
+    def rows(self, x: torch.Tensor, layer: int, kvs: list[KVCache], positions: list[int], rope: RoPE) -> torch.Tensor:
+        """Rows of x [B, hidden], one token of each sequence: the projections on all rows at once where their
+        kernel is row-invariant (models/batch.py), the rest per row over its own cache."""
+        qkv = self.project(x, linear_rows)
+        cores = [self.core(qkv[b : b + 1], layer, kv, p, rope) for b, (kv, p) in enumerate(zip(kvs, positions))]
+        return self.output(torch.cat(cores), linear_rows)
+
+    def project(self, x: torch.Tensor, mm) -> torch.Tensor:
+        """q|k|v [T, nq + 2 nkv] with biases; mm(linear, x) runs a projection."""
+        qkv = mm(self.qkv, x) if self.qkv is not None else torch.cat([mm(p, x) for p in (self.q, self.k, self.v)], -1)
+        return qkv if self.bias is None else qkv + self.bias
+
+    def core(self, qkv: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
+        """Norms, RoPE, the cache update and attention of T tokens at pos..: [T, nq]."""
         cfg = self.cfg
-        T = x.shape[0]
+        T = qkv.shape[0]
         nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        qkv = self.qkv(x) if self.qkv is not None else torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
-        if self.bias is not None:
-            qkv = qkv + self.bias
         q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
         if self.q_norm is not None:
             q = rms_norm(q.contiguous(), self.q_norm, cfg.rms_eps)
@@ -126,8 +141,15 @@ class GQAttention:
         q = rope(q.reshape(T, cfg.n_heads, cfg.head_dim), pos)
         k = rope(k.reshape(T, cfg.n_kv_heads, cfg.head_dim), pos)
         keys, values = kv.update(layer, pos, k, v.reshape(T, cfg.n_kv_heads, cfg.head_dim))
-        out = self.o(kv.attend(q, keys, values, pos).reshape(T, nq))
+        return kv.attend(q, keys, values, pos).reshape(T, nq)
+
+    def output(self, a: torch.Tensor, mm) -> torch.Tensor:
+        out = mm(self.o, a)
         return out if self.o_bias is None else out + self.o_bias
+
+
+def _call(lin, x: torch.Tensor) -> torch.Tensor:
+    return lin(x)
 
 
 class GQAMoEModel(MoEModel):
@@ -186,3 +208,7 @@ class GQAMoEModel(MoEModel):
             x = x + moe(rms_norm(x, ffn_norm, eps), self.experts, self.forced_routes(i, pos, len(tokens)))
         kv.advance(pos + len(tokens))
         return self.logits(x, all_logits)
+
+    def mix_rows(self, i: int, x: torch.Tensor, kvs: list, positions: list[int]) -> torch.Tensor:
+        attn_norm, attn = self.layers[i][0], self.layers[i][1]
+        return attn.rows(batch_norm(x, attn_norm, self.cfg.rms_eps), i, kvs, positions, self.rope)

@@ -287,16 +287,24 @@ class MoE:
                                    (p + "ffn_up_shexp.weight", shared_ffn, hidden)])  # fmt: skip
             self.shared_down = w.linear(p + "ffn_down_shexp.weight", hidden, shared_ffn)
 
+    def router_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """x @ gates.T -> the router's logits [T, E] (+ the shared gate's column), its bias added in place."""
+        if self.router_bias is not None:
+            logits[:, : self.n_experts] += self.router_bias
+        return logits
+
+    def route(self, logits: torch.Tensor, forced: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids) [T, k] from the router's logits."""
+        E = self.n_experts
+        if self.routing is None:
+            return route(logits[:, :E], self.top_k, self.norm_topk, forced, self.layer)
+        return route_general(logits[:, :E], self.top_k, self.routing, self.bias, forced, self.layer)
+
     def __call__(self, x: torch.Tensor, experts: ExpertProvider, forced: torch.Tensor | None = None) -> torch.Tensor:
         """forced [T, k]: expert ids that replace the router's choice (route traces); weights stay its own."""
         E = self.n_experts
-        logits = f32_matmul(x, self.gates)
-        if self.router_bias is not None:
-            logits[:, :E] += self.router_bias
-        if self.routing is None:
-            weights, ids = route(logits[:, :E], self.top_k, self.norm_topk, forced, self.layer)
-        else:
-            weights, ids = route_general(logits[:, :E], self.top_k, self.routing, self.bias, forced, self.layer)
+        logits = self.router_logits(f32_matmul(x, self.gates))
+        weights, ids = self.route(logits, forced)
         if self.shared is None:
             return run_experts(x, weights, ids, self.expert_layer, experts, self.ffn)
         gate, up = self.shared(x)

@@ -229,3 +229,26 @@ class Qwen35Moe(MoEModel):
         kv.advance(pos + len(tokens))
         kv.commit(pos, cuts)
         return self.logits(x, all_logits)
+
+    def mix_rows(self, i: int, x: torch.Tensor, kvs: list, positions: list[int]) -> torch.Tensor:
+        """Each row's DeltaNet step (its own recurrent state) or attention, as forward runs one token."""
+        norm, mixer = self.layers[i][0], self.layers[i][1]
+        rows = []
+        for b, (kv, p) in enumerate(zip(kvs, positions, strict=True)):
+            h = rms_norm(x[b : b + 1], norm, self.cfg.rms_eps)
+            if isinstance(mixer, GatedDeltaNet):
+                rows.append(mixer(h, kv.conv[i], kv.ssm[i], []))
+            else:
+                rows.append(mixer(h, i, kv, p, self.rope))
+        return torch.cat(rows)
+
+    def begin_rows(self, kvs: list, positions: list[int]) -> None:
+        for kv, p in zip(kvs, positions, strict=True):
+            if p != kv.length:
+                raise ValueError(
+                    f"the recurrent state holds {kv.length} positions but the step is at {p}; truncate the cache first"
+                )
+
+    def abort_rows(self, kvs: list, positions: list[int], state: object) -> None:
+        for kv, p in zip(kvs, positions, strict=True):  # the layers run so far moved the states past p
+            kv.rewind(p)

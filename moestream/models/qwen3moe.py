@@ -9,6 +9,7 @@ everything else is resident.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -86,31 +87,44 @@ class Attention:
 
     def fused_decode(self, x: torch.Tensor, norm: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE):
         """The whole block for one token in one native call (norm included), or None when the forms don't allow."""
+        return self.fused_decode_rows(x, norm, layer, [kv], [pos], rope)
+
+    def fused_decode_rows(
+        self, x: torch.Tensor, norm: torch.Tensor, layer: int, kvs: list[KVCache], positions: list[int], rope: RoPE
+    ) -> torch.Tensor | None:
+        """fused_decode for rows of x [B, hidden], each over its own cache at its own position, in one native
+        call that reads the projections once for all rows (each row's result as it is alone); None when the
+        forms don't allow."""
         lib = native.lib()
         qkv, o, cfg = self.qkv, self.o, self.cfg
-        kc, vc = kv.k[layer], kv.v[layer]
+        caches = [(kv.k[layer], kv.v[layer]) for kv in kvs]
+        dtypes = {kc.dtype if kc is not None else None for kc, _ in caches}
         if (
             lib is None
             or qkv is None
             or qkv.kind != "lane"
             or o.kind != "lane"
-            or kc is None
-            or kc.dtype not in (torch.bfloat16, torch.float32)
-            or pos >= kc.shape[0]
+            or len(dtypes) != 1
+            or dtypes.pop() not in (torch.bfloat16, torch.float32)
+            or any(p >= kc.shape[0] for (kc, _), p in zip(caches, positions, strict=True))
         ):
             return None
-        rope.ensure(pos + 1)
+        rope.ensure(max(positions) + 1)
         half = rope.rot_dim // 2
         x = x.contiguous()
         out = torch.empty_like(x)
-        rc = lib.ms_attn_block_decode(
-            x.data_ptr(), norm.data_ptr(), cfg.hidden, cfg.rms_eps, qkv.ggml_type, qkv.weight.data_ptr(),
+        B = len(kvs)
+        ptrs = ctypes.c_void_p * B
+        rc = lib.ms_attn_block_decode_rows(
+            B, x.data_ptr(), norm.data_ptr(), cfg.hidden, cfg.rms_eps, qkv.ggml_type, qkv.weight.data_ptr(),
             self.q_norm.data_ptr(), self.k_norm.data_ptr(), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-            rope.cos_ptr(pos), rope.sin_ptr(pos), 2 * half, kc.data_ptr(), vc.data_ptr(),
-            int(kc.dtype == torch.bfloat16), pos, o.ggml_type, o.weight.data_ptr(), out.data_ptr(),
+            ptrs(*(rope.cos_ptr(p) for p in positions)), ptrs(*(rope.sin_ptr(p) for p in positions)), 2 * half,
+            ptrs(*(kc.data_ptr() for kc, _ in caches)), ptrs(*(vc.data_ptr() for _, vc in caches)),
+            int(caches[0][0].dtype == torch.bfloat16), (ctypes.c_int64 * B)(*positions), o.ggml_type,
+            o.weight.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         if rc != 0:
-            raise RuntimeError(f"ms_attn_block_decode failed ({rc}) at layer {layer}")
+            raise RuntimeError(f"ms_attn_block_decode_rows failed ({rc}) at layer {layer}")
         return out
 
     def __call__(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
@@ -194,3 +208,16 @@ class Qwen3Moe(MoEModel):
             x = x + moe(rms_norm(x, ffn_norm, self.cfg.rms_eps), self.experts, forced)
         kv.advance(pos + len(tokens))
         return self.logits(x, all_logits)
+
+    def mix_rows(self, i: int, x: torch.Tensor, kvs: list, positions: list[int]) -> torch.Tensor:
+        """Attention for rows of x: the fused native block on all rows at once where the forms allow."""
+        attn_norm, attn = self.layers[i][0], self.layers[i][1]
+        a = attn.fused_decode_rows(x, attn_norm, i, kvs, positions, self.rope)
+        if a is not None:
+            return a
+        rows = []
+        for b, (kv, p) in enumerate(zip(kvs, positions, strict=True)):
+            xb = x[b : b + 1]
+            a = attn.fused_decode(xb, attn_norm, i, kv, p, self.rope)
+            rows.append(a if a is not None else attn(rms_norm(xb, attn_norm, self.cfg.rms_eps), i, kv, p, self.rope))
+        return torch.cat(rows)

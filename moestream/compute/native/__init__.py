@@ -154,6 +154,10 @@ def _declare(lib: ctypes.CDLL) -> None:
             [vp, vp, i64, f32, c_int, vp, vp, vp, i64, i64, i64, vp, vp, i64, vp, vp, c_int, i64, c_int, vp, vp],
             c_int,
         ),
+        "ms_attn_block_decode_rows": (
+            [i64, vp, vp, i64, f32, c_int, vp, vp, vp, i64, i64, i64, vp, vp, i64, vp, vp, c_int, vp, c_int, vp, vp],
+            c_int,
+        ),
     }
     plain = {  # queries and settings that cannot fail
         "ms_abi_version": ([], c_int),

@@ -115,6 +115,11 @@ static inline int64_t super_bytes(int type) { /* bytes per 256 weights (8 lanes)
 int64_t ms_lane_row_bytes(int type, int64_t k);
 int ms_qmm(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, int64_t ldx, float *y,
            int64_t ldy);
+int ms_attn_block_decode_rows(int64_t b, const float *x, const float *norm_w, int64_t hidden, float eps,
+                              int qkv_type, const uint8_t *qkv_w, const float *q_norm, const float *k_norm,
+                              int64_t n_heads, int64_t n_kv, int64_t head_dim, const float *const *cosv,
+                              const float *const *sinv, int64_t rot, void *const *k_cache, void *const *v_cache,
+                              int kv_bf16, const int64_t *pos, int o_type, const uint8_t *o_w, float *out);
 
 /* ---------------------------------------------------------------------------------------------------- */
 /* the worker pool (pool.c) */

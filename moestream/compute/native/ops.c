@@ -266,44 +266,59 @@ int ms_attn_block_decode(const float *x, const float *norm_w, int64_t hidden, fl
                          int64_t n_kv, int64_t head_dim, const float *cosv, const float *sinv, int64_t rot,
                          void *k_cache, void *v_cache, int kv_bf16, int64_t pos, int o_type, const uint8_t *o_w,
                          float *out) {
+    return ms_attn_block_decode_rows(1, x, norm_w, hidden, eps, qkv_type, qkv_w, q_norm, k_norm, n_heads, n_kv,
+                                     head_dim, &cosv, &sinv, rot, &k_cache, &v_cache, kv_bf16, &pos, o_type, o_w,
+                                     out);
+}
+
+/* The same block for b decode tokens of b sequences at once (batched decode): row i has its own cache
+ * (k_cache[i], v_cache[i]), position pos[i] and rope rows (cosv[i], sinv[i]). The projections run once on
+ * all b rows (each weight read once a step); the lane kernels compute every row as they would alone, and
+ * every other step is per row, so row i's result equals a call of ms_attn_block_decode for it alone. */
+int ms_attn_block_decode_rows(int64_t b, const float *x, const float *norm_w, int64_t hidden, float eps,
+                              int qkv_type, const uint8_t *qkv_w, const float *q_norm, const float *k_norm,
+                              int64_t n_heads, int64_t n_kv, int64_t head_dim, const float *const *cosv,
+                              const float *const *sinv, int64_t rot, void *const *k_cache, void *const *v_cache,
+                              int kv_bf16, const int64_t *pos, int o_type, const uint8_t *o_w, float *out) {
     if (!dim_ok(hidden) || !dim_ok(n_heads) || !dim_ok(n_kv) || !dim_ok(head_dim) || n_heads % n_kv) return MS_BAD_SHAPE;
-    if (!prod_ok(n_heads, head_dim) || rot < 0 || rot > head_dim || rot % 2 || pos < 0) return MS_BAD_SHAPE;
-    if (!prod_ok(pos + 1, n_kv * head_dim)) return MS_BAD_SHAPE;
-    if (!x || !norm_w || !qkv_w || !q_norm || !k_norm || !cosv || !sinv || !k_cache || !v_cache || !o_w || !out)
+    if (b < 1 || b > 4096 || !prod_ok(n_heads, head_dim) || rot < 0 || rot > head_dim || rot % 2) return MS_BAD_SHAPE;
+    if (!x || !norm_w || !qkv_w || !q_norm || !k_norm || !cosv || !sinv || !k_cache || !v_cache || !pos || !o_w || !out)
         return MS_BAD_PTR;
     const int64_t nq = n_heads * head_dim, nkv = n_kv * head_dim, nqkv = nq + 2 * nkv;
-    float *buf = malloc(sizeof(float) * (size_t)(hidden + nqkv + nq));
+    for (int64_t r = 0; r < b; r++) {
+        if (pos[r] < 0 || !prod_ok(pos[r] + 1, nkv)) return MS_BAD_SHAPE;
+        if (!cosv[r] || !sinv[r] || !k_cache[r] || !v_cache[r]) return MS_BAD_PTR;
+    }
+    if (!prod_ok(b, hidden + nqkv + nq)) return MS_BAD_SHAPE;
+    float *buf = malloc(sizeof(float) * (size_t)(b * (hidden + nqkv + nq)));
     if (!buf) return MS_NO_MEM;
-    float *xn = buf, *qkv = xn + hidden, *att = qkv + nqkv;
-    int rc = ms_rms_norm(x, norm_w, 1, hidden, eps, xn);
-    if (rc == MS_OK) rc = ms_qmm(qkv_type, qkv_w, nqkv, hidden, xn, 1, hidden, qkv, nqkv);
-    if (rc != MS_OK) {
-        free(buf);
-        return rc;
-    }
-    float *q = qkv, *k = qkv + nq, *v = k + nkv;
-    rc = ms_rms_norm(q, q_norm, n_heads, head_dim, eps, q);
-    if (rc == MS_OK) rc = ms_rms_norm(k, k_norm, n_kv, head_dim, eps, k);
-    if (rc == MS_OK) rc = ms_rope_neox(q, 1, n_heads, head_dim, rot, cosv, sinv);
-    if (rc == MS_OK) rc = ms_rope_neox(k, 1, n_kv, head_dim, rot, cosv, sinv);
-    if (rc != MS_OK) {
-        free(buf);
-        return rc;
-    }
-    for (int64_t i = 0; i < nkv; i++) {
-        if (kv_bf16) { /* round to nearest even, as torch's .to(bfloat16) */
-            uint32_t bk, bv;
-            memcpy(&bk, &k[i], 4);
-            memcpy(&bv, &v[i], 4);
-            ((uint16_t *)k_cache)[pos * nkv + i] = (uint16_t)((bk + 0x7FFF + ((bk >> 16) & 1)) >> 16);
-            ((uint16_t *)v_cache)[pos * nkv + i] = (uint16_t)((bv + 0x7FFF + ((bv >> 16) & 1)) >> 16);
-        } else {
-            ((float *)k_cache)[pos * nkv + i] = k[i];
-            ((float *)v_cache)[pos * nkv + i] = v[i];
+    float *xn = buf, *qkv_all = xn + b * hidden, *att_all = qkv_all + b * nqkv;
+    int rc = ms_rms_norm(x, norm_w, b, hidden, eps, xn);
+    if (rc == MS_OK) rc = ms_qmm(qkv_type, qkv_w, nqkv, hidden, xn, b, hidden, qkv_all, nqkv);
+    for (int64_t r = 0; r < b && rc == MS_OK; r++) {
+        float *q = qkv_all + r * nqkv, *k = q + nq, *v = k + nkv, *att = att_all + r * nq;
+        const int64_t p = pos[r];
+        rc = ms_rms_norm(q, q_norm, n_heads, head_dim, eps, q);
+        if (rc == MS_OK) rc = ms_rms_norm(k, k_norm, n_kv, head_dim, eps, k);
+        if (rc == MS_OK) rc = ms_rope_neox(q, 1, n_heads, head_dim, rot, cosv[r], sinv[r]);
+        if (rc == MS_OK) rc = ms_rope_neox(k, 1, n_kv, head_dim, rot, cosv[r], sinv[r]);
+        if (rc != MS_OK) break;
+        for (int64_t i = 0; i < nkv; i++) {
+            if (kv_bf16) { /* round to nearest even, as torch's .to(bfloat16) */
+                uint32_t bk, bv;
+                memcpy(&bk, &k[i], 4);
+                memcpy(&bv, &v[i], 4);
+                ((uint16_t *)k_cache[r])[p * nkv + i] = (uint16_t)((bk + 0x7FFF + ((bk >> 16) & 1)) >> 16);
+                ((uint16_t *)v_cache[r])[p * nkv + i] = (uint16_t)((bv + 0x7FFF + ((bv >> 16) & 1)) >> 16);
+            } else {
+                ((float *)k_cache[r])[p * nkv + i] = k[i];
+                ((float *)v_cache[r])[p * nkv + i] = v[i];
+            }
         }
+        rc = ms_attn_decode(q, k_cache[r], v_cache[r], p + 1, n_heads, n_kv, head_dim, kv_bf16,
+                            1.0f / sqrtf((float)head_dim), att);
     }
-    rc = ms_attn_decode(q, k_cache, v_cache, pos + 1, n_heads, n_kv, head_dim, kv_bf16, 1.0f / sqrtf((float)head_dim), att);
-    if (rc == MS_OK) rc = ms_qmm(o_type, o_w, hidden, nq, att, 1, nq, out, hidden);
+    if (rc == MS_OK) rc = ms_qmm(o_type, o_w, hidden, nq, att_all, b, nq, out, hidden);
     free(buf);
     return rc;
 }
