@@ -77,28 +77,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextmanager
+def serve_process(model_path: str, log_dir: Any, *args: str) -> Iterator[str]:
+    """`moestream serve` on the model in a child process until the block ends; yields its URL."""
     port = _free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # closed below
-    cmd = [
-        sys.executable,
-        "-m",
-        "moestream",
-        "serve",
-        "-m",
-        model_path,
-        "--ram-budget-mb",
-        "2000",
-        "--ctx",
-        str(CTX),
-        "--port",
-        str(port),
-        "--model-name",
-        MODEL,
-        "--log-level",
-        "warning",
-    ]
+    log = open(log_dir / "server.log", "w+")  # closed below
+    cmd = [sys.executable, "-m", "moestream", "serve", "-m", model_path, "--ctx", str(CTX), "--port", str(port),
+           "--model-name", MODEL, "--log-level", "warning", *args]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -124,6 +109,12 @@ def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with serve_process(model_path, tmp_path_factory.mktemp("server"), "--ram-budget-mb", "2000") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

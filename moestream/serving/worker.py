@@ -55,7 +55,7 @@ class ErrorEvent:
 Event = TextEvent | DoneEvent | ErrorEvent
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     prompt: list[int]
     max_tokens: int
@@ -113,6 +113,7 @@ class Worker:
         self.active: dict[Sequence, _Active] = {}
         self._lock = threading.Lock()
         self._waiting: set[Job] = set()  # submitted and not yet holding a sequence slot
+        self._holding: set[Job] = set()  # holding a sequence slot
         self.metrics = Metrics()
         self.fatal: str | None = None  # set when the model file changed: nothing more can be answered
         self.on_fatal = on_fatal
@@ -136,13 +137,14 @@ class Worker:
             job.emit(ErrorEvent(_unavailable(self.fatal)))
             return
         with self._lock:
-            if len(self._waiting) >= self.max_queue:
+            free = self.batch.capacity - len(self._holding)
+            if len(self._waiting) >= self.max_queue + free:
                 self.metrics.rejected += 1
                 retry = max(1, math.ceil(self.metrics.request_s))
                 raise APIError(
                     429,
-                    f"the server is busy: {self.batch.capacity} requests are generating and {len(self._waiting)} "
-                    f"wait for a slot (--max-queue); retry in about {retry} s",
+                    f"the server is busy: {len(self._holding)} requests are generating and {len(self._waiting)} "
+                    f"wait for a slot (--max-queue {self.max_queue}); retry in about {retry} s",
                     type="server_error",
                     code="queue_full",
                     headers={"Retry-After": str(retry)},
@@ -211,16 +213,17 @@ class Worker:
         self.metrics.requests += 1
         try:
             seq = self.batch.add(job.prompt, job.max_tokens, job.sampler, self.engine.tokenizer.stop_ids)
-        except ContextError as exc:
+        except Exception as exc:  # a prompt that cannot fit, or a model file that changed
             self._unqueue(job)
             self.metrics.failed += 1
-            job.emit(ErrorEvent(APIError(400, f"generation failed: {exc}")))
+            job.emit(ErrorEvent(self._error(exc)))
             return
         self.active[seq] = _Active(job, StopText(self.engine.tokenizer, job.stop, job.keep_ids))
 
     def _unqueue(self, job: Job) -> None:
         with self._lock:
             self._waiting.discard(job)
+            self._holding.discard(job)
 
     def _drop_cancelled(self) -> None:
         for seq, act in list(self.active.items()):
@@ -240,7 +243,9 @@ class Worker:
         for seq, act in self.active.items():
             if not act.admitted and seq.conversation is not None:
                 act.admitted = True
-                self._unqueue(act.job)
+                with self._lock:
+                    self._waiting.discard(act.job)
+                    self._holding.add(act.job)
         for ev in events:
             self._deliver(ev)
 
@@ -276,20 +281,21 @@ class Worker:
     def _fail(self, exc: Exception) -> None:
         """A step raised: its sequences end with an error; the queued ones go on if the file is still good."""
         failed = self.batch.fail_running()
-        ok = self._check_file()
-        # only a request that cannot fit is the client's fault; a model or disk failure is the server's
-        status = 400 if isinstance(exc, ContextError) else 500
-        kind = "invalid_request_error" if status == 400 else "server_error"
+        error = self._error(exc)
         for seq in failed:
             act = self.active.pop(seq)
             self._unqueue(act.job)
             self.metrics.failed += 1
-            error = (
-                _unavailable(self.fatal or str(exc))
-                if not ok
-                else APIError(status, f"generation failed: {exc}", type=kind)
-            )
             act.job.emit(ErrorEvent(error))
+
+    def _error(self, exc: Exception) -> APIError:
+        """What a client is told of a failure: 503 once the model file changed; only a request that cannot fit
+        is the client's fault (400), a model or disk failure is the server's (500)."""
+        if not self._check_file():
+            return _unavailable(self.fatal or str(exc))
+        if isinstance(exc, ContextError):
+            return APIError(400, f"generation failed: {exc}")
+        return APIError(500, f"generation failed: {exc}", type="server_error")
 
     def _end_all(self) -> None:
         """The server stops: whatever is left ends as cancelled."""
