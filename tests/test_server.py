@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,7 +26,9 @@ import pytest
 import uvicorn
 
 from moestream.analysis.synth import write_synth
-from moestream.engine.stats import EngineSnapshot, GenerationStats, GenerationStep
+from moestream.engine.batch import BatchEvent, Sequence
+from moestream.engine.prompt_cache import Conversation
+from moestream.engine.stats import EngineSnapshot
 from moestream.formats.chat_template import render_chat
 from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.tokenizer import Tokenizer
@@ -74,28 +77,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextmanager
+def serve_process(model_path: str, log_dir: Any, *args: str) -> Iterator[str]:
+    """`moestream serve` on the model in a child process until the block ends; yields its URL."""
     port = _free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # closed below
-    cmd = [
-        sys.executable,
-        "-m",
-        "moestream",
-        "serve",
-        "-m",
-        model_path,
-        "--ram-budget-mb",
-        "2000",
-        "--ctx",
-        str(CTX),
-        "--port",
-        str(port),
-        "--model-name",
-        MODEL,
-        "--log-level",
-        "warning",
-    ]
+    log = open(log_dir / "server.log", "w+")  # closed below
+    cmd = [sys.executable, "-m", "moestream", "serve", "-m", model_path, "--ctx", str(CTX), "--port", str(port),
+           "--model-name", MODEL, "--log-level", "warning", *args]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -121,6 +109,12 @@ def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with serve_process(model_path, tmp_path_factory.mktemp("server"), "--ram-budget-mb", "2000") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -577,28 +571,58 @@ class ScriptedEngine:
         self.ctx = ctx
         self.model_path = "/models/scripted.gguf"
 
-    def reset(self) -> None:
-        pass
-
     def check_model_file(self) -> None:
         pass
 
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(model_path=self.model_path, ctx=self.ctx, n_slots=8)
 
-    def stream(
-        self, prompt: list[int], max_new_tokens: int, sampler: Any, stop_ids: set[int]
-    ) -> Iterator[GenerationStep]:
-        st = GenerationStats(prompt_tokens=len(prompt))
-        script = [*self.tokenizer.encode(self.script), self.tokenizer.eos_id][:max_new_tokens]
-        for i, t in enumerate(script):
-            st.decode_tokens = i + 1
-            last = t in stop_ids or i + 1 == len(script)
-            if last:
-                st.finish_reason = "stop" if t in stop_ids else "length"
-            yield GenerationStep(t, st, st.finish_reason if last else None)
-            if last:
-                return
+    def batch(self) -> ScriptedBatch:
+        return ScriptedBatch(self)
+
+    def tokens(self, prompt: list[int]) -> Iterator[int]:
+        """What the engine 'generates' for a prompt."""
+        yield from [*self.tokenizer.encode(self.script), self.tokenizer.eos_id]
+
+
+class ScriptedBatch:
+    """Stands in for engine.batch.Batch: each sequence generates its engine's tokens, all in the same steps."""
+
+    def __init__(self, engine: ScriptedEngine):
+        self.engine = engine
+        self.running: list[Sequence] = []
+        self.capacity = 4
+        self.decode_batch_sizes: Counter[int] = Counter()
+        self.script: dict[Sequence, Iterator[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    def add(self, prompt: list[int], max_new_tokens: int, sampler: Any, stop_ids: set[int]) -> Sequence:
+        seq = Sequence(prompt, max_new_tokens, sampler, stop_ids, conversation=Conversation(None))
+        seq.stats.prompt_tokens = len(prompt)
+        self.running.append(seq)
+        self.script[seq] = self.engine.tokens(prompt)
+        return seq
+
+    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
+        self.running.remove(seq)
+        seq.finish_reason = seq.stats.finish_reason = reason
+
+    def fail_running(self) -> list[Sequence]:
+        failed, self.running = self.running, []
+        return failed
+
+    def step(self) -> list[BatchEvent]:
+        events = []
+        for seq in list(self.running):
+            t = next(self.script[seq])
+            seq.n_new = seq.stats.decode_tokens = seq.n_new + 1
+            reason = "stop" if t in seq.stop_ids else "length" if seq.n_new >= seq.max_new_tokens else None
+            if reason is not None:
+                self.cancel(seq, reason)
+            events.append(BatchEvent(seq, t, reason))
+        return events
 
 
 @contextmanager
@@ -660,15 +684,13 @@ def test_tool_calls_scripted(scripted: str) -> None:
 
 
 class FailingEngine(ScriptedEngine):
-    def stream(
-        self, prompt: list[int], max_new_tokens: int, sampler: Any, stop_ids: set[int]
-    ) -> Iterator[GenerationStep]:
+    def tokens(self, prompt: list[int]) -> Iterator[int]:
         if self.tokenizer.encode("crash")[0] in prompt:
             raise RuntimeError("the model file is unreadable")
         if self.tokenizer.encode("boom")[0] in prompt:
-            yield GenerationStep(self.tokenizer.encode("partial")[0], GenerationStats())
+            yield self.tokenizer.encode("partial")[0]
             raise RuntimeError("the disk went away")
-        yield from super().stream(prompt, max_new_tokens, sampler, stop_ids)
+        yield from super().tokens(prompt)
 
 
 def test_engine_failure_is_reported(tokenizer: Tokenizer) -> None:

@@ -140,6 +140,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         pin_mb=args.pin_mb,
         keep_free_mb=args.keep_free_mb,
         prompt_cache_mb=getattr(args, "prompt_cache_mb", 0),  # run and the analyses keep none
+        max_batch=getattr(args, "max_batch", 1),  # only serve decodes several sequences together
         progress=True,
     )
 

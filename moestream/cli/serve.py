@@ -7,8 +7,9 @@ import sys
 
 from moestream.cli import values
 from moestream.cli.options import add_engine_args, add_prompt_cache_arg, add_sampling_args, open_engine, sampler
+from moestream.engine.planning import DEFAULT_BATCH
 from moestream.errors import MoestreamError
-from moestream.serving.app import DEFAULT_MAX_TOKENS, Defaults, default_model_name, serve
+from moestream.serving.app import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, Defaults, default_model_name, serve
 from moestream.serving.chat import HELP, ChatSession, repl
 
 
@@ -27,10 +28,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(engine.plan.describe(), flush=True)
         print(
             f"moestream: serving {name} on http://{args.host}:{args.port}/v1 (context {engine.ctx} tokens, "
-            f"{engine.snapshot().n_slots} expert slots)",
+            f"{engine.max_batch} requests at once, {engine.snapshot().n_slots} expert slots)",
             flush=True,
         )
-        stopped_by = serve(engine, name, host=args.host, port=args.port, log_level=args.log_level, defaults=defaults)
+        stopped_by = serve(
+            engine,
+            name,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            defaults=defaults,
+            max_queue=args.max_queue,
+        )
     finally:
         engine.close()
     if stopped_by is not None:
@@ -77,6 +86,21 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "than fits the context). A request's own max_tokens may be up to the context length; one above it is "
         "refused with 400, and one that fits the context but not after its prompt is cut to what fits "
         "(finish_reason 'length')",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=values.whole(1, 64),
+        default=None,
+        help=f"requests that generate together, each with its own KV cache at --ctx, counted in the budget "
+        f"(default: up to {DEFAULT_BATCH} where their KV caches take at most a quarter of the expert cache's "
+        "room); each layer's experts are read once for all of them",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=values.whole(0, 1 << 20),
+        default=DEFAULT_MAX_QUEUE,
+        help=f"requests that may wait for a free slot; beyond them the server answers 429 with Retry-After "
+        f"(default {DEFAULT_MAX_QUEUE})",
     )
     p.add_argument("--host", type=values.text, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=values.port, default=8080, help="port (default 8080)")

@@ -7,6 +7,7 @@ import time
 import weakref
 from collections.abc import Generator, Iterator
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
@@ -14,10 +15,11 @@ from moestream.analysis.profile import load_profile
 from moestream.analysis.routes import RouteTrace
 from moestream.analysis.trace import TraceWriter
 from moestream.compute import native
+from moestream.engine.batch import Batch
 from moestream.engine.model_file import open_model, tokenizer_if_any
 from moestream.engine.options import EngineOptions
 from moestream.engine.planning import DEFAULT_UBATCH, SlotPlanner, read_buffers
-from moestream.engine.prompt_cache import PromptCache, common_prefix
+from moestream.engine.prompt_cache import Conversation, PromptCache
 from moestream.engine.sampling import Sampler
 from moestream.engine.stats import EngineSnapshot, Generation, GenerationStats, GenerationStep
 from moestream.errors import BudgetError, ContextError
@@ -49,12 +51,15 @@ class Engine:
         # the read-ahead admits what it reads, so admission rules that can turn a miss away switch it off
         read_ahead = o.read_ahead and o.admit_prompt and o.min_hits == 0
         planner = SlotPlanner(self.file, self.ctx, o)
+        self.max_batch = planner.batch_size()
         if o.n_slots is None:
-            planner.refuse()
+            planner.refuse(self.max_batch)
         self._load_model()
         self.cfg = self.model.cfg
         self.kv = self.model.new_kv(self.ctx)
-        self._kv_tokens: list[int] = []
+        self.conversation = Conversation(self.kv)
+        # the other sequences a batch decodes with this one, allocated (and so measured by the plan) up front
+        self.batch_kvs = [self.model.new_kv(self.ctx) for _ in range(self.max_batch - 1)]
         self.plan: BudgetPlan | None = None
         self.ubatch, n_slots = o.ubatch or DEFAULT_UBATCH, o.n_slots
         self.span = o.prefill_span or self.ctx  # without a budget to fit: the whole prompt
@@ -64,7 +69,8 @@ class Engine:
         # conversations kept across requests, in the MB the plan counted (without a budget: the option's)
         cache_mb = planner.prompt_cache_mb
         self.prompt_cache = PromptCache(cache_mb * MB) if cache_mb else None
-        self.kv.query_chunk = self.ubatch  # a span's attention runs a micro-batch of queries at a time
+        for kv in [self.kv, *self.batch_kvs]:  # a span's attention runs a micro-batch of queries at a time
+            kv.query_chunk = self.ubatch
         self.reader = self._open_reader(read_ahead)
         self.cache = self._open_cache(n_slots, read_ahead)
         self.elastic = ElasticWatcher(self.cache, o.keep_free_mb).start() if o.keep_free_mb is not None else None
@@ -230,8 +236,7 @@ class Engine:
     def reset(self) -> None:
         """Forget the conversation held in the KV cache."""
         self._finish_active()
-        self._kv_tokens = []
-        self.kv.truncate(0)
+        self.conversation.forget()
 
     # -- generation -------------------------------------------------------------------------------------
 
@@ -267,6 +272,11 @@ class Engine:
             gen.tokens.append(step.token)
         return gen
 
+    def batch(self) -> Batch:
+        """Sequences that generate together (serve): up to max_batch at a time, each in its own KV cache."""
+        self._finish_active()
+        return Batch(self)
+
     def check_model_file(self) -> None:
         """Raise DiskError if the model file was truncated, rewritten or replaced since it was opened: the
         experts still to be read would no longer be the ones the resident weights belong to."""
@@ -288,38 +298,13 @@ class Engine:
         if steps is not None:
             steps.close()
 
-    def _reuse_prefix(self, prompt: list[int]) -> int:
-        """Resume the KV cache at the longest prefix this prompt shares with what it holds or with a saved
-        conversation (which it then holds); the length resumed at."""
-        limit = len(prompt) - 1  # the last prompt token must run to give logits
-        common_len = min(common_prefix(self._kv_tokens, prompt), limit)
-        pc = self.prompt_cache
-        if pc is not None:
-            hit = pc.lookup(prompt, limit)
-            # the live conversation is saved before a saved one replaces it or this prompt cuts it short
-            if hit is not None and hit.resume > self.kv.resumable(common_len):
-                self._save_conversation()
-                resumed = self.kv.restore(hit.snapshot, hit.resume)
-                self._kv_tokens = list(prompt[:resumed])
-                return resumed
-            if common_len < len(self._kv_tokens):
-                self._save_conversation()
-        # A recurrent state can only go back to a checkpoint, so the state says where it really resumes.
-        common_len = self.kv.truncate(common_len)
-        self._kv_tokens = list(prompt[:common_len])
-        return common_len
-
-    def _save_conversation(self) -> None:
-        if self.prompt_cache is not None and self._kv_tokens:
-            self.prompt_cache.save(self._kv_tokens, self.kv.snapshot(len(self._kv_tokens)))
-
     def _steps(
         self, prompt: list[int], max_new_tokens: int, sampler: Sampler, stop_ids: set[int], st: GenerationStats
     ) -> Generator[GenerationStep, None, None]:
         max_new_tokens = min(max_new_tokens, self.ctx - len(prompt))
         counters = _Counters(self.cache.stats, st)
         st.prompt_tokens = len(prompt)
-        st.reused_tokens = pos = self._reuse_prefix(prompt)
+        st.reused_tokens = pos = self.conversation.resume(prompt, self.prompt_cache)
         n_tokens = 0
         t0 = time.perf_counter()
         self.cache.phase = "prompt"
@@ -332,7 +317,7 @@ class Engine:
                     chunk = prompt[pos : pos + self.span]
                     logits = self._forward(chunk, pos)
                     pos += len(chunk)
-                    self._kv_tokens.extend(chunk)
+                    self.conversation.tokens.extend(chunk)
                 st.prompt_s = time.perf_counter() - t0
                 self.cache.phase = "decode"
                 counters.decode_begins()
@@ -354,7 +339,7 @@ class Engine:
                         st.decode_s = time.perf_counter() - t1
                         raise
                     logits = self._forward([tok], pos)
-                    self._kv_tokens.append(tok)
+                    self.conversation.tokens.append(tok)
                     pos += 1
                 st.decode_s = time.perf_counter() - t1
         finally:
@@ -373,22 +358,32 @@ class Engine:
             return 1
         return self.threads
 
-    def _forward(self, tokens: list[int], pos: int) -> torch.Tensor:
-        want = self._torch_threads_for(len(tokens))
+    def _forward(self, tokens: list[int], pos: int, kv: Any = None) -> torch.Tensor:
+        """Run `tokens` at positions pos.. in `kv` (the engine's own conversation by default)."""
+        units = -(-len(tokens) // self.ubatch)  # the micro-batches this step stands for
+        self._begin_step(len(tokens), units, pos)
+        return self.model.forward(tokens, self.kv if kv is None else kv, pos)
+
+    def _forward_batch(self, tokens: list[int], kvs: list[Any], positions: list[int]) -> torch.Tensor:
+        """One decode step of several sequences (token b at positions[b] in kvs[b]): logits [B, V]. Each
+        layer's experts are fetched once for the union of what the rows route to."""
+        self._begin_step(1, 1, positions[0])
+        return self.model.forward_batch(tokens, kvs, positions)
+
+    def _begin_step(self, n_tokens: int, units: int, pos: int) -> None:
+        want = self._torch_threads_for(n_tokens)
         if want != self._torch_threads:
             torch.set_num_threads(want)
             self._torch_threads = want
         # the lane pool's idle workers spin between a decode step's back-to-back calls, but not through a
         # prompt micro-batch, whose reader threads need the cores to pack what they read
-        spin = 2000 if len(tokens) == 1 else 100
+        spin = 2000 if n_tokens == 1 else 100
         if spin != self._spin_us:
             native.set_spin_us(spin)
             self._spin_us = spin
-        units = -(-len(tokens) // self.ubatch)  # the micro-batches this step stands for
         self._step += units
         self._token = pos
         self.cache.begin_step(units)
-        return self.model.forward(tokens, self.kv, pos)
 
     def close(self) -> None:
         self._finish_active()

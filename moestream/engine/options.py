@@ -16,10 +16,11 @@ _POSITIVE = {
     "prefill_span": "--prefill-span",
     "pin_mb": "--pin-mb",
     "keep_free_mb": "--keep-free-mb",
+    "max_batch": "--max-batch",
 }
 
 # Upper bounds: more is a typo, and would start that many threads or size buffers by it.
-_MAXIMUM = {"threads": 1024, "io_threads": 256, "ubatch": 4096, "prefill_span": 1 << 20}
+_MAXIMUM = {"max_batch": 64, "threads": 1024, "io_threads": 256, "ubatch": 4096, "prefill_span": 1 << 20}
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class EngineOptions:
     # conversations kept across requests (their KV cache) for a prompt that extends one; 0: off; None: the
     # planner's default where the budget affords it (serve, chat)
     prompt_cache_mb: int | None = 0
+    # sequences that decode together (serve), each with its own KV cache at ctx, all counted in the plan;
+    # None: up to DEFAULT_BATCH where their KV caches take a small share of the budget
+    max_batch: int | None = 1
     # compute
     ctx: int | None = None  # None: min(the model's, 4096)
     threads: int | None = None  # None: all cores

@@ -31,6 +31,10 @@ from moestream.streaming.reader import ALIGN
 # expert slots would have beyond their minimum (else none: under that much memory pressure slots matter more).
 PROMPT_CACHE_DEFAULT_MB = 512
 PROMPT_CACHE_SHARE = 0.25
+# Sequences serve decodes together by default, where their KV caches take at most BATCH_KV_SHARE of the room
+# the expert slots would have beyond their minimum (each sequence holds a KV cache at the full context).
+DEFAULT_BATCH = 8
+BATCH_KV_SHARE = 0.25
 DEFAULT_UBATCH = 128  # small micro-batches keep compute buffers and the expert union small
 # What the runtime itself grows by while loading (kernels and the C library initialised on first use, heap
 # left over from reading tensors, which release_free_heap mostly returns), so that the pre-check never names
@@ -92,12 +96,27 @@ class SlotPlanner:
         self.prompt_cache_mb = PROMPT_CACHE_DEFAULT_MB if pc is None else pc  # plan() may lower the default
         self.kw["reserve_mb"] = self.base_reserve_mb + (pc or 0)
 
-    def refuse(self) -> None:
-        """Raise BudgetError before loading anything if the dense weights alone break the budget."""
+    def refuse(self, batch: int = 1) -> None:
+        """Raise BudgetError before loading anything if the dense weights and `batch` KV caches alone break
+        the budget."""
+        plan_slots(resident=self._estimate(batch), **self.kw)
+
+    def batch_size(self) -> int:
+        """The sequences that decode together: the option's, or up to DEFAULT_BATCH where the KV caches of
+        all but the first take at most BATCH_KV_SHARE of the slots' room (estimated before loading)."""
+        if self.options.max_batch is not None:
+            return self.options.max_batch
+        kw, one = self.kw, self._estimate(1)
+        fixed = one + kw["compute"] + kw["reader"] + kw["reserve_mb"] * MB + kw["min_slots"] * kw["slot_nbytes"]
+        room = budget_bytes(kw["budget_mb"], one) - fixed
+        kv = max(1, self.model.arch.kv_nbytes(self.model.cfg, self.ctx, self.model.exact))
+        return max(1, min(DEFAULT_BATCH, 1 + int(BATCH_KV_SHARE * room) // kv))
+
+    def _estimate(self, batch: int) -> int:
+        """The resident size once the dense weights and `batch` KV caches are loaded, from the header."""
         m = self.model
         dense = dense_estimate(m.gguf, m.exact, trunk_blocks(m.cfg))
-        estimate = dense + m.arch.kv_nbytes(m.cfg, self.ctx, m.exact) + LOAD_SLACK
-        plan_slots(resident=rss_bytes() + estimate, **self.kw)
+        return rss_bytes() + dense + batch * m.arch.kv_nbytes(m.cfg, self.ctx, m.exact) + LOAD_SLACK
 
     def plan(self, read_ahead: bool) -> tuple[BudgetPlan, int, bool]:
         """(the plan, the micro-batch, whether the read-ahead runs), measured with the weights loaded; the

@@ -9,8 +9,8 @@ prefill of those tokens would.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 
 class Snapshot(Protocol):
@@ -76,3 +76,43 @@ class PromptCache:
 
     def _drop(self, key: tuple[int, ...]) -> None:
         self.nbytes -= self.entries.pop(key).nbytes
+
+
+@dataclass(eq=False)
+class Conversation:
+    """A KV cache and the tokens it holds: the engine's own, or one sequence slot of a batch."""
+
+    kv: Any  # a model's KV cache (KVCache, or a hybrid cache with recurrent states)
+    tokens: list[int] = field(default_factory=list)
+
+    def resume(self, prompt: list[int], saved: PromptCache | None) -> int:
+        """Resume at the longest prefix this prompt shares with what the cache holds or with a saved
+        conversation (which it then holds); the length resumed at."""
+        limit = len(prompt) - 1  # the last prompt token must run to give logits
+        common_len = min(common_prefix(self.tokens, prompt), limit)
+        if saved is not None:
+            hit = saved.lookup(prompt, limit)
+            # the live conversation is saved before a saved one replaces it or this prompt cuts it short
+            if hit is not None and hit.resume > self.kv.resumable(common_len):
+                self.save(saved)
+                resumed = self.kv.restore(hit.snapshot, hit.resume)
+                self.tokens = list(prompt[:resumed])
+                return resumed
+            if common_len < len(self.tokens):
+                self.save(saved)
+        # A recurrent state can only go back to a checkpoint, so the state says where it really resumes.
+        common_len = self.kv.truncate(common_len)
+        self.tokens = list(prompt[:common_len])
+        return common_len
+
+    def shared(self, prompt: list[int]) -> int:
+        """The positions a resume would keep without a saved conversation (choosing among free slots)."""
+        return self.kv.resumable(min(common_prefix(self.tokens, prompt), len(prompt) - 1))
+
+    def save(self, saved: PromptCache | None) -> None:
+        if saved is not None and self.tokens:
+            saved.save(self.tokens, self.kv.snapshot(len(self.tokens)))
+
+    def forget(self) -> None:
+        self.tokens = []
+        self.kv.truncate(0)

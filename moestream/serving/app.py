@@ -44,7 +44,16 @@ from moestream.serving.schemas import (
     parse_body,
 )
 from moestream.serving.text import Answer, finish_reason_with_calls, sse
-from moestream.serving.worker import DoneEvent, ErrorEvent, Event, Job, TextEvent, Worker, metrics_text
+from moestream.serving.worker import (
+    DEFAULT_MAX_QUEUE,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    Job,
+    TextEvent,
+    Worker,
+    metrics_text,
+)
 
 DISCONNECT_POLL_S = 0.1
 DEFAULT_MAX_TOKENS = 2048  # a request that gives no max_tokens generates at most this (and what fits)
@@ -89,13 +98,14 @@ class Service:
         defaults: Defaults,
         max_body_bytes: int,
         on_fatal: Callable[[str], None] | None = None,
+        max_queue: int = DEFAULT_MAX_QUEUE,
     ):
         self.engine = engine
         self.tok = engine.tokenizer
         self.model_name = model_name
         self.defaults = defaults
         self.max_body_bytes = max_body_bytes
-        self.worker = Worker(engine, on_fatal)
+        self.worker = Worker(engine, on_fatal, max_queue=max_queue)
         self.created = int(time.time())
         self.format = chat_format(self.tok.chat_template)
         self._keep: dict[tuple[str, ...], frozenset[int]] = {}
@@ -139,7 +149,7 @@ class Service:
     def health(self) -> dict[str, Any]:
         if not self.worker.thread.is_alive():
             raise APIError(503, "the engine worker is not running", type="server_error")
-        return {"status": "ok", "model": self.model_name, "queued": self.worker.jobs.qsize()}
+        return {"status": "ok", "model": self.model_name, "queued": self.worker.queued, "running": self.worker.running}
 
     # -- requests -> jobs --------------------------------------------------------------------------
 
@@ -362,11 +372,12 @@ def create_app(
     defaults: Defaults | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     on_fatal: Callable[[str], None] | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
 ) -> FastAPI:
     """The ASGI app. Its lifespan starts the engine worker and stops it (cancelling what is left).
     on_fatal(reason) is called from the worker when the server cannot answer any more (the model file
     changed under it)."""
-    svc = Service(engine, model_name, defaults or Defaults(), max_body_bytes, on_fatal)
+    svc = Service(engine, model_name, defaults or Defaults(), max_body_bytes, on_fatal, max_queue)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -459,7 +470,16 @@ def default_model_name(path: str) -> str:
     return re.sub(r"\.gguf$", "", os.path.basename(path), flags=re.IGNORECASE)
 
 
-def serve(engine: Any, name: str, *, host: str, port: int, log_level: str, defaults: Defaults) -> str | None:
+def serve(
+    engine: Any,
+    name: str,
+    *,
+    host: str,
+    port: int,
+    log_level: str,
+    defaults: Defaults,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+) -> str | None:
     """Serve `engine` over HTTP until a signal ends it (the caller opens and closes the engine). Returns
     why the server stopped on its own (the model file changed), or None after a signal."""
     fatal: list[str] = []
@@ -470,7 +490,7 @@ def serve(engine: Any, name: str, *, host: str, port: int, log_level: str, defau
         if server is not None:
             server.should_exit = True
 
-    app = create_app(engine, name, defaults=defaults, on_fatal=on_fatal)
+    app = create_app(engine, name, defaults=defaults, on_fatal=on_fatal, max_queue=max_queue)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     handle_exit = server.handle_exit

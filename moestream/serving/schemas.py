@@ -30,15 +30,17 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 # --------------------------------------------------------------------------------------------------

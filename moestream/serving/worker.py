@@ -1,29 +1,35 @@
-"""The one thread that runs the engine for the HTTP server, its jobs and its metrics.
+"""The one thread that runs the engine for the HTTP server: its jobs, the batch they decode in, its metrics.
 
-The worker runs one generation at a time and keeps the KV cache of the last conversation, so a follow-up
-turn only computes its new tokens. Requests queue FIFO in front of it. Tokens travel from the worker to
-the request's asyncio task through a thread-safe hand-off; a client that goes away sets the job's
-`cancelled` flag, and the worker stops iterating the generation at its next token. Text is decoded and
-cut at stop strings here (so a stop string ends generation at once).
+Requests decode together (engine/batch.py): each step takes one token from every admitted request, whose
+prompt, KV cache, sampling and stops are its own. A request that finds every sequence slot taken waits in a
+bounded queue (beyond it the server answers 429); each slot keeps its last conversation, so a follow-up turn
+only computes its new tokens. Tokens travel from the worker to the request's asyncio task through a
+thread-safe hand-off; a client that goes away sets the job's `cancelled` flag, and the worker ends that
+request at the next step without disturbing the others. Text is decoded and cut at stop strings here (so a
+stop string ends generation at once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import threading
+import time
 from collections.abc import Callable
-from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
+from moestream.engine.batch import BatchEvent, Sequence
 from moestream.engine.sampling import Sampler
 from moestream.errors import ContextError, DiskError
 from moestream.serving.schemas import APIError
-from moestream.serving.text import stream_text, usage_of
+from moestream.serving.text import StopText, usage_of
 from moestream.streaming.budget import rss_bytes
 
 FILE_CHECK_S = 5.0  # how often an idle server checks that its model file is unchanged
+DEFAULT_MAX_QUEUE = 64  # requests waiting for a sequence slot before the server answers 429
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _unavailable(reason: str) -> APIError:
@@ -49,7 +55,7 @@ class ErrorEvent:
 Event = TextEvent | DoneEvent | ErrorEvent
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     prompt: list[int]
     max_tokens: int
@@ -73,44 +79,85 @@ class Metrics:
     requests: int = 0
     cancelled: int = 0
     failed: int = 0
+    rejected: int = 0  # refused with 429: the queue was full
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
+    busy_s: float = 0.0  # time spent in steps
     last_prompt_tps: float = 0.0
     last_decode_tps: float = 0.0
+    request_s: float = 0.0  # recent requests' time from admission to end (moving average), for Retry-After
+
+
+@dataclass(eq=False)
+class _Active:
+    job: Job
+    text: StopText
+    admitted: bool = False
 
 
 class Worker:
-    """The one thread that touches the engine. Jobs run in arrival order (FIFO is fair)."""
+    """The one thread that touches the engine. Requests take sequence slots in arrival order (FIFO is fair)."""
 
     def __init__(
-        self, engine: Any, on_fatal: Callable[[str], None] | None = None, check_every_s: float = FILE_CHECK_S
+        self,
+        engine: Any,
+        on_fatal: Callable[[str], None] | None = None,
+        check_every_s: float = FILE_CHECK_S,
+        max_queue: int = DEFAULT_MAX_QUEUE,
     ):
         self.engine = engine
-        self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.current: Job | None = None
+        self.batch = engine.batch()
+        self.max_queue = max_queue
+        self.jobs: queue.Queue[Job | None] = queue.Queue()  # submitted, not yet seen by the worker
+        self.active: dict[Sequence, _Active] = {}
+        self._lock = threading.Lock()
+        self._waiting: set[Job] = set()  # submitted and not yet holding a sequence slot
+        self._holding: set[Job] = set()  # holding a sequence slot
         self.metrics = Metrics()
         self.fatal: str | None = None  # set when the model file changed: nothing more can be answered
         self.on_fatal = on_fatal
         self.check_every_s = check_every_s
         self.thread = threading.Thread(target=self._loop, name="moestream-engine", daemon=True)
 
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.batch.running)
+
     def start(self) -> None:
         self.thread.start()
 
     def submit(self, job: Job) -> None:
+        """Queue a job, or raise APIError 429 when --max-queue requests already wait for a slot."""
         if self.fatal is not None:
             job.emit(ErrorEvent(_unavailable(self.fatal)))
             return
+        with self._lock:
+            free = self.batch.capacity - len(self._holding)
+            if len(self._waiting) >= self.max_queue + free:
+                self.metrics.rejected += 1
+                retry = max(1, math.ceil(self.metrics.request_s))
+                raise APIError(
+                    429,
+                    f"the server is busy: {len(self._holding)} requests are generating and {len(self._waiting)} "
+                    f"wait for a slot (--max-queue {self.max_queue}); retry in about {retry} s",
+                    type="server_error",
+                    code="queue_full",
+                    headers={"Retry-After": str(retry)},
+                )
+            self._waiting.add(job)
         self.jobs.put(job)
 
     def cancel_all(self) -> None:
-        """Stop the running job and everything queued (the server is shutting down)."""
-        with self.jobs.mutex:
-            jobs = [*self.jobs.queue, self.current]
+        """Stop every running and queued job (the server is shutting down)."""
+        with self._lock:
+            jobs = [*self._waiting, *(a.job for a in list(self.active.values()))]
         for job in jobs:
-            if job is not None:
-                job.cancelled.set()
+            job.cancelled.set()
 
     def stop(self) -> None:
         self.cancel_all()
@@ -120,20 +167,25 @@ class Worker:
     def _loop(self) -> None:
         while True:
             try:
-                job = self.jobs.get(timeout=self.check_every_s)
-            except queue.Empty:  # idle: make sure the file is still the one whose weights are resident
-                self._check_file()
-                continue
-            if job is None:
-                return
-            self.current = job
-            try:
-                if self.fatal is not None:
-                    job.emit(ErrorEvent(_unavailable(self.fatal)))
-                else:
-                    self._run(job)
-            finally:
-                self.current = None
+                # block only while nothing is generating; else take what arrived and step
+                job = self.jobs.get(timeout=self.check_every_s) if not self.batch else self.jobs.get_nowait()
+            except queue.Empty:
+                if not self.batch:  # idle: make sure the file is still the one whose weights are resident
+                    self._check_file()
+                    continue
+                job = False
+            while job is not False:
+                if job is None:
+                    self._end_all()
+                    return
+                self._add(job)
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    job = False
+            self._drop_cancelled()
+            if self.batch:
+                self._step()
 
     def _check_file(self) -> bool:
         """False (and the server winds down) when the model file changed under the process."""
@@ -148,51 +200,108 @@ class Worker:
             return False
         return True
 
-    def _run(self, job: Job) -> None:
-        m = self.metrics
-        m.requests += 1
-        if job.cancelled.is_set():  # the client left while queued
-            m.cancelled += 1
-            job.emit(DoneEvent("cancelled", {}))
+    def _add(self, job: Job) -> None:
+        if job.cancelled.is_set() or self.fatal is not None:  # the client left while queued, or no more answers
+            self._unqueue(job)
+            self.metrics.requests += 1
+            if self.fatal is not None:
+                job.emit(ErrorEvent(_unavailable(self.fatal)))
+            else:
+                self.metrics.cancelled += 1
+                job.emit(DoneEvent("cancelled", {}))
             return
-        last = None
+        self.metrics.requests += 1
         try:
-            steps = stream_text(
-                self.engine,
-                job.prompt,
-                job.max_tokens,
-                job.sampler,
-                stop_ids=self.engine.tokenizer.stop_ids,
-                stop=job.stop,
-                keep=job.keep_ids,
-            )
-            with closing(steps):
-                for last in steps:
-                    if last.text:
-                        job.emit(TextEvent(last.text))
-                    if job.cancelled.is_set():
-                        break
-        except Exception as exc:  # every failure must reach the client, not kill the worker
-            m.failed += 1
-            self.engine.reset()  # a forward pass that died half-way may have left the KV cache inconsistent
-            if not self._check_file():
-                job.emit(ErrorEvent(_unavailable(self.fatal or str(exc))))
-                return
-            # only a request that cannot fit is the client's fault; a model or disk failure is the server's
-            status = 400 if isinstance(exc, ContextError) else 500
-            kind = "invalid_request_error" if status == 400 else "server_error"
-            job.emit(ErrorEvent(APIError(status, f"generation failed: {exc}", type=kind)))
+            seq = self.batch.add(job.prompt, job.max_tokens, job.sampler, self.engine.tokenizer.stop_ids)
+        except Exception as exc:  # a prompt that cannot fit, or a model file that changed
+            self._unqueue(job)
+            self.metrics.failed += 1
+            job.emit(ErrorEvent(self._error(exc)))
             return
-        assert last is not None  # the engine yields at least one token (max_tokens >= 1)
-        st = last.stats
-        reason = last.finish_reason or "cancelled"  # no finish reason: the loop stopped at a client gone
+        self.active[seq] = _Active(job, StopText(self.engine.tokenizer, job.stop, job.keep_ids))
+
+    def _unqueue(self, job: Job) -> None:
+        with self._lock:
+            self._waiting.discard(job)
+            self._holding.discard(job)
+
+    def _drop_cancelled(self) -> None:
+        for seq, act in list(self.active.items()):
+            if act.job.cancelled.is_set():
+                self.batch.cancel(seq)
+                self._done(seq, "cancelled")
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            events = self.batch.step()
+        except Exception as exc:  # every failure must reach the clients, not kill the worker
+            self._fail(exc)
+            return
+        finally:
+            self.metrics.busy_s += time.perf_counter() - t0
+        for seq, act in self.active.items():
+            if not act.admitted and seq.conversation is not None:
+                act.admitted = True
+                with self._lock:
+                    self._waiting.discard(act.job)
+                    self._holding.add(act.job)
+        for ev in events:
+            self._deliver(ev)
+
+    def _deliver(self, ev: BatchEvent) -> None:
+        seq, act = ev.sequence, self.active[ev.sequence]
+        piece = act.text.add(ev.token)
+        reason = ev.finish_reason
+        if act.text.stopped:
+            if reason is None:
+                self.batch.cancel(seq, "stop")  # a stop string ends generation at once
+            reason = "stop"
+        elif reason is not None:
+            piece += act.text.flush()
+        if piece:
+            act.job.emit(TextEvent(piece))
+        if reason is not None:
+            self._done(seq, reason)
+
+    def _done(self, seq: Sequence, reason: str) -> None:
+        act = self.active.pop(seq)
+        self._unqueue(act.job)
+        m, st = self.metrics, seq.stats
         if reason == "cancelled":
             m.cancelled += 1
         m.prompt_tokens += st.prompt_tokens
         m.cached_tokens += st.reused_tokens
         m.generated_tokens += st.decode_tokens
         m.last_prompt_tps, m.last_decode_tps = st.prompt_tps, st.decode_tps
-        job.emit(DoneEvent(reason, usage_of(st)))
+        if seq.started:
+            m.request_s = 0.8 * m.request_s + 0.2 * (time.perf_counter() - seq.started)
+        act.job.emit(DoneEvent(reason, usage_of(st)))
+
+    def _fail(self, exc: Exception) -> None:
+        """A step raised: its sequences end with an error; the queued ones go on if the file is still good."""
+        failed = self.batch.fail_running()
+        error = self._error(exc)
+        for seq in failed:
+            act = self.active.pop(seq)
+            self._unqueue(act.job)
+            self.metrics.failed += 1
+            act.job.emit(ErrorEvent(error))
+
+    def _error(self, exc: Exception) -> APIError:
+        """What a client is told of a failure: 503 once the model file changed; only a request that cannot fit
+        is the client's fault (400), a model or disk failure is the server's (500)."""
+        if not self._check_file():
+            return _unavailable(self.fatal or str(exc))
+        if isinstance(exc, ContextError):
+            return APIError(400, f"generation failed: {exc}")
+        return APIError(500, f"generation failed: {exc}", type="server_error")
+
+    def _end_all(self) -> None:
+        """The server stops: whatever is left ends as cancelled."""
+        for seq in list(self.active):
+            self.batch.cancel(seq)
+            self._done(seq, "cancelled")
 
 
 def metrics_text(worker: Worker) -> str:
@@ -203,13 +312,28 @@ def metrics_text(worker: Worker) -> str:
         ("requests_total", "counter", "requests taken by the engine worker", m.requests),
         ("requests_cancelled_total", "counter", "requests stopped because the client went away", m.cancelled),
         ("requests_failed_total", "counter", "requests whose generation raised an error", m.failed),
-        ("requests_queued", "gauge", "requests waiting for the engine", worker.jobs.qsize()),
-        ("requests_running", "gauge", "requests generating now", int(worker.current is not None)),
+        ("requests_rejected_total", "counter", "requests refused with 429: the queue was full", m.rejected),
+        ("requests_queued", "gauge", "requests waiting for a sequence slot", worker.queued),
+        ("requests_running", "gauge", "requests holding a sequence slot", worker.running),
+        ("sequence_slots", "gauge", "requests that can generate together (--max-batch)", worker.batch.capacity),
         ("prompt_tokens_total", "counter", "prompt tokens, cached ones included", m.prompt_tokens),
         ("prompt_cached_tokens_total", "counter", "prompt tokens reused from the KV cache", m.cached_tokens),
         ("generated_tokens_total", "counter", "tokens generated", m.generated_tokens),
         ("prompt_cache_entries", "gauge", "conversations kept for prompts that extend them", e.prompt_cache_entries),
         ("prompt_cache_bytes", "gauge", "bytes those conversations' KV cache takes", e.prompt_cache_bytes),
+        ("busy_seconds_total", "counter", "time the engine spent in generation steps", m.busy_s),
+        (
+            "generated_tokens_per_busy_second",
+            "gauge",
+            "tokens generated by all requests per second of steps",
+            m.generated_tokens / m.busy_s if m.busy_s else 0.0,
+        ),
+        (
+            "disk_read_bytes_per_generated_token",
+            "gauge",
+            "expert bytes read from disk per token generated",
+            e.bytes_read / m.generated_tokens if m.generated_tokens else 0.0,
+        ),
         ("last_prompt_tokens_per_second", "gauge", "prompt speed of the last request", m.last_prompt_tps),
         ("last_decode_tokens_per_second", "gauge", "decode speed of the last request", m.last_decode_tps),
         ("expert_cache_hits_total", "counter", "routed experts found in the RAM cache", e.hits),
@@ -228,7 +352,20 @@ def metrics_text(worker: Worker) -> str:
             f"# TYPE moestream_{name} {kind}",
             f"moestream_{name} {_num(value)}",
         ]
+    lines += _histogram(
+        "decode_batch_size", "rows (requests) per decode step", worker.batch.decode_batch_sizes, BATCH_SIZE_BUCKETS
+    )
     return "\n".join(lines) + "\n"
+
+
+def _histogram(name: str, help_text: str, counts: dict[int, int], buckets: tuple[int, ...]) -> list[str]:
+    lines = [f"# HELP moestream_{name} {help_text}", f"# TYPE moestream_{name} histogram"]
+    for le in buckets:
+        lines.append(f'moestream_{name}_bucket{{le="{le}"}} {sum(n for v, n in counts.items() if v <= le)}')
+    lines.append(f'moestream_{name}_bucket{{le="+Inf"}} {sum(counts.values())}')
+    lines.append(f"moestream_{name}_sum {sum(v * n for v, n in counts.items())}")
+    lines.append(f"moestream_{name}_count {sum(counts.values())}")
+    return lines
 
 
 def _num(v: float) -> str:

@@ -1,0 +1,211 @@
+"""Several sequences generating together: the continuous batching `serve` runs on.
+
+A step runs one new token of every decoding sequence in one forward call (each row at its own position, in its
+own KV cache), so each layer's routed experts are fetched once for the union of what the rows route to and
+each expert runs once on all the rows routed to it. A new sequence's prompt runs beside them a chunk per step,
+so a long prompt never stalls the others for its whole length; with nobody decoding it runs as a lone prompt
+does. Sequences join and leave at step boundaries; the model computes each row as it would alone, so a
+sequence's tokens do not depend on what else shares its steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from moestream.engine.prompt_cache import Conversation, PromptCache
+from moestream.engine.sampling import Sampler
+from moestream.engine.stats import GenerationStats
+
+# Prompt tokens a joining sequence runs per step while others decode: big enough that a long prompt's layers
+# still fetch their experts for many tokens at once, small enough that the decoding sequences keep going.
+PREFILL_CHUNK = 512
+
+
+class BatchEngine(Protocol):
+    """What a batch needs of the engine (engine.Engine): its slots' KV caches, its prompt cache and forwards."""
+
+    ctx: int
+    span: int
+    ubatch: int
+    cache: Any  # the expert cache: phase and generation()
+    conversation: Conversation
+    batch_kvs: list[Any]
+    prompt_cache: PromptCache | None
+
+    def _check_prompt(self, prompt: list[int]) -> None: ...
+
+    def _forward(self, tokens: list[int], pos: int, kv: Any = None) -> torch.Tensor: ...
+
+    def _forward_batch(self, tokens: list[int], kvs: list[Any], positions: list[int]) -> torch.Tensor: ...
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request in a batch: its prompt, how it samples and stops, and where it stands."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampler: Sampler
+    stop_ids: set[int]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    conversation: Conversation | None = None  # its KV cache, once admitted
+    pos: int = 0  # positions its KV cache holds
+    logits: torch.Tensor | None = None  # of its last position, not yet sampled
+    next_token: int | None = None  # sampled, to run at the next step
+    n_new: int = 0
+    finish_reason: str | None = None  # stop | length | cancelled, once finished
+    started: float = 0.0  # when it was admitted
+    decode_started: float = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.conversation is not None and self.pos < len(self.prompt)
+
+
+@dataclass
+class BatchEvent:
+    """A token a sequence generated; finish_reason is set on its last one."""
+
+    sequence: Sequence
+    token: int
+    finish_reason: str | None = None
+
+
+class Batch:
+    """The sequences of one engine that generate together; `step()` advances all of them by one token."""
+
+    def __init__(self, engine: BatchEngine):
+        self.engine = engine
+        # every sequence slot's KV cache keeps its conversation after the request ends, so a request that
+        # extends it (a chat's next turn) lands on that slot and prefills only its new tokens
+        self.free: list[Conversation] = [engine.conversation, *(Conversation(kv) for kv in engine.batch_kvs)]
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.decode_batch_sizes: Counter[int] = Counter()  # decode steps by the rows they ran
+        self.decode_tokens = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self.free) + len(self.running)
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(
+        self, prompt: list[int], max_new_tokens: int, sampler: Sampler | None = None, stop_ids: set[int] | None = None
+    ) -> Sequence:
+        """Queue a request; it starts at the next step with a free slot. Raises ContextError if it can't fit."""
+        self.engine._check_prompt(prompt)
+        seq = Sequence(list(prompt), min(max_new_tokens, self.engine.ctx - len(prompt)), sampler or Sampler(),
+                       stop_ids or set())  # fmt: skip
+        seq.stats.prompt_tokens = len(prompt)
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """End a sequence now (its client went away, or a stop string ended it); the others go on unchanged."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            seq.finish_reason = seq.stats.finish_reason = reason
+        elif seq in self.running:
+            self._finish(seq, reason)
+
+    def fail_running(self) -> list[Sequence]:
+        """After a step raised: end every admitted sequence, forgetting its KV cache (a forward pass that died
+        half-way may have left it inconsistent); the waiting ones stay queued. The sequences ended."""
+        failed = list(self.running)
+        for seq in failed:
+            self._finish(seq, "cancelled")
+            assert seq.conversation is not None
+            seq.conversation.forget()
+        return failed
+
+    def step(self) -> list[BatchEvent]:
+        """Admit waiting sequences into free slots, run one decode step of every decoding sequence and a chunk
+        of every joining one's prompt, then sample: the tokens this step generated."""
+        self._admit()
+        if not self.running:
+            return []
+        cache = self.engine.cache
+        with torch.inference_mode(), cache.generation():
+            cache.phase = "decode"
+            self._decode()
+            cache.phase = "prompt"
+            self._prefill()
+        return self._sample()
+
+    # -- the parts of a step ----------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        while self.waiting and self.free:
+            seq = self.waiting.popleft()
+            # the free slot holding the longest prefix of this prompt (least recently freed among equals)
+            conv = max(self.free, key=lambda c: c.shared(seq.prompt))
+            self.free.remove(conv)
+            seq.conversation = conv
+            seq.pos = seq.stats.reused_tokens = conv.resume(seq.prompt, self.engine.prompt_cache)
+            seq.started = time.perf_counter()
+            self.running.append(seq)
+
+    def _decode(self) -> None:
+        rows = [s for s in self.running if s.next_token is not None]
+        if not rows:
+            return
+        tokens = [s.next_token for s in rows]
+        assert all(t is not None for t in tokens)
+        logits = self.engine._forward_batch(
+            tokens,
+            [s.conversation.kv for s in rows],
+            [s.pos for s in rows],  # type: ignore[union-attr]
+        )
+        for i, s in enumerate(rows):
+            s.conversation.tokens.append(tokens[i])  # type: ignore[union-attr, arg-type]
+            s.pos += 1
+            s.logits, s.next_token = logits[i], None
+        self.decode_batch_sizes[len(rows)] += 1
+
+    def _prefill(self) -> None:
+        joining = [s for s in self.running if s.prefilling]
+        alone = len(joining) == len(self.running)
+        for s in joining:
+            chunk_len = self.engine.span if alone else max(self.engine.ubatch, min(self.engine.span, PREFILL_CHUNK))
+            chunk = s.prompt[s.pos : s.pos + chunk_len]
+            assert s.conversation is not None
+            logits = self.engine._forward(chunk, s.pos, s.conversation.kv)
+            s.conversation.tokens.extend(chunk)
+            s.pos += len(chunk)
+            if not s.prefilling:
+                s.logits = logits
+                s.decode_started = time.perf_counter()
+                s.stats.prompt_s = s.decode_started - s.started
+
+    def _sample(self) -> list[BatchEvent]:
+        events = []
+        for s in [s for s in self.running if s.logits is not None]:
+            assert s.logits is not None
+            token = s.sampler(s.logits)
+            s.logits = None
+            s.n_new += 1
+            self.decode_tokens += 1
+            st = s.stats
+            st.decode_tokens, st.decode_s = s.n_new, time.perf_counter() - s.decode_started
+            reason = "stop" if token in s.stop_ids else "length" if s.n_new >= s.max_new_tokens else None
+            if reason is None:
+                s.next_token = token
+            else:
+                self._finish(s, reason)
+            events.append(BatchEvent(s, token, reason))
+        return events
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = seq.stats.finish_reason = reason
+        if seq.decode_started:
+            seq.stats.decode_s = time.perf_counter() - seq.decode_started
+        self.running.remove(seq)
+        assert seq.conversation is not None
+        self.free.append(seq.conversation)

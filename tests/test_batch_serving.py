@@ -1,0 +1,196 @@
+"""Several requests generating together: engine batches and `serve` with concurrent clients.
+
+What a request generates must not depend on what else shares its steps: every answer equals the same request
+sent alone, streamed or not, with a client leaving mid-stream, and under an expert budget that streams.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from moestream.analysis.synth import write_synth
+from moestream.analysis.trace import DECODE, read_trace
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+from moestream.errors import MoestreamError
+from tests.test_server import MODEL, _metrics, _post, serve_process
+
+PROMPTS = [
+    "Experts live on disk and",
+    "The cache is full, so",
+    "Hello there, how are",
+    "A long time ago",
+    "Reads go in file order because",
+    "Every layer fetches",
+]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_synth("tiny", "Q4_0", tmp_path_factory.mktemp("model") / "tiny.gguf", progress=False)
+
+
+def _run_batch(engine: Engine, prompts: list[list[int]], max_new: int, join_at: int = 0) -> list[list[int]]:
+    """Greedy tokens of each prompt generated together; prompts after the first `join_at` join two steps in."""
+    batch = engine.batch()
+    seqs = [batch.add(p, max_new) for p in prompts[: join_at or len(prompts)]]
+    out: dict[int, list[int]] = {}
+    steps = 0
+    while len(batch) or len(seqs) < len(prompts):
+        if steps == 2 and len(seqs) < len(prompts):
+            seqs += [batch.add(p, max_new) for p in prompts[len(seqs) :]]
+        for ev in batch.step():
+            out.setdefault(id(ev.sequence), []).append(ev.token)
+        steps += 1
+    return [out[id(s)] for s in seqs]
+
+
+@pytest.mark.parametrize("n_slots", [None, 12])  # every expert cached / a cache that must evict
+def test_batch_equals_alone(model_path: str, n_slots: int | None, tmp_path: Path) -> None:
+    opts = EngineOptions(n_slots=n_slots or 10_000, ctx=256, max_batch=4, trace_path=str(tmp_path / "t.jsonl"))
+    engine = Engine(model_path, opts)
+    try:
+        tok = engine.tokenizer
+        prompts = [tok.encode(p) for p in PROMPTS[:5]]
+        alone = [engine.generate(p, 10).tokens for p in prompts]
+        engine.reset()
+        # five requests over four slots: the fifth waits for a slot; two join after the others started
+        assert _run_batch(engine, prompts, 10, join_at=3) == alone
+    finally:
+        engine.close()
+    # one fetch per (step, layer, expert) for the union of the rows, never one per sequence
+    _meta, rows = read_trace(str(tmp_path / "t.jsonl"))
+    rows = rows[rows["phase"] == DECODE]
+    per_step = Counter(zip(rows["step"].tolist(), rows["layer"].tolist(), rows["expert"].tolist(), strict=True))
+    assert len(rows) and max(per_step.values()) == 1
+
+
+def test_slot_keeps_its_conversation(model_path: str) -> None:
+    """A request that extends a finished one lands on its slot and prefills only its new tokens."""
+    engine = Engine(model_path, EngineOptions(n_slots=10_000, ctx=256, max_batch=3))
+    try:
+        tok = engine.tokenizer
+        batch = engine.batch()
+        first = [tok.encode(p) for p in PROMPTS[:3]]
+        seqs = [batch.add(p, 6) for p in first]
+        answers: dict[int, list[int]] = {}
+        while len(batch):
+            for ev in batch.step():
+                answers.setdefault(id(ev.sequence), []).append(ev.token)
+        follow = first[1] + answers[id(seqs[1])][:-1] + tok.encode(" and then")
+        seq = batch.add(follow, 4)
+        got = []
+        while len(batch):
+            got += [ev.token for ev in batch.step()]
+        assert seq.stats.reused_tokens == len(first[1]) + len(answers[id(seqs[1])]) - 1
+        engine.reset()
+        assert got == engine.generate(follow, 4).tokens
+    finally:
+        engine.close()
+
+
+def test_batch_size_is_counted_in_the_budget(model_path: str) -> None:
+    one = Engine(model_path, EngineOptions(ram_budget_mb=2000, ctx=4096, max_batch=1))
+    resident_one, kv = one.plan.resident, one.kv.nbytes
+    one.close()
+    many = Engine(model_path, EngineOptions(ram_budget_mb=2000, ctx=4096, max_batch=8))
+    try:
+        assert len(many.batch_kvs) == 7
+        # the seven other sequences' KV caches are allocated up front, so the plan measured them
+        assert many.plan.resident - resident_one >= 7 * kv * 0.9
+    finally:
+        many.close()
+    auto = Engine(model_path, EngineOptions(ram_budget_mb=2000, ctx=4096, max_batch=None))
+    try:
+        assert auto.max_batch == 8  # the default where the KV caches take little of the budget
+    finally:
+        auto.close()
+    with pytest.raises(MoestreamError, match="--max-batch must be at most 64"):
+        EngineOptions(max_batch=65)
+
+
+def _complete(url: str, prompt: str, stream: bool, max_tokens: int = 12) -> str:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kw: dict[str, Any] = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    if not stream:
+        return c.completions.create(**kw).choices[0].text
+    return "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw) if ch.choices)
+
+
+def _concurrently(calls: list[Any]) -> list[Any]:
+    out: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except Exception as exc:  # reported by the assertion on the result
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_concurrent_clients_get_what_they_get_alone(model_path: str, tmp_path: Path) -> None:
+    with serve_process(model_path, tmp_path, "--max-batch", "4", "--ram-budget-mb", "2000") as url:
+        alone = [_complete(url, p, stream=False) for p in PROMPTS]
+        # six clients, half streaming, over four slots
+        together = _concurrently([lambda p=p, i=i: _complete(url, p, stream=i % 2 == 0) for i, p in enumerate(PROMPTS)])
+        assert together == alone
+
+        # one client leaves mid-stream: the others' answers are unchanged
+        def leave_early() -> str:
+            c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            stream = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True)
+            first = next(iter(stream))
+            stream.close()
+            return first.choices[0].text
+
+        out = _concurrently([leave_early] + [lambda p=p: _complete(url, p, stream=True) for p in PROMPTS[1:4]])
+        assert out[1:] == alone[1:4]
+        m = _metrics(url)
+        assert m["moestream_requests_cancelled_total"] >= 1
+        assert m["moestream_sequence_slots"] == 4
+        # decode steps ran several requests' rows together
+        assert m['moestream_decode_batch_size_bucket{le="1"}'] < m['moestream_decode_batch_size_count']
+
+
+def test_full_queue_answers_429(model_path: str, tmp_path: Path) -> None:
+    with serve_process(model_path, tmp_path, "--max-batch", "1", "--max-queue", "1", "--ram-budget-mb", "2000") as url:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 150, "temperature": 0}
+        results = _concurrently([lambda: _post(url, "/v1/completions", body) for _ in range(4)])
+        statuses = sorted(status for status, _ in results)
+        assert statuses.count(200) >= 2 and 429 in statuses, statuses
+        busy = next(b for s, b in results if s == 429)
+        assert busy["error"]["code"] == "queue_full" and "--max-queue" in busy["error"]["message"]
+        assert _metrics(url)["moestream_requests_rejected_total"] >= 1
+
+
+def test_retry_after_header(model_path: str, tmp_path: Path) -> None:
+    with serve_process(model_path, tmp_path, "--max-batch", "1", "--max-queue", "0", "--ram-budget-mb", "2000") as url:
+        port = int(url.rsplit(":", 1)[1])
+        body = json.dumps({"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 150, "temperature": 0})
+        hold = threading.Thread(target=_post, args=(url, "/v1/completions", json.loads(body)))
+        hold.start()
+        try:
+            for _ in range(200):  # until the first request holds the only slot
+                if _metrics(url)["moestream_requests_running"] == 1:
+                    break
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            assert r.status == 429 and int(r.getheader("Retry-After")) >= 1
+            conn.close()
+        finally:
+            hold.join()
