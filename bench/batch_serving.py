@@ -19,7 +19,9 @@ run the N values in alternating order. Conditions:
   routes     pagecache with skewed multi-topic routing forced by a route trace (--route-trace): topic t is a
              Zipf (--zipf) popularity over its own permutation of each layer's experts (bench/tiers_ab.py's
              workload); routes follow positions, so stream i's prompt is i x (prompt + tokens) longer and
-             its decoded tokens fall in topic i's part of the trace
+             its decoded tokens fall in topic i's part of the trace (the clients' times to first token
+             are then not comparable with a lone client's)
+  routes-shared  the same with every stream's part drawn from one topic: streams that share hot experts
 
 Per run: each stream's time to first token and own decode rate; the aggregate rate = tokens generated from
 the moment every stream has its first token to the end of the last, over that time; from the trace, the
@@ -56,7 +58,7 @@ from serve_runs import (
 )
 from tiers_ab import draw_routes, topic_popularity, write_route_trace
 
-CONDITIONS = ("pagecache", "pressure", "routes")
+CONDITIONS = ("pagecache", "pressure", "routes", "routes-shared")
 LLAMA_BATCHED = os.path.join(BENCH_DIR, "llamacpp_batched.py")
 
 
@@ -65,21 +67,23 @@ def int_list(text: str) -> list[int]:
 
 
 def prompt_lengths(args: argparse.Namespace, condition: str, n: int) -> list[int]:
-    if condition != "routes":
+    if not condition.startswith("routes"):
         return [args.prompt_tokens] * n
     span = args.prompt_tokens + args.tokens  # one topic's part of the route trace
     return [args.prompt_tokens + i * span for i in range(n)]
 
 
-def make_route_trace(args: argparse.Namespace, path: str) -> None:
-    """One topic per stream, each --prompt-tokens + --tokens positions of the trace."""
+def make_route_trace(args: argparse.Namespace, path: str, shared: bool) -> None:
+    """One part of --prompt-tokens + --tokens positions per stream: each drawn from its own topic's popularity,
+    or (shared) every part from the same topic's."""
     sizes = args.sizes
     layers = len(sizes.expert)
     span = args.prompt_tokens + args.tokens
     rng = np.random.default_rng(args.seed)
-    parts = [(str(t), "decode", draw_routes(topic_popularity(layers, sizes.n_experts, args.zipf, args.seed * 100 + t),
-                                            span, sizes.top_k, rng))
-             for t in range(max(args.streams))]  # fmt: skip
+    parts = []
+    for t in range(max(args.streams)):
+        pop = topic_popularity(layers, sizes.n_experts, args.zipf, args.seed * 100 + (0 if shared else t))
+        parts.append((str(t), "decode", draw_routes(pop, span, sizes.top_k, rng)))
     write_route_trace(path, parts, layers, sizes.n_experts, sizes.top_k)
 
 
@@ -87,8 +91,8 @@ def server_flags(args: argparse.Namespace, condition: str, trace: str) -> list[s
     budget = args.pressure_budget_mb if condition == "pressure" else args.budget_mb
     flags = ["--threads", str(args.threads), "--ram-budget-mb", str(budget), "--ctx", str(args.ctx),
              "--max-batch", str(max(args.streams)), "--trace", trace, *args.serve_flags.split()]  # fmt: skip
-    if condition == "routes":
-        flags += ["--route-trace", args.route_trace]
+    if condition.startswith("routes"):
+        flags += ["--route-trace", args.route_traces[condition]]
     return flags
 
 
@@ -217,7 +221,7 @@ def summarize(doc: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             "runs": sum(1 for r in doc["runs"] if r["streams"] == n),
             "ok": len(mine),
             "aggregate_tps": spread(r["aggregate_tps"] for r in mine.values()),
-            "stream_tps": spread(s["decode_tps"] for r in mine.values() for s in r["streams"]),
+            "stream_tps": spread(s["decode_tps"] for r in mine.values() for s in r["per_stream"]),
             "ttft_last_s": spread(r["ttft_last_s"] for r in mine.values()),
             "distinct_per_layer": spread(r["union"].get("distinct_per_layer_mean") for r in mine.values()),
             "disk_mb_per_token": spread(r.get("window_disk_mb_per_token") for r in mine.values()),
@@ -308,14 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     args.pressure_budget_mb = args.pressure_budget_mb or int(args.leave_gb * 1024) - 1024
     longest = max(max(prompt_lengths(args, c, max(args.streams))) for c in conditions) + args.tokens
     warm_needed = args.warm_tokens
-    if "routes" in conditions:  # the warm-up prompt covers every position the streams route by
+    if any(c.startswith("routes") for c in conditions):  # the warm-up prompt covers every position the streams route by
         warm_needed = max(warm_needed, max(args.streams) * (args.prompt_tokens + args.tokens))
     args.warm_tokens = warm_needed
     args.ctx = -(-(max(longest, warm_needed) + 16) // 256) * 256
     with tempfile.TemporaryDirectory(prefix="batch-serving-") as tmp:
-        args.route_trace = os.path.join(tmp, "routes.trace.csv")
-        if "routes" in conditions:
-            make_route_trace(args, args.route_trace)
+        args.route_traces = {c: os.path.join(tmp, f"{c}.trace.csv") for c in conditions if c.startswith("routes")}
+        for c, path in args.route_traces.items():
+            make_route_trace(args, path, shared=c == "routes-shared")
         docs = [run_condition(args, c) for c in conditions]
     sizes = args.sizes
     del args.sizes

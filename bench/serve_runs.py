@@ -308,7 +308,7 @@ def summarize_streams(streams: list[Stream], io_start: int | None, io_end: int |
         for s in streams
         if s.chunks
     ]
-    out: dict[str, Any] = {"streams": per, "errors": [e or "no text" for e in errors]}
+    out: dict[str, Any] = {"per_stream": per, "errors": [e or "no text" for e in errors]}
     if errors:
         return out
     t_start, t_end = max(s.first for s in streams), max(s.last for s in streams)
