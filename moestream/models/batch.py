@@ -116,74 +116,190 @@ def per_row_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.cat([F.silu(gate[b : b + 1]) * up[b : b + 1] for b in range(gate.shape[0])])
 
 
-def moe_rows(moe: MoE, x: torch.Tensor, experts: ExpertProvider, forced: list[torch.Tensor | None]) -> torch.Tensor:
-    """The MoE block on rows of x [B, hidden], each row routed (and forced) on its own; the union of their
-    experts fetched once and each expert run once on all the rows routed to it."""
-    E = moe.n_experts
-    logits = moe.router_logits(f32_rows(x, moe.gates))
-    routes = [moe.route(logits[b : b + 1], forced[b]) for b in range(x.shape[0])]
-    mixed = routed_rows(x, routes, moe.expert_layer, experts, moe.ffn)
-    if moe.shared is None:
-        return torch.cat(mixed)
-    gate, up = fused_rows(moe.shared, x)
-    shared = linear_rows(moe.shared_down, per_row_pair(gate, up))
-    out = []
-    for b, m in enumerate(mixed):
-        s = shared[b : b + 1]
-        if moe.shared_gate:
-            s = s * torch.sigmoid(logits[b : b + 1, E:])
-        out.append(m + s)
-    return torch.cat(out)
+# ---- blocks: T_b tokens of each of B sequences in one step (a prompt chunk beside one-token rows) ---------
+
+Spans = list[tuple[int, int]]  # block b's rows [a, e) of the step's x
 
 
-def routed_rows(
+def spans_of(lengths: list[int]) -> Spans:
+    ends = list(itertools.accumulate(lengths))
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+def blockwise(
     x: torch.Tensor,
+    spans: Spans,
+    rows: Callable[[list[int], torch.Tensor], torch.Tensor],
+    block: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """An op over a step's blocks, in x's row order: `rows(bs, x[those rows])` once for all the one-token
+    blocks bs (the row-wise batched path), `block(b, x[a:e])` for each longer block alone, as forward runs
+    that block's tokens."""
+    if len(spans) == 1 and spans[0][1] - spans[0][0] > 1:
+        return block(0, x)
+    singles = [b for b, (a, e) in enumerate(spans) if e - a == 1]
+    parts: dict[int, torch.Tensor] = {}
+    if singles:
+        y = rows(singles, x[[spans[b][0] for b in singles]])
+        parts = {b: y[j : j + 1] for j, b in enumerate(singles)}
+    for b, (a, e) in enumerate(spans):
+        if e - a > 1:
+            parts[b] = block(b, x[a:e])
+    return parts[0] if len(spans) == 1 else torch.cat([parts[b] for b in range(len(spans))])
+
+
+def norm_blocks(x: torch.Tensor, spans: Spans, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return blockwise(x, spans, lambda _bs, xr: norm_rows(xr, w, eps), lambda _b, xb: rms_norm(xb, w, eps))
+
+
+def ffn_blocks(
+    ffn: MoE | DenseFFN, x: torch.Tensor, spans: Spans, experts: ExpertProvider, forced: list[torch.Tensor | None]
+) -> torch.Tensor:
+    """A block's feed-forward (routed or dense) on a step's blocks of x [N, hidden]."""
+    if isinstance(ffn, MoE):
+        return moe_blocks(ffn, x, spans, experts, forced)
+    return blockwise(x, spans, lambda _bs, xr: swiglu_rows(ffn, xr), lambda _b, xb: ffn(xb))
+
+
+def moe_blocks(
+    moe: MoE, x: torch.Tensor, spans: Spans, experts: ExpertProvider, forced: list[torch.Tensor | None]
+) -> torch.Tensor:
+    """The MoE block on a step's blocks of x [N, hidden]: each block routed (and forced) as forward routes it,
+    the union of all blocks' experts fetched once and each expert run once on all the rows routed to it."""
+    E, B = moe.n_experts, len(spans)
+    logits: list[torch.Tensor] = [x] * B
+
+    def router_rows(bs: list[int], xr: torch.Tensor) -> torch.Tensor:
+        out = moe.router_logits(f32_rows(xr, moe.gates))
+        for j, b in enumerate(bs):
+            logits[b] = out[j : j + 1]
+        return xr
+
+    def router_block(b: int, xb: torch.Tensor) -> torch.Tensor:
+        logits[b] = moe.router_logits(f32_matmul(xb, moe.gates))
+        return xb
+
+    blockwise(x, spans, router_rows, router_block)
+    routes = [moe.route(logits[b], forced[b]) for b in range(B)]
+    mixed = routed_blocks(x, spans, routes, moe.expert_layer, experts, moe.ffn)
+    if moe.shared is None:
+        return mixed[0] if B == 1 else torch.cat(mixed)
+    assert moe.shared is not None
+
+    def shared_block(_b: int, xb: torch.Tensor) -> torch.Tensor:
+        gate, up = moe.shared(xb)  # type: ignore[misc]
+        return moe.shared_down(F.silu(gate) * up)
+
+    def shared_rows(_bs: list[int], xr: torch.Tensor) -> torch.Tensor:
+        gate, up = fused_rows(moe.shared, xr)  # type: ignore[arg-type]
+        return linear_rows(moe.shared_down, per_row_pair(gate, up))
+
+    shared = blockwise(x, spans, shared_rows, shared_block)
+    out = []
+    for b, ((a, e), m) in enumerate(zip(spans, mixed, strict=True)):
+        s = shared[a:e]
+        if moe.shared_gate:
+            s = s * torch.sigmoid(logits[b][:, E:])
+        out.append(m + s)
+    return out[0] if B == 1 else torch.cat(out)
+
+
+@dataclass
+class _Block:
+    """Where one block's (token, slot) results sit in the step's buffer Y and how forward sums them: one
+    token by a fixed-order product over its experts sorted by id, several by an index_add of the (token,
+    slot) pairs sorted by expert (run_experts)."""
+
+    first: int  # its first row of Y
+    tokens: int
+    weights: torch.Tensor  # one token: [k] by expert id; several: [T * k] in the sorted pairs' order
+    rows: torch.Tensor | None  # several tokens: each sorted pair's token (the index_add's index)
+
+
+Runs = dict[int, list[tuple[list[int], list[int]]]]  # expert -> per block: (its input rows of x, rows of Y)
+
+
+def routed_blocks(
+    x: torch.Tensor,
+    spans: Spans,
     routes: list[tuple[torch.Tensor, torch.Tensor]],
     layer: int,
     experts: ExpertProvider,
     ffn: ClampedSwiGLU | None,
 ) -> list[torch.Tensor]:
-    """Each row's sum_k w_k * expert_k(x_b) [1, hidden], as run_experts computes it for one token: each row's
-    expert outputs in its own buffer by expert id, reduced by one fixed-order product per row. The union of
-    all rows' experts (in first-seen order) is fetched in one call."""
-    H = x.shape[1]
-    weights, union, slots = [], {}, 0  # union: expert -> [(row, its slot in the rows' flat buffer)]
-    for b, (w, ids) in enumerate(routes):
-        id_list, w_list = ids[0].tolist(), w[0].tolist()
-        by_id = sorted(range(len(id_list)), key=id_list.__getitem__)
-        order = {id_list[p]: slots + r for r, p in enumerate(by_id)}
-        weights.append(torch.tensor([w_list[p] for p in by_id], dtype=x.dtype))
-        slots += len(id_list)
-        for e in id_list:
-            if e in order:
-                union.setdefault(e, []).append((b, order.pop(e)))
-    outs = torch.empty(slots, H)
-    for group in experts.fetch_groups(layer, list(union)):
+    """Each block's sum_k w_k * expert_k(x_t) [T_b, hidden], each expert output and each sum computed as
+    run_experts computes them for that block alone. The union of all blocks' experts (in first-seen order)
+    is fetched in one call; an expert's rows of every block run in one lane kernel call (row-invariant),
+    any other expert per block, as forward runs it."""
+    blocks: list[_Block] = []
+    runs: Runs = {}
+    first = 0
+    for (a, _e), (w, ids) in zip(spans, routes, strict=True):
+        T, k = ids.shape
+        if T == 1:
+            id_list, w_list = ids[0].tolist(), w[0].tolist()
+            by_id = sorted(range(k), key=id_list.__getitem__)
+            blocks.append(_Block(first, 1, torch.tensor([w_list[p] for p in by_id], dtype=x.dtype), None))
+            slot = {p: first + r for r, p in enumerate(by_id)}
+            for p, ex in enumerate(id_list):  # fetched in the router's order, as forward fetches one token's
+                runs.setdefault(ex, []).append(([a], [slot[p]]))
+        else:
+            order = torch.argsort(ids.reshape(-1), stable=True)
+            needed, counts = torch.unique_consecutive(ids.reshape(-1)[order], return_counts=True)
+            rows = order // k
+            blocks.append(_Block(first, T, w.reshape(-1)[order], rows))
+            src = (rows + a).tolist()
+            start = first
+            for ex, c in zip(needed.tolist(), counts.tolist(), strict=True):
+                runs.setdefault(ex, []).append((src[start - first : start - first + c], list(range(start, start + c))))
+                start += c
+        first += T * k
+    Y = torch.empty(first, x.shape[1], dtype=x.dtype)
+    for group in experts.fetch_groups(layer, list(runs)):
         if ffn is None and all(linear.lane_swiglu_ok(w) for _, w in group):
-            # the group's rows gathered in expert order: each expert's inputs and outputs one contiguous slice
-            pairs = [pair for e, _ in group for pair in union[e]]
-            xg = x[[b for b, _ in pairs]]
-            yg = torch.empty(len(pairs), H)
-            ends = list(itertools.accumulate(len(union[e]) for e, _ in group))
-            spans = list(zip([0, *ends[:-1]], ends, strict=True))
-            linear.lane_swiglu([w for _, w in group], [xg[a:b] for a, b in spans], [yg[a:b] for a, b in spans])
-            outs.index_copy_(0, torch.tensor([r for _, r in pairs]), yg)
+            for part in _lane_parts(group, runs):
+                _lane_part(x, Y, part, runs)
             continue
-        for e, expert in group:
-            for b, r in union[e]:
-                xb = x[b : b + 1].to(expert[0].dtype)
-                outs[r] = ffn(e, expert, xb)[0] if ffn is not None else swiglu(expert, xb)[0].float()
-    mixed, first = [], 0
-    for w in weights:
-        mixed.append((w @ outs[first : first + len(w)])[None])
-        first += len(w)
-    return mixed
+        for ex, expert in group:
+            for src, dst in runs[ex]:
+                xe = x[src].to(expert[0].dtype)
+                Y[dst] = ffn(ex, expert, xe) if ffn is not None else swiglu(expert, xe).float()
+    out = []
+    for blk in blocks:
+        Yb = Y[blk.first : blk.first + len(blk.weights)]
+        if blk.rows is None:
+            out.append((blk.weights @ Yb)[None])
+            continue
+        Yb.mul_(blk.weights[:, None])
+        summed = torch.zeros(blk.tokens, x.shape[1], dtype=x.dtype)
+        summed.index_add_(0, blk.rows, Yb)
+        out.append(summed)
+    return out
 
 
-def ffn_rows(
-    ffn: MoE | DenseFFN, x: torch.Tensor, experts: ExpertProvider, forced: list[torch.Tensor | None]
-) -> torch.Tensor:
-    """A block's feed-forward (routed or dense) on rows of x [B, hidden]."""
-    if isinstance(ffn, MoE):
-        return moe_rows(ffn, x, experts, forced)
-    return swiglu_rows(ffn, x)
+def _lane_parts(group: list, runs: Runs) -> list[list]:
+    """A group's experts in consecutive parts of at most SWIGLU_MAX_ROWS rows (an expert with more alone):
+    the inputs gathered for one part bound what a long prompt block holds at once."""
+    parts: list[list] = []
+    total = 0
+    for item in group:
+        n = sum(len(src) for src, _ in runs[item[0]])
+        if not parts or total + n > linear.SWIGLU_MAX_ROWS:
+            parts.append([])
+            total = 0
+        parts[-1].append(item)
+        total += n
+    return parts
+
+
+def _lane_part(x: torch.Tensor, Y: torch.Tensor, part: list, runs: Runs) -> None:
+    """One lane_swiglu call for a part's experts, each on its rows of every block (gathered in expert order:
+    each expert's inputs and outputs one contiguous slice), scattered to their rows of Y."""
+    src = [r for ex, _ in part for s, _ in runs[ex] for r in s]
+    dst = [r for ex, _ in part for _, d in runs[ex] for r in d]
+    xg = x[src]
+    yg = torch.empty(len(src), x.shape[1], dtype=x.dtype)
+    ends = list(itertools.accumulate(sum(len(s) for s, _ in runs[ex]) for ex, _ in part))
+    spans = list(zip([0, *ends[:-1]], ends, strict=True))
+    linear.lane_swiglu([w for _, w in part], [xg[a:b] for a, b in spans], [yg[a:b] for a, b in spans])
+    Y.index_copy_(0, torch.tensor(dst), yg)

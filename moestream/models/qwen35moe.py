@@ -242,12 +242,26 @@ class Qwen35Moe(MoEModel):
                 rows.append(mixer(h, i, kv, p, self.rope))
         return torch.cat(rows)
 
-    def begin_rows(self, kvs: list, positions: list[int]) -> None:
+    def mix_block(self, i: int, x: torch.Tensor, kv: HybridCache, pos: int, cuts: list) -> torch.Tensor:
+        """Block i's mixer on T tokens of one sequence, as forward runs it (cuts: the checkpoints to take)."""
+        norm, mixer = self.layers[i][0], self.layers[i][1]
+        h = rms_norm(x, norm, self.cfg.rms_eps)
+        if isinstance(mixer, GatedDeltaNet):
+            return mixer(h, kv.conv[i], kv.ssm[i], [(c.offset, c.into.conv[i], c.into.ssm[i]) for c in cuts])
+        return mixer(h, i, kv, pos, self.rope)
+
+    def begin_rows(self, kvs: list, positions: list[int], lengths: list[int]) -> list:
         for kv, p in zip(kvs, positions, strict=True):
             if p != kv.length:
                 raise ValueError(
                     f"the recurrent state holds {kv.length} positions but the step is at {p}; truncate the cache first"
                 )
+        return [kv.plan_cuts(p, n) for kv, p, n in zip(kvs, positions, lengths, strict=True)]
+
+    def end_rows(self, kvs: list, positions: list[int], lengths: list[int], aux: list) -> None:
+        for kv, p, n, cuts in zip(kvs, positions, lengths, aux, strict=True):
+            kv.advance(p + n)
+            kv.commit(p, cuts)
 
     def abort_rows(self, kvs: list, positions: list[int]) -> None:
         for kv, p in zip(kvs, positions, strict=True):  # the layers run so far moved the states past p
