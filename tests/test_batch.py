@@ -257,3 +257,127 @@ def test_failed_step_leaves_each_cache_to_retry(tiny_file):
                 assert torch.equal(out[b], model.forward([toks[b]], alone[b], p))
     finally:
         eng.close()
+
+
+# ---- blocks: prompt chunks beside decoding rows in one step (MoEModel.forward_rows) ----------------------
+
+# (tokens already in the cache, block length): a decoding row, a one-token prompt, prompts of 3, 9 (joining at
+# position 4: a second chunk) and 17 tokens, and one of 40 (each over the engine's micro-batch of 8 here)
+BLOCKS = [(5, 1), (0, 1), (0, 3), (4, 9), (0, 17), (0, 40)]
+
+
+def _same_cache(a, b) -> bool:
+    """Two caches hold the same positions, keys, values and (hybrid caches) recurrent states and checkpoints."""
+    sa, sb = a.snapshot(a.length), b.snapshot(b.length)
+    if a.length != b.length or len(sa.rows) != len(sb.rows):
+        return False
+    if not all(torch.equal(x, y) for x, y in zip(sa.rows, sb.rows, strict=True)):
+        return False
+    if (sa.states is None) != (sb.states is None):
+        return False
+    for (pa, ca, ha), (pb, cb, hb) in zip(sa.states or [], sb.states or [], strict=True):
+        if pa != pb or any(not torch.equal(ca[i], cb[i]) or not torch.equal(ha[i], hb[i]) for i in ca):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streaming"])
+def test_blocks_equal_each_sequence_alone(tiny_file, stream):
+    """Blocks of 1..40 tokens (decoding rows and prompt chunks) in one forward_rows call: each block's logits
+    and cache equal forward's of that block alone, and so do the decode steps that follow, every step
+    fetching each layer's experts once, for the union."""
+    path, cfg = tiny_file
+    slots = cfg.num_experts_per_tok + 3 if stream else cfg.num_hidden_layers * n_experts(cfg)
+    eng = Engine(path, EngineOptions(n_slots=slots, ubatch=8, ctx=CTX))
+    try:
+        model = eng.model
+        seqs = [random_tokens(pre + n, cfg.vocab_size, seed=10 + j) for j, (pre, n) in enumerate(BLOCKS)]
+        with torch.inference_mode():
+            alone, kvs = [model.new_kv(CTX) for _ in seqs], [model.new_kv(CTX) for _ in seqs]
+            for (pre, _n), s, kv_a, kv in zip(BLOCKS, seqs, alone, kvs, strict=True):
+                if pre:
+                    model.forward(s[:pre], kv_a, 0)
+                    model.forward(s[:pre], kv, 0)
+            want = [model.forward(s[pre:], kv_a, pre) for (pre, _), s, kv_a in zip(BLOCKS, seqs, alone, strict=True)]
+            counting = CountingExperts(model.experts)
+            model.experts = counting
+            got = model.forward_rows([s[pre:] for (pre, _), s in zip(BLOCKS, seqs, strict=True)], kvs,
+                                     [pre for pre, _ in BLOCKS])  # fmt: skip
+            model.experts = counting.inner
+            assert got.shape == (len(seqs), cfg.vocab_size) and got.dtype == torch.float32
+            layers = [layer for layer, _ in counting.calls]
+            assert len(layers) == len(set(layers)) and all(len(i) == len(set(i)) for _, i in counting.calls)
+            for b in range(len(seqs)):
+                assert torch.equal(got[b], want[b]), (b, (got[b] - want[b]).abs().max().item())
+                assert _same_cache(kvs[b], alone[b]), b
+            pos = [len(s) for s in seqs]
+            for _ in range(3):
+                toks = [int(g.argmax()) for g in got]
+                want = [model.forward([t], kv_a, p) for t, kv_a, p in zip(toks, alone, pos, strict=True)]
+                got = model.forward_rows([[t] for t in toks], kvs, pos)
+                for b in range(len(seqs)):
+                    assert torch.equal(got[b], want[b]), b
+                pos = [p + 1 for p in pos]
+        if stream:
+            assert eng.cache.used_slots <= slots
+    finally:
+        eng.close()
+
+
+def test_one_block_is_forward(tiny_file):
+    """forward_rows of a single prompt block is forward of it (the lone prompt's result, its cache)."""
+    path, cfg = tiny_file
+    eng = Engine(path, EngineOptions(n_slots=64, ubatch=8, ctx=CTX))
+    try:
+        model = eng.model
+        prompt = random_tokens(21, cfg.vocab_size, seed=5)
+        kv_a, kv_b = model.new_kv(CTX), model.new_kv(CTX)
+        with torch.inference_mode():
+            assert torch.equal(model.forward_rows([prompt], [kv_a], [0])[0], model.forward(prompt, kv_b, 0))
+            assert _same_cache(kv_a, kv_b)
+            with pytest.raises(ValueError):
+                model.forward_rows([prompt, []], [kv_a, kv_b], [21, 21])
+    finally:
+        eng.close()
+
+
+@lane_only
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [17, 130, 600])
+def test_lane_matmul_prompt_rows_are_independent(ggml_type, m):
+    """A prompt block's hundreds of rows through the lane matmul: each row as it is alone and in a call of
+    any other rows."""
+    rng = np.random.default_rng(m)
+    n, k = 48, 512
+    lin = linear.from_gguf(quants.random_gguf(ggml_type, n * k, rng), ggml_type, n, k, False)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    y = lin(x)
+    for b in range(0, m, 7):
+        assert torch.equal(y[b : b + 1], lin(x[b : b + 1])), b
+    assert torch.equal(y[m // 3 :], lin(x[m // 3 :]))
+
+
+@lane_only
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_lane_swiglu_prompt_rows_are_independent(ggml_type):
+    """Experts with many rows each (a prompt block's, joined by decoding rows; over SWIGLU_MAX_ROWS in all,
+    so the call splits): every row as it is alone, and as in a call of only its own block's rows."""
+    rng = np.random.default_rng(int(ggml_type) + 1)
+    hidden, ffn = 256, 256
+    experts = []
+    for _ in range(3):
+        gu = linear.from_gguf(quants.random_gguf(ggml_type, 2 * ffn * hidden, rng), ggml_type, 2 * ffn, hidden, False)
+        down = linear.from_gguf(quants.random_gguf(ggml_type, hidden * ffn, rng), ggml_type, hidden, ffn, False)
+        experts.append((gu, None, down))
+    ms = (700, 1, 450)
+    xs = [torch.from_numpy(rng.standard_normal((m, hidden)).astype(np.float32)) for m in ms]
+    outs = [torch.empty(x.shape[0], hidden) for x in xs]
+    linear.lane_swiglu(experts, xs, outs)
+    for e, x, o in zip(experts, xs, outs, strict=True):
+        part = torch.empty(x.shape[0] - x.shape[0] // 2, hidden)
+        linear.lane_swiglu([e], [x[x.shape[0] // 2 :].contiguous()], [part])
+        assert torch.equal(o[x.shape[0] // 2 :], part)
+        for b in range(0, x.shape[0], 53):
+            alone = torch.empty(1, hidden)
+            linear.lane_swiglu([e], [x[b : b + 1].contiguous()], [alone])
+            assert torch.equal(o[b : b + 1], alone)
