@@ -73,6 +73,36 @@ def test_batch_equals_alone(model_path: str, n_slots: int | None, tmp_path: Path
     assert len(rows) and max(per_step.values()) == 1
 
 
+def test_prompts_arriving_together_prefill_in_one_step(model_path: str, tmp_path: Path) -> None:
+    """Four requests queued at once: one step runs all four prompts (each layer's experts fetched once for
+    their union) and gives every one its first token; each answer equals the request's alone."""
+    opts = EngineOptions(n_slots=10_000, ctx=256, max_batch=4, trace_path=str(tmp_path / "t.jsonl"))
+    engine = Engine(model_path, opts)
+    try:
+        tok = engine.tokenizer
+        prompts = [tok.encode(p) for p in PROMPTS[:4]]
+        alone = [engine.generate(p, 8).tokens for p in prompts]
+        engine.reset()
+        first_step = engine._step + 1
+        batch = engine.batch()
+        seqs = [batch.add(p, 8) for p in prompts]
+        out: dict[int, list[int]] = {}
+        events = batch.step()
+        assert {id(ev.sequence) for ev in events} == {id(s) for s in seqs}
+        while events:
+            for ev in events:
+                out.setdefault(id(ev.sequence), []).append(ev.token)
+            events = batch.step()
+        assert [out[id(s)] for s in seqs] == alone
+    finally:
+        engine.close()
+    _meta, rows = read_trace(str(tmp_path / "t.jsonl"))
+    rows = rows[(rows["phase"] != DECODE) & (rows["step"] >= first_step)]
+    assert len(set(rows["step"].tolist())) == 1  # the four prompts' one step
+    per_key = Counter(zip(rows["layer"].tolist(), rows["expert"].tolist(), strict=True))
+    assert len(per_key) and max(per_key.values()) == 1
+
+
 def test_slot_keeps_its_conversation(model_path: str) -> None:
     """A request that extends a finished one lands on its slot and prefills only its new tokens."""
     engine = Engine(model_path, EngineOptions(n_slots=10_000, ctx=256, max_batch=3))

@@ -1,11 +1,13 @@
 """Several sequences generating together: the continuous batching `serve` runs on.
 
-A step runs one new token of every decoding sequence in one forward call (each row at its own position, in its
-own KV cache), so each layer's routed experts are fetched once for the union of what the rows route to and
-each expert runs once on all the rows routed to it. A new sequence's prompt runs beside them a chunk per step,
-so a long prompt never stalls the others for its whole length; with nobody decoding it runs as a lone prompt
-does. Sequences join and leave at step boundaries; the model computes each row as it would alone, so a
-sequence's tokens do not depend on what else shares its steps.
+A step is one forward call holding one new token of every decoding sequence and the next prompt span of
+every joining one (each block at its own position, in its own KV cache), so each layer's routed experts are
+fetched once for the union of what all of them route to and each expert runs once on all the rows routed to
+it: prompts that arrive together are prefilled together, beside the decoding rows. A prompt runs in the
+spans a lone prompt runs in (the engine's span), so a long one stalls the others a span at a time; the
+prompt tokens of one step stay within one span (a joining sequence over it waits a step), so a step's
+memory stays what the plan sized. Sequences join and leave at step boundaries; the model computes each block
+as it would alone, so a sequence's tokens do not depend on what else shares its steps.
 """
 
 from __future__ import annotations
@@ -21,17 +23,12 @@ from moestream.engine.prompt_cache import Conversation, PromptCache
 from moestream.engine.sampling import Sampler
 from moestream.engine.stats import GenerationStats
 
-# Prompt tokens a joining sequence runs per step while others decode: big enough that a long prompt's layers
-# still fetch their experts for many tokens at once, small enough that the decoding sequences keep going.
-PREFILL_CHUNK = 512
-
 
 class BatchEngine(Protocol):
     """What a batch needs of the engine (engine.Engine): its slots' KV caches, its prompt cache and forwards."""
 
     ctx: int
     span: int
-    ubatch: int
     cache: Any  # the expert cache: phase and generation()
     conversation: Conversation
     batch_kvs: list[Any]
@@ -39,9 +36,9 @@ class BatchEngine(Protocol):
 
     def _check_prompt(self, prompt: list[int]) -> None: ...
 
-    def _forward(self, tokens: list[int], pos: int, kv: Any = None) -> torch.Tensor: ...
-
-    def _forward_batch(self, tokens: list[int], kvs: list[Any], positions: list[int]) -> torch.Tensor: ...
+    def _forward_rows(
+        self, blocks: list[list[int]], kvs: list[Any], positions: list[int], prompt: bool | None = None
+    ) -> torch.Tensor: ...
 
 
 @dataclass(eq=False)
@@ -126,17 +123,13 @@ class Batch:
         return failed
 
     def step(self) -> list[BatchEvent]:
-        """Admit waiting sequences into free slots, run one decode step of every decoding sequence and a chunk
-        of every joining one's prompt, then sample: the tokens this step generated."""
+        """Admit waiting sequences into free slots, run one step (a token of every decoding sequence, a prompt
+        span of every joining one), then sample: the tokens this step generated."""
         self._admit()
         if not self.running:
             return []
-        cache = self.engine.cache
-        with torch.inference_mode(), cache.generation():
-            cache.phase = "decode"
-            self._decode()
-            cache.phase = "prompt"
-            self._prefill()
+        with torch.inference_mode(), self.engine.cache.generation():
+            self._run()
         return self._sample()
 
     # -- the parts of a step ----------------------------------------------------------------------------
@@ -152,37 +145,47 @@ class Batch:
             seq.started = time.perf_counter()
             self.running.append(seq)
 
-    def _decode(self) -> None:
-        rows = [s for s in self.running if s.next_token is not None]
-        if not rows:
-            return
-        tokens = [s.next_token for s in rows]
-        assert all(t is not None for t in tokens)
-        logits = self.engine._forward_batch(
-            tokens,
-            [s.conversation.kv for s in rows],
-            [s.pos for s in rows],  # type: ignore[union-attr]
-        )
-        for i, s in enumerate(rows):
-            s.conversation.tokens.append(tokens[i])  # type: ignore[union-attr, arg-type]
-            s.pos += 1
-            s.logits, s.next_token = logits[i], None
-        self.decode_batch_sizes[len(rows)] += 1
+    def _blocks(self) -> list[tuple[Sequence, list[int]]]:
+        """This step's sequences and their blocks: every decoding one's token, and the next span of each joining
+        one (in arrival order) while the step's prompt tokens stay within one span."""
+        span, prompt_tokens = self.engine.span, 0
+        out = []
+        for s in self.running:
+            if s.next_token is not None:
+                out.append((s, [s.next_token]))
+            elif s.prefilling:
+                chunk = s.prompt[s.pos : s.pos + span]
+                if prompt_tokens and prompt_tokens + len(chunk) > span:
+                    continue
+                prompt_tokens += len(chunk)
+                out.append((s, chunk))
+        return out
 
-    def _prefill(self) -> None:
-        joining = [s for s in self.running if s.prefilling]
-        alone = len(joining) == len(self.running)
-        for s in joining:
-            chunk_len = self.engine.span if alone else max(self.engine.ubatch, min(self.engine.span, PREFILL_CHUNK))
-            chunk = s.prompt[s.pos : s.pos + chunk_len]
-            assert s.conversation is not None
-            logits = self.engine._forward(chunk, s.pos, s.conversation.kv)
-            s.conversation.tokens.extend(chunk)
-            s.pos += len(chunk)
-            if not s.prefilling:
-                s.logits = logits
-                s.decode_started = time.perf_counter()
-                s.stats.prompt_s = s.decode_started - s.started
+    def _run(self) -> None:
+        blocks = self._blocks()
+        if not blocks:
+            return
+        decoding = [s.next_token is not None for s, _ in blocks]
+        convs = [s.conversation for s, _ in blocks]
+        assert all(c is not None for c in convs)
+        logits = self.engine._forward_rows(
+            [b for _, b in blocks],
+            [c.kv for c in convs],  # type: ignore[union-attr]
+            [s.pos for s, _ in blocks],
+            prompt=not all(decoding),
+        )
+        now = time.perf_counter()
+        for i, ((s, block), conv) in enumerate(zip(blocks, convs, strict=True)):
+            conv.tokens.extend(block)  # type: ignore[union-attr]
+            s.pos += len(block)
+            if decoding[i]:
+                s.logits, s.next_token = logits[i], None
+            elif not s.prefilling:
+                s.logits = logits[i]
+                s.decode_started = now
+                s.stats.prompt_s = now - s.started
+        if any(decoding):
+            self.decode_batch_sizes[sum(decoding)] += 1
 
     def _sample(self) -> list[BatchEvent]:
         events = []
