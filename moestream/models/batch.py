@@ -1,5 +1,6 @@
-"""Batched decode: one new token for each of B sequences in one forward step, each row's result bit-identical
-to that sequence's own `forward` of one token.
+"""Batched steps: blocks of tokens of B sequences in one forward step (one new token of each decoding
+sequence, a prompt span of each joining one), each block's result bit-identical to that sequence's own
+`forward` of those tokens.
 
 Exactness rule: an op runs on all B rows at once only where its per-row result cannot depend on the other
 rows: the lane kernels (ms_qmm, ms_moe_ffn: each output row is its own dot products over its own quantized
@@ -8,9 +9,13 @@ RMSNorm (a loop over rows), each at the row counts where the one-row call takes 
 matmuls (f32, bf16, int4) pick kernels by shape, and its vectorized transcendental ops may round a tail
 differently, so those run per row. tests/test_batch.py holds the kernels to this.
 
-What the rows share is the expensive part: each layer's routed experts are fetched once for the union of the
-rows' choices and run once on all rows routed to each, and every weight in the lane form (the projections of
-most quantized models) is read once a step.
+A block of several tokens (a prompt span) runs everything that is not row-invariant at its size (torch's
+GEMMs, the router past GEMV_ROWS rows, norms past the native size limit, attention) as forward runs it on
+that block alone; the one-token blocks run together as rows.
+
+What the rows and blocks share is the expensive part: each layer's routed experts are fetched once for the
+union of all blocks' choices and each lane expert runs once on all rows routed to it; every weight in the
+lane form (the projections of most quantized models) is read once a step for the one-token rows.
 """
 
 from __future__ import annotations
@@ -161,37 +166,40 @@ def ffn_blocks(
     return blockwise(x, spans, lambda _bs, xr: swiglu_rows(ffn, xr), lambda _b, xb: ffn(xb))
 
 
+def router_blocks(moe: MoE, x: torch.Tensor, spans: Spans) -> list[torch.Tensor]:
+    """Each block's router logits [T_b, E(+1)]: the one-token blocks' rows together (gemv row-invariant),
+    a longer block's as forward computes them (torch's GEMM past GEMV_ROWS rows)."""
+    singles = [a for a, e in spans if e - a == 1]
+    rows = moe.router_logits(f32_rows(x[singles], moe.gates)) if singles else x
+    out, j = [], 0
+    for a, e in spans:
+        if e - a == 1:
+            out.append(rows[j : j + 1])
+            j += 1
+        else:
+            out.append(moe.router_logits(f32_matmul(x[a:e], moe.gates)))
+    return out
+
+
 def moe_blocks(
     moe: MoE, x: torch.Tensor, spans: Spans, experts: ExpertProvider, forced: list[torch.Tensor | None]
 ) -> torch.Tensor:
     """The MoE block on a step's blocks of x [N, hidden]: each block routed (and forced) as forward routes it,
     the union of all blocks' experts fetched once and each expert run once on all the rows routed to it."""
     E, B = moe.n_experts, len(spans)
-    logits: list[torch.Tensor] = [x] * B
-
-    def router_rows(bs: list[int], xr: torch.Tensor) -> torch.Tensor:
-        out = moe.router_logits(f32_rows(xr, moe.gates))
-        for j, b in enumerate(bs):
-            logits[b] = out[j : j + 1]
-        return xr
-
-    def router_block(b: int, xb: torch.Tensor) -> torch.Tensor:
-        logits[b] = moe.router_logits(f32_matmul(xb, moe.gates))
-        return xb
-
-    blockwise(x, spans, router_rows, router_block)
+    logits = router_blocks(moe, x, spans)
     routes = [moe.route(logits[b], forced[b]) for b in range(B)]
     mixed = routed_blocks(x, spans, routes, moe.expert_layer, experts, moe.ffn)
-    if moe.shared is None:
+    fused = moe.shared
+    if fused is None:
         return mixed[0] if B == 1 else torch.cat(mixed)
-    assert moe.shared is not None
 
     def shared_block(_b: int, xb: torch.Tensor) -> torch.Tensor:
-        gate, up = moe.shared(xb)  # type: ignore[misc]
+        gate, up = fused(xb)
         return moe.shared_down(F.silu(gate) * up)
 
     def shared_rows(_bs: list[int], xr: torch.Tensor) -> torch.Tensor:
-        gate, up = fused_rows(moe.shared, xr)  # type: ignore[arg-type]
+        gate, up = fused_rows(fused, xr)
         return linear_rows(moe.shared_down, per_row_pair(gate, up))
 
     shared = blockwise(x, spans, shared_rows, shared_block)
