@@ -91,7 +91,7 @@ class MoEModel:
             raise
         self.end_rows(kvs, positions, lengths, aux)
         with wide_torch():
-            last = x[[e - 1 for _, e in spans]]
+            last = x if B == x.shape[0] else x[[e - 1 for _, e in spans]]
             return batch.linear_rows(self.output, batch.norm_rows(last, self.norm, eps))
 
     def mix_blocks(self, i: int, x: torch.Tensor, spans: batch.Spans, kvs: list, positions: list[int], aux: list):

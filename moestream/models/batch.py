@@ -140,7 +140,9 @@ def blockwise(
     """An op over a step's blocks, in x's row order: `rows(bs, x[those rows])` once for all the one-token
     blocks bs (the row-wise batched path), `block(b, x[a:e])` for each longer block alone, as forward runs
     that block's tokens."""
-    if len(spans) == 1 and spans[0][1] - spans[0][0] > 1:
+    if len(spans) == x.shape[0]:  # every block one token (a decode step): x's rows are the blocks
+        return rows(list(range(len(spans))), x)
+    if len(spans) == 1:
         return block(0, x)
     singles = [b for b, (a, e) in enumerate(spans) if e - a == 1]
     parts: dict[int, torch.Tensor] = {}
@@ -170,7 +172,8 @@ def router_blocks(moe: MoE, x: torch.Tensor, spans: Spans) -> list[torch.Tensor]
     """Each block's router logits [T_b, E(+1)]: the one-token blocks' rows together (gemv row-invariant),
     a longer block's as forward computes them (torch's GEMM past GEMV_ROWS rows)."""
     singles = [a for a, e in spans if e - a == 1]
-    rows = moe.router_logits(f32_rows(x[singles], moe.gates)) if singles else x
+    if singles:
+        rows = moe.router_logits(f32_rows(x if len(singles) == x.shape[0] else x[singles], moe.gates))
     out, j = [], 0
     for a, e in spans:
         if e - a == 1:
