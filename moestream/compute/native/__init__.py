@@ -147,6 +147,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "ms_moe_ffn": ([c_int, vp, vp, vp, vp, i64, i64, vp, vp, vp], c_int),
         "ms_rms_norm": ([vp, vp, i64, i64, f32, vp], c_int),
         "ms_gemv_f32": ([vp, i64, i64, vp, i64, vp], c_int),
+        "ms_gemv_bf16": ([vp, i64, i64, vp, i64, vp], c_int),
         "ms_rope_neox": ([vp, i64, i64, i64, i64, vp, vp], c_int),
         "ms_attn_decode": ([vp, vp, vp, i64, i64, i64, i64, c_int, f32, vp], c_int),
         "ms_route_topk": ([vp, i64, i64, i64, c_int, vp, vp], c_int),
