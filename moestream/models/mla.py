@@ -25,6 +25,8 @@ from moestream.models.common import QUERY_CHUNK, KVCache, RoPE, causal_mask, que
 from moestream.models.loader import Weights
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the native decode step reads
+# the per-head up-projections, held as dense arrays: bf16 unless exact (float32)
+UP_PROJECTIONS = ("attn_k_b.weight", "attn_v_b.weight", "attn_kv_b.weight")
 
 
 class MLACache:
