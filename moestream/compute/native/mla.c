@@ -36,14 +36,21 @@ static inline __m512 at16(const void *p, int bf16, int64_t i) {
 }
 #endif
 
-/* sum_j a[off + j] b[j] over n values */
-static inline float dot(const void *a, int bf16, int64_t off, const float *b, int64_t n) {
+/* sum_j a[off + j] b[j] over n values; pf: a is a weight streamed from RAM, prefetched PF_DIST ahead (as the
+ * lane kernels do: the hardware prefetcher alone streams at about half the rate) */
+static inline float dot(const void *a, int bf16, int64_t off, const float *b, int64_t n, int pf) {
     int64_t j = 0;
     float s = 0;
 #ifdef MS_VNNI
+    const char *base = (const char *)a + off * (bf16 ? 2 : 4);
     __m512 acc = _mm512_setzero_ps();
-    for (; j + 16 <= n; j += 16) acc = _mm512_fmadd_ps(at16(a, bf16, off + j), _mm512_loadu_ps(b + j), acc);
+    for (; j + 16 <= n; j += 16) {
+        if (pf) _mm_prefetch(base + j * (bf16 ? 2 : 4) + PF_DIST, PF_HINT);
+        acc = _mm512_fmadd_ps(at16(a, bf16, off + j), _mm512_loadu_ps(b + j), acc);
+    }
     s = _mm512_reduce_add_ps(acc);
+#else
+    (void)pf;
 #endif
     for (; j < n; j++) s += at(a, bf16, off + j) * b[j];
     return s;
@@ -72,12 +79,12 @@ static void mla_task(void *vctx, int64_t g) {
     float *qlat = buf, *olat = buf + G * L, *sc = buf + 2 * G * L;
     for (int64_t i = 0; i < G; i++) { /* the query absorbed into the latent space */
         const float *qn = c->q_nope + (h0 + i) * c->nope;
-        for (int64_t l = 0; l < L; l++) qlat[i * L + l] = dot(c->k_b, c->w_bf16, ((h0 + i) * L + l) * c->nope, qn, c->nope);
+        for (int64_t l = 0; l < L; l++) qlat[i * L + l] = dot(c->k_b, c->w_bf16, ((h0 + i) * L + l) * c->nope, qn, c->nope, 1);
     }
     for (int64_t t = 0; t < S; t++) /* scores: one shared key [c_t | kpe_t] for every head */
         for (int64_t i = 0; i < G; i++)
-            sc[i * S + t] = (dot(c->lat, c->kv_bf16, t * L, qlat + i * L, L) +
-                             dot(c->kpe, c->kv_bf16, t * R, c->q_pe + (h0 + i) * R, R)) * c->scale;
+            sc[i * S + t] = (dot(c->lat, c->kv_bf16, t * L, qlat + i * L, L, 0) +
+                             dot(c->kpe, c->kv_bf16, t * R, c->q_pe + (h0 + i) * R, R, 0)) * c->scale;
     for (int64_t i = 0; i < G; i++) {
         float *p = sc + i * S, mx = -INFINITY, sum = 0;
         for (int64_t t = 0; t < S; t++) mx = fmaxf(mx, p[t]);
@@ -89,7 +96,7 @@ static void mla_task(void *vctx, int64_t g) {
         for (int64_t i = 0; i < G; i++) axpy(sc[i * S + t], c->lat, c->kv_bf16, t * L, olat + i * L, L);
     for (int64_t i = 0; i < G; i++) { /* and up to the head's values */
         float *o = c->out + (h0 + i) * c->vd;
-        for (int64_t r = 0; r < c->vd; r++) o[r] = dot(c->v_b, c->w_bf16, ((h0 + i) * c->vd + r) * L, olat + i * L, L);
+        for (int64_t r = 0; r < c->vd; r++) o[r] = dot(c->v_b, c->w_bf16, ((h0 + i) * c->vd + r) * L, olat + i * L, L, 1);
     }
     free(buf);
 }
