@@ -59,6 +59,30 @@ def test_absorbed_attention_equals_the_naive_form(v3):
         eng.close()
 
 
+def test_native_decode_step_reads_bf16_weights_and_cache(v3):
+    """The decode step's C path with bf16 up-projections and a bf16 cache (a quantized file's) equals the
+    torch formula on the same values widened to float32."""
+    _, path = v3
+    eng = Engine(path, EngineOptions(n_slots=8))
+    try:
+        attn, cfg = eng.model.layers[1][1], eng.cfg
+        g = torch.Generator().manual_seed(1)
+        S = 37
+        q_nope = torch.randn(1, cfg.n_heads, cfg.qk_nope, generator=g)
+        q_pe = torch.randn(1, cfg.n_heads, cfg.qk_rope, generator=g)
+        lat = torch.randn(S, cfg.kv_lora_rank, generator=g).bfloat16()
+        kpe = torch.randn(S, cfg.qk_rope, generator=g).bfloat16()
+        attn.k_b, attn.v_b = attn.k_b.bfloat16(), attn.v_b.bfloat16()
+        got = attn.absorbed(q_nope, q_pe, lat, kpe, S - 1)
+        k_b, v_b, lf, kf = attn.k_b.float(), attn.v_b.float(), lat.float(), kpe.float()
+        q_lat = torch.einsum("hn,hln->hl", q_nope[0], k_b)
+        p = torch.softmax((q_lat @ lf.T + q_pe[0] @ kf.T) * cfg.kq_scale, dim=-1)
+        want = torch.einsum("hl,hvl->hv", p @ lf, v_b)[None]
+        assert rel_error(got, want) < 1e-5
+    finally:
+        eng.close()
+
+
 def test_both_kv_b_forms_give_the_same_logits(v3, tmp_path):
     model, split = v3
     legacy = str(tmp_path / "legacy.gguf")

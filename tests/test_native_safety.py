@@ -96,6 +96,19 @@ for s, h, hkv, d in ((1, 4, 3, 16), (0, 4, 2, 16), (1, 4, 0, 16), (1, 4, 2, 0), 
 kv = np.full(8 * 2 * 16, np.nan, np.float32)
 call(lib.ms_attn_decode, ptr(x), ptr(kv), ptr(kv), 8, 4, 2, 16, 0, 1.0, ptr(out))
 call(lib.ms_attn_decode, ptr(x), ptr(kv), ptr(kv), 8, 4, 2, 24, 1, 1.0, ptr(out))
+call(lib.ms_gemv_bf16, ptr(x), 0, 16, ptr(x), 1, ptr(out), want=native.BAD_SHAPE)
+call(lib.ms_gemv_bf16, ptr(x), 16, 16, ptr(x), -1, ptr(out), want=native.BAD_SHAPE)
+call(lib.ms_gemv_bf16, None, 16, 16, ptr(x), 1, ptr(out), want=native.BAD_PTR)
+call(lib.ms_gemv_bf16, ptr(x), 8, 17, ptr(x), 2, ptr(out))  # a row length off the vector width
+# MLA decode: (s, h, L, R, nope, vd) out of range, a null pointer, a NaN cache, odd sizes in bf16
+for s, h, L, R, nope, vd in ((0, 2, 16, 8, 8, 8), (1, 0, 16, 8, 8, 8), (1, 2, 16, -8, 8, 8),
+                             (1 << 31, 1 << 20, 1 << 20, 8, 8, 8)):  # fmt: skip
+    call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(x), ptr(x), 0, s, h, L, R, nope, vd, 1.0,
+         ptr(out), want=native.BAD_SHAPE)  # fmt: skip
+call(lib.ms_mla_decode, ptr(x), None, ptr(x), ptr(x), 0, ptr(x), ptr(x), 0, 4, 2, 16, 8, 8, 8, 1.0, ptr(out),
+     want=native.BAD_PTR)  # fmt: skip
+call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(kv), ptr(kv), 0, 4, 5, 16, 8, 8, 8, 1.0, ptr(out))
+call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 1, ptr(x), ptr(x), 1, 9, 5, 20, 6, 18, 17, 1.0, ptr(out))
 for m, k in ((-1, 256), (1, 0), (1 << 31, 1 << 31)):
     call(lib.ms_qmm_scratch_bytes, m, k, want=native.BAD_SHAPE)
 call(lib.ms_moe_scratch_bytes, 1, -256, 256, want=native.BAD_SHAPE)

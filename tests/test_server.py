@@ -8,6 +8,7 @@ a scripted text, and the parsers are tested directly on crafted text.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import random
 import socket
@@ -28,7 +29,7 @@ import uvicorn
 from moestream.analysis.synth import write_synth
 from moestream.engine.batch import BatchEvent, Sequence
 from moestream.engine.prompt_cache import Conversation
-from moestream.engine.stats import EngineSnapshot
+from moestream.engine.stats import EngineSnapshot, GenerationStats, GenerationStep
 from moestream.formats.chat_template import render_chat
 from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.tokenizer import Tokenizer
@@ -574,8 +575,25 @@ class ScriptedEngine:
     def check_model_file(self) -> None:
         pass
 
+    def reset(self) -> None:
+        pass
+
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(model_path=self.model_path, ctx=self.ctx, n_slots=8)
+
+    def stream(
+        self, prompt: list[int], max_new_tokens: int, sampler: Any, stop_ids: set[int]
+    ) -> Iterator[GenerationStep]:
+        """The terminal chat's way in (serve goes through batch())."""
+        st = GenerationStats(prompt_tokens=len(prompt))
+        for i, t in enumerate(itertools.islice(self.tokens(prompt), max_new_tokens)):
+            st.decode_tokens = i + 1
+            reason = "stop" if t in stop_ids else "length" if i + 1 == max_new_tokens else None
+            if reason is not None:
+                st.finish_reason = reason
+            yield GenerationStep(t, st, reason)
+            if reason is not None:
+                return
 
     def batch(self) -> ScriptedBatch:
         return ScriptedBatch(self)

@@ -17,6 +17,7 @@ from moestream.analysis import synth
 from moestream.analysis.synth import SHAPES, synth_nbytes, write_synth
 from moestream.analysis.synth_arches import DeepSeekShape, GlmShape
 from moestream.engine.engine import Engine
+from moestream.engine.model_file import dense_estimate, open_model, trunk_blocks
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
@@ -232,6 +233,12 @@ def test_full_width_v2_lite_slice_runs(tmp_path):
         eng = _engine(path)
         try:
             assert (eng.cfg.n_experts, eng.cfg.kv_lora_rank, eng.cfg.q_lora_rank, eng.cfg.top_k) == (64, 512, 0, 6)
+            assert eng.model.layers[1][1].k_b.dtype == torch.bfloat16  # the up-projections of a quantized file
+            m = open_model(path)
+            try:  # the plan counts them at what they take
+                assert eng.model.dense_nbytes == dense_estimate(m.gguf, m.exact, trunk_blocks(m.cfg))
+            finally:
+                m.close()
             toks = eng.generate(list(range(20, 30)), 4, Sampler()).tokens
             assert len(toks) == 4
         finally:

@@ -82,12 +82,29 @@ def geometry_from_meta(meta: dict[str, Any]) -> Geometry:
         ) from None
 
 
-def bandwidth(probe: ProbeResult, inflight: float, direct: bool) -> float:
-    """Aggregate MB/s at `inflight` reads of the probe's segment size, interpolated between depths."""
+def bandwidth(probe: ProbeResult, inflight: float, direct: bool, size: float | None = None) -> float:
+    """Aggregate MB/s at `inflight` reads of `size` bytes (default: the probe's segment size), interpolated
+    between depths and, for a size the probe did not measure, between the sizes it did."""
     mode = "direct" if direct else "buffered"
-    rows = sorted(
-        (r.inflight, r.mb_s) for r in probe.rows if r.size == probe.segment_bytes and r.mode == mode and r.reads > 0
-    )
+    want = probe.segment_bytes if size is None else size
+    sizes = sorted({r.size for r in probe.rows if r.mode == mode and r.reads > 0})
+    if size is None or want in sizes:
+        return _bandwidth_at(probe, probe.segment_bytes if size is None else int(want), inflight, direct)
+    # 4 KiB rows measure latency, not streaming: only sizes of 64 KiB and up bracket a read of experts
+    big = [s for s in sizes if s >= 64 << 10]
+    below, above = [s for s in big if s <= want], [s for s in big if s >= want]
+    if not below or not above:  # outside the probed sizes: the nearest one
+        nearest = below[-1] if below else above[0] if above else probe.segment_bytes
+        return _bandwidth_at(probe, nearest, inflight, direct)
+    lo, hi = below[-1], above[0]
+    w = math.log(want / lo) / math.log(hi / lo)
+    b0, b1 = _bandwidth_at(probe, lo, inflight, direct), _bandwidth_at(probe, hi, inflight, direct)
+    return b0 + w * (b1 - b0)
+
+
+def _bandwidth_at(probe: ProbeResult, size: int, inflight: float, direct: bool) -> float:
+    mode = "direct" if direct else "buffered"
+    rows = sorted((r.inflight, r.mb_s) for r in probe.rows if r.size == size and r.mode == mode and r.reads > 0)
     if not rows:
         other = "buffered" if direct else "direct"
         raise MoestreamError(
@@ -214,7 +231,7 @@ def forecast(
 def read_stats(path_or_value: str) -> dict[str, float]:
     """A measured run: a number (decode tok/s) or a JSON file with the engine's GenerationStats fields
     (decode_tokens, decode_s, decode_read_wait_s) or a decode_tps key, possibly under "stats"; rates are per
-    forward pass."""
+    forward pass. A stats JSON also gives the prompt's figures (prompt_stats)."""
     try:
         return {"decode_tps": float(path_or_value)}
     except ValueError:
@@ -244,7 +261,27 @@ def read_stats(path_or_value: str) -> dict[str, float]:
         out["decode_tps"] = float(doc["decode_tps"])
     else:
         raise MoestreamError(f"{path_or_value}: no decode_tokens/decode_s or decode_tps in it")
-    return out
+    return out | prompt_stats(doc)
+
+
+def prompt_stats(doc: dict[str, Any]) -> dict[str, float]:
+    """The prompt's figures in a stats JSON: its computed tokens, seconds, ms per token without the read
+    waits (the decode's waits are the rest of read_wait_s), and MB read (what decode did not read)."""
+    try:
+        tokens = float(doc.get("prompt_tokens") or 0) - float(doc.get("reused_tokens") or 0)
+        seconds = float(doc.get("prompt_s") or 0)
+        wait = float(doc.get("read_wait_s") or 0) - float(doc.get("decode_read_wait_s") or 0)
+        read = float(doc.get("bytes_read") or 0) - float(doc.get("decode_bytes_read") or 0)
+    except (TypeError, ValueError):
+        return {}
+    if tokens <= 0 or seconds <= 0:
+        return {}
+    return {
+        "prompt_tokens": tokens,
+        "prompt_s": seconds,
+        "prompt_ms_per_token": 1e3 * max(0.0, seconds - wait) / tokens,
+        "prompt_mb": read / 1e6,
+    }
 
 
 def format_forecast(geom: Geometry, probe: ProbeResult, rows: list[tuple[str, Forecast]]) -> str:

@@ -52,6 +52,7 @@ __all__ = [
     "POLICIES",
     "Accesses",
     "Admission",
+    "GroupMisses",
     "ReplayResult",
     "accesses_from_groups",
     "accesses_from_trace",
@@ -103,6 +104,15 @@ class Admission:
         return "+".join(parts) or "all"
 
 
+@dataclass
+class GroupMisses:
+    """One group's reads in a replay: the experts of its layer that the previous group read ahead (all of
+    them, asked for or not: the disk read them), and the group's own misses in request order."""
+
+    ahead: list[int]
+    missed: list[int]
+
+
 def _capacities(slots: int, parts: int) -> list[int]:
     base, extra = divmod(slots, parts)
     return [base + (p < extra) for p in range(parts)]
@@ -118,8 +128,10 @@ def replay(
     half_life: float = 64.0,
     pin_fraction: float = 0.5,
     profile: Sequence[tuple[int, int]] | None = None,
+    group_misses: list[GroupMisses] | None = None,
 ) -> ReplayResult:
-    """Replay the accesses against one policy and cache size."""
+    """Replay the accesses against one policy and cache size. group_misses, if given, receives each group's
+    reads (the prefill forecast times them)."""
     if isinstance(admission, str):
         admission = Admission.parse(admission, acc.meta)
     if slots < 1:
@@ -142,7 +154,9 @@ def replay(
     growth = None
     if not (per_layer or belady) and "prompt_slots" in acc.meta and "decode_slots" in acc.meta:
         growth = (int(acc.meta["prompt_slots"]), int(acc.meta["decode_slots"]))
-    misses = _simulate(acc, pols, per_layer, admission if not belady else Admission(), ahead, run_len, growth)
+    misses = _simulate(
+        acc, pols, per_layer, admission if not belady else Admission(), ahead, run_len, growth, group_misses
+    )
     sizes = np.diff(acc.starts)
     dec = acc.group_decode
     d_miss = misses[dec]
@@ -170,13 +184,15 @@ def _simulate(
     ahead: bool = False,
     run_len: int = 1,
     growth: tuple[int, int] | None = None,
+    record: list[GroupMisses] | None = None,
 ) -> np.ndarray:
     """Misses per group. ahead: model the engine's prompt read-ahead (moestream.streaming.read_ahead): a prompt group
     asking for nearly all of a layer's experts also admits the next layer's first uncached experts, the
     next layer's resident keys pinned meanwhile; the next group's first access to such a key is a miss.
     growth: (per prompt micro-batch, per decode step): how many keys each step may add to the cache beyond
     the limit so far (ExpertCache.begin_step; a prompt span's step number advances by its micro-batches, and
-    its allowance is that many times the per-micro-batch one); past it, a miss evicts instead."""
+    its allowance is that many times the per-micro-batch one); past it, a miss evicts instead.
+    record: appended each group's GroupMisses."""
     keys = acc.keys.tolist()
     starts = acc.starts.tolist()
     decode = acc.group_decode.tolist()
@@ -216,6 +232,8 @@ def _simulate(
             else:
                 miss.append((k, i))
         out[g] += len(miss)
+        if record is not None:
+            record.append(GroupMisses(sorted(k % acc.n_experts for k in prev), [k % acc.n_experts for k, _ in miss]))
         if miss:
             admit_phase = decode[g] or adm.prompt
             hits_pinned = set(pinned)

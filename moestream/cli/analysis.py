@@ -12,11 +12,13 @@ import os
 import sys
 
 from moestream.analysis import forecast as fc
+from moestream.analysis import prefill_forecast as pf
 from moestream.analysis import probe as pr
 from moestream.analysis import replay as rp
 from moestream.analysis.profile import build_profile, load_profile, write_profile
 from moestream.analysis.trace import read_trace
 from moestream.analysis.workload import format_report, workload_stats
+from moestream.cli import forecast_prefill as fp
 from moestream.cli import values
 from moestream.engine.calibrate import measure_compute_ms, measure_pack_ms
 from moestream.errors import MoestreamError
@@ -220,35 +222,28 @@ def cmd_profile(args: argparse.Namespace) -> int:
 # ---- forecast ------------------------------------------------------------------------------------
 
 
-def cmd_forecast(args: argparse.Namespace) -> int:
-    meta, rows = _load_trace(args.trace) if args.trace else ({}, None)
+def _forecast_geometry(args: argparse.Namespace, meta: dict) -> fc.Geometry:
     if args.layers or args.top_k or args.expert_bytes:
         if not (args.layers and args.top_k and args.expert_bytes):
             raise MoestreamError("give all of --layers, --top-k and --expert-bytes, or none")
-        geom = fc.Geometry(args.layers, args.top_k, args.expert_bytes, model=args.model or "")
-    elif args.model:
-        geom = fc.geometry_from_gguf(args.model)
-    elif meta:
-        geom = fc.geometry_from_meta(meta)
-    else:
-        raise MoestreamError(
-            "give the model's geometry: --model MODEL.gguf, a --trace, or --layers/--top-k/--expert-bytes"
-        )
+        return fc.Geometry(args.layers, args.top_k, args.expert_bytes, model=args.model or "")
+    if args.model:
+        return fc.geometry_from_gguf(args.model)
+    if meta:
+        return fc.geometry_from_meta(meta)
+    raise MoestreamError("give the model's geometry: --model MODEL.gguf, a --trace, or --layers/--top-k/--expert-bytes")
 
+
+def _forecast_probe(args: argparse.Namespace) -> pr.ProbeResult:
     if args.probe:
-        probe = pr.load_probe(args.probe)
-    elif args.model:
-        print(
-            "no --probe given: probing the model file briefly (save a full one with moestream probe -o)",
-            file=sys.stderr,
-        )
-        probe = pr.probe_file(
-            args.model, sizes=None, reads_per_row=32, seconds_per_row=1.0, progress=sys.stderr.isatty()
-        )
-    else:
+        return pr.load_probe(args.probe)
+    if not args.model:
         raise MoestreamError("give a disk probe: --probe PROBE.json, from moestream probe ... -o PROBE.json")
+    print("no --probe given: probing the model file briefly (save a full one with moestream probe -o)", file=sys.stderr)
+    return pr.probe_file(args.model, sizes=None, reads_per_row=32, seconds_per_row=1.0, progress=sys.stderr.isatty())
 
-    measured = fc.read_stats(args.measured) if args.measured else {}
+
+def _decode_compute_ms(args: argparse.Namespace) -> float:
     if args.compute_ms is not None:
         compute_ms = args.compute_ms
     elif args.compute_from:
@@ -267,6 +262,16 @@ def cmd_forecast(args: argparse.Namespace) -> int:
         )
     if not (math.isfinite(compute_ms) and compute_ms >= 0):
         raise MoestreamError(f"the compute time per token must be a finite number >= 0, got {compute_ms}")
+    return compute_ms
+
+
+def cmd_forecast(args: argparse.Namespace) -> int:
+    prefill_ms = fp.compute_ms_per_token(args) if fp.wanted(args) else None
+    meta, rows = _load_trace(args.trace) if args.trace else ({}, None)
+    geom = _forecast_geometry(args, meta)
+    probe = _forecast_probe(args)
+    measured = fc.read_stats(args.measured) if args.measured else {}
+    compute_ms = _decode_compute_ms(args)
     direct = False if args.buffered else (True if args.direct else None)
     pack_ms = args.pack_ms
     if pack_ms is None:
@@ -290,17 +295,26 @@ def cmd_forecast(args: argparse.Namespace) -> int:
         name = f"hit rate {100 * h:.1f}%"
         cases.append((name, fc.forecast(probe, geom, compute_ms, hit_rate=h, hit_source="given", **kw)))
     cases.append(("all cached", fc.forecast(probe, geom, compute_ms, hit_rate=1.0, **kw)))
-    if len(cases) == 2:
+    if len(cases) == 2 and prefill_ms is None:
         raise MoestreamError("give a --trace to replay or an assumed --hit-rate")
-    main = cases[-2][1]
-    if measured:
-        main.measured_tok_s = measured["decode_tps"]
+    if measured and len(cases) > 2:
+        cases[-2][1].measured_tok_s = measured["decode_tps"]
+    prefill = None
+    if prefill_ms is not None:
+        prefill = fp.prefill_case(args, probe, geom, meta, rows, prefill_ms, measured, **kw)
     if args.json:
         _print_json(
-            {"geometry": vars(geom), "probe": probe.path, "cases": [{"case": n, **f.to_dict()} for n, f in cases]}
+            {
+                "geometry": vars(geom),
+                "probe": probe.path,
+                "cases": [{"case": n, **f.to_dict()} for n, f in cases],
+                "prefill": prefill.to_dict() if prefill is not None else None,
+            }
         )
     else:
         print(fc.format_forecast(geom, probe, cases))
+        if prefill is not None:
+            print(pf.format_prefill(prefill))
     return 0
 
 
@@ -442,6 +456,9 @@ def _forecast_args(p: argparse.ArgumentParser) -> None:
     m = p.add_mutually_exclusive_group()
     m.add_argument("--buffered", action="store_true", help="forecast buffered reads")
     m.add_argument("--direct", action="store_true", help="forecast O_DIRECT reads (default when probed)")
-    p.add_argument("--measured", help="measured decode tok/s, or a stats JSON, to print beside the forecast")
+    p.add_argument(
+        "--measured", help="measured decode tok/s, or a stats JSON (decode and prompt), to print beside the forecast"
+    )
+    fp.add_prefill_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_forecast)

@@ -43,6 +43,9 @@ ALIGN = 64
 # ~13 us per row of GEMM (crossover ~30 rows); with two threads the crossover moves to ~45.
 INT4_GEMM_MIN_ROWS = 48
 EXPAND_SCRATCH_BYTES = 8 << 20  # bf16 scratch for one slice of an expanded weight
+# Up to this many rows of activations a bf16 weight is multiplied by the C library's gemv on the lane pool
+# rather than by torch: a decode step then runs no heavy torch op, and torch can keep one thread.
+GEMV_MAX_ROWS = 4
 
 INT4_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K)})
 LANE_TYPES = frozenset(
@@ -82,8 +85,19 @@ class QLinear:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, GROUP, self.scales_zeros)
             return y.float().reshape(*lead, self.out_features)
         if self.kind == "bf16":
+            x2 = x.reshape(-1, self.in_features)
+            if x2.shape[0] <= GEMV_MAX_ROWS and (lib := native.lib()) is not None and self.weight.is_contiguous():
+                return self._gemv_bf16(lib, x2.to(torch.bfloat16).float()).reshape(*lead, self.out_features)
             return F.linear(x.to(torch.bfloat16), self.weight).float()
         return F.linear(x, self.weight)
+
+    def _gemv_bf16(self, lib: Any, x2: torch.Tensor) -> torch.Tensor:
+        """float32 [M, K] @ the bf16 W.T -> float32 [M, N] on the lane pool (a decode step's few rows)."""
+        x2 = x2.contiguous()
+        y = torch.empty(x2.shape[0], self.out_features)
+        lib.ms_gemv_bf16(self.weight.data_ptr(), self.out_features, self.in_features, x2.data_ptr(), x2.shape[0],
+                         y.data_ptr())  # fmt: skip
+        return y
 
     def _expanded_mm(self, x2: torch.Tensor, lib: Any) -> torch.Tensor:
         """x2 bf16 [M, K] @ W.T by bf16 GEMMs over W expanded a slice of rows at a time (bounded scratch)."""
@@ -125,6 +139,9 @@ class QLinear:
             if x2.shape[0] >= INT4_GEMM_MIN_ROWS and (lib := _int4_expander()) is not None:
                 return self._expanded_mm(x2, lib)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, GROUP, self.scales_zeros)
+        if self.kind == "bf16" and x2.shape[0] <= GEMV_MAX_ROWS and (lib := native.lib()) is not None:
+            if self.weight.is_contiguous():
+                return self._gemv_bf16(lib, x2.float()).to(torch.bfloat16)
         return F.linear(x2, self.weight)
 
     @property
@@ -462,7 +479,8 @@ def lane_swiglu(experts: list[tuple], xs: list[torch.Tensor], outs: list[torch.T
         i = j
 
 
-def all_lane(linears: list[QLinear], min_bytes: int = 1 << 20) -> bool:
-    """True when every weight of at least min_bytes is in the lane form: a decode step of such a model does
-    all its heavy matmuls in the lane pool and leaves torch only small ops."""
-    return all(lin.kind == "lane" for lin in linears if lin.nbytes >= min_bytes)
+def decode_on_pool(linears: list[QLinear], min_bytes: int = 1 << 20) -> bool:
+    """True when every weight of at least min_bytes is in the lane form or bf16 (GEMV_MAX_ROWS rows go to the
+    C library's gemv): a decode step of such a model does all its heavy matmuls in the lane pool and leaves
+    torch only small ops."""
+    return all(lin.kind in ("lane", "bf16") for lin in linears if lin.nbytes >= min_bytes)

@@ -13,6 +13,7 @@ from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.tokenizer import Tokenizer
 from moestream.models import ARCHITECTURES
 from moestream.models.loader import config_from_gguf
+from moestream.models.mla import UP_PROJECTIONS
 from moestream.streaming.expert_store import ExpertStore, is_routed_expert_tensor
 
 FLOAT_TYPES = {0, 1}  # F32, F16: computed in float32 (exact mode)
@@ -112,7 +113,9 @@ def dense_estimate(f: GGUFFile, exact: bool, n_blocks: int | None = None) -> int
     for t in f.tensors.values():
         if is_routed_expert_tensor(t.name) or n_blocks is not None and _block_of(t.name) >= n_blocks:
             continue
-        if len(t.shape) != 2 or "ffn_gate_inp" in t.name:
+        if t.name.endswith(UP_PROJECTIONS):
+            total += _numel(t.shape) * (4 if exact else 2)
+        elif len(t.shape) != 2 or "ffn_gate_inp" in t.name:
             total += _numel(t.shape) * 4  # norms, routers: float32
         elif t.name == "token_embd.weight":
             total += t.nbytes

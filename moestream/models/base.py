@@ -39,8 +39,9 @@ class MoEModel:
         self.output = w.output_head("output.weight", self.embed)
         self.dense_nbytes = w.nbytes
         # the output head runs once a token, widened to every thread when it is not in the lane form (a
-        # Q4_K_M's Q6_K head); the per-layer weights must all be lane for torch to stay at one thread
-        self.lane_decode = linear.all_lane([lin for lin in w.linears if lin is not self.output])
+        # Q4_K_M's Q6_K head); the per-layer weights must all run on the lane pool for torch to stay at one
+        # thread
+        self.lane_decode = linear.decode_on_pool([lin for lin in w.linears if lin is not self.output])
 
     def resident_tensors(self) -> list[torch.Tensor | np.ndarray]:
         return resident_tensors(self)

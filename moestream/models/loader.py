@@ -41,8 +41,8 @@ class Weights(Protocol):
         """Small matrices kept exact (routers, conv kernels): float32 [rows, cols]."""
         ...
 
-    def array(self, name: str, shape: Shape) -> torch.Tensor:
-        """Any other tensor (per-head 3-D weights) as float32 of `shape`."""
+    def array(self, name: str, shape: Shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Any other tensor (per-head 3-D weights) of `shape`, widened to float32 then held in `dtype`."""
         ...
 
     def linear(self, name: str, out_features: int, in_features: int) -> QLinear: ...
@@ -101,13 +101,13 @@ class GGUFWeights:
     def expect(self, name: str, shape: Shape) -> None:
         self._checked(name, shape)
 
-    def _floats(self, name: str, shape: Shape) -> torch.Tensor:
+    def _floats(self, name: str, shape: Shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         info = self._checked(name, shape)
         a = quants.dequantize(self.f.read(name), info.ggml_type, info.shape)
         if not np.isfinite(a).all():
             raise ModelFileError(f"{self.f.path}: tensor {name} holds NaN or infinite values; the file is damaged")
-        t = torch.from_numpy(a.copy()).reshape(shape)
-        self.nbytes += t.numel() * 4
+        t = torch.from_numpy(a.copy()).reshape(shape).to(dtype)
+        self.nbytes += t.numel() * t.element_size()
         return t
 
     def vector(self, name: str, length: int) -> torch.Tensor:
@@ -116,8 +116,8 @@ class GGUFWeights:
     def matrix(self, name: str, rows: int, cols: int) -> torch.Tensor:
         return self._floats(name, (rows, cols))
 
-    def array(self, name: str, shape: Shape) -> torch.Tensor:
-        return self._floats(name, tuple(shape))
+    def array(self, name: str, shape: Shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._floats(name, tuple(shape), dtype)
 
     def linear(self, name: str, out_features: int, in_features: int) -> QLinear:
         info = self._checked(name, (out_features, in_features))

@@ -20,9 +20,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moestream.compute import native
 from moestream.models.batch import Ops, split_call
 from moestream.models.common import QUERY_CHUNK, KVCache, RoPE, causal_mask, query_chunks, wide_torch
 from moestream.models.loader import Weights
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the native decode step reads
+# the per-head up-projections, held as dense arrays: bf16 unless exact (float32)
+UP_PROJECTIONS = ("attn_k_b.weight", "attn_v_b.weight", "attn_kv_b.weight")
 
 
 class MLACache:
@@ -87,12 +92,14 @@ class MLAttention:
             self.a = w.fused([(p + "attn_q.weight", nh * qk, H), (p + "attn_kv_a_mqa.weight", L + R, H)])
         self.kv_a_norm = w.vector(p + "attn_kv_a_norm.weight", L)
         # k_b [H, L, nope] (W_UK_h transposed) and v_b [H, v, L] (W_UV_h): newer converters store them split,
-        # older ones as one attn_kv_b [H * (nope + v), L]
+        # older ones as one attn_kv_b [H * (nope + v), L]. Held in bf16 unless exact: a decode step reads all
+        # of them (2 x 128 heads x 64K values a layer for V3), and they come from a 4-6 bit file anyway.
+        wdt = torch.float32 if w.exact else torch.bfloat16
         if w.has(p + "attn_k_b.weight"):
-            self.k_b = w.array(p + "attn_k_b.weight", (nh, L, nope))
-            self.v_b = w.array(p + "attn_v_b.weight", (nh, v, L))
+            self.k_b = w.array(p + "attn_k_b.weight", (nh, L, nope), wdt)
+            self.v_b = w.array(p + "attn_v_b.weight", (nh, v, L), wdt)
         else:
-            kv_b = w.matrix(p + "attn_kv_b.weight", nh * (nope + v), L).view(nh, nope + v, L)
+            kv_b = w.array(p + "attn_kv_b.weight", (nh * (nope + v), L), wdt).view(nh, nope + v, L)
             self.k_b = kv_b[:, :nope].transpose(1, 2).contiguous()
             self.v_b = kv_b[:, nope:].contiguous()
         self.o = w.linear(p + "attn_output.weight", H, nh * v)
@@ -143,12 +150,15 @@ class MLAttention:
         """Attention over the cached latents without decompressing them; returns [T, H, v]."""
         scale = self.cfg.kq_scale
         T = q_nope.shape[0]
+        if T == 1 and (lib := native.lib()) is not None and latents.dtype == keys.dtype in NATIVE_DTYPES:
+            return self._decode_native(lib, q_nope, q_pe, latents, keys)
         lat, kpe = latents.float(), keys.float()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.k_b.transpose(1, 2))  # [H, T, L]
+        k_b, v_b = self.k_b.float(), self.v_b.float()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), k_b.transpose(1, 2))  # [H, T, L]
         if T == 1:
             scores = (q_lat[:, 0] @ lat.T + q_pe[0] @ kpe.T) * scale  # [H, S]
             o_lat = torch.softmax(scores, dim=-1) @ lat  # [H, L]
-            return torch.bmm(o_lat[:, None], self.v_b.transpose(1, 2)).transpose(0, 1)  # [1, H, v]
+            return torch.bmm(o_lat[:, None], v_b.transpose(1, 2)).transpose(0, 1)  # [1, H, v]
         # one shared key [c | k_pe] of L + R values for every head: multi-query attention
         q = torch.cat([q_lat, q_pe.transpose(0, 1)], dim=-1)[None]  # [1, H, T, L + R]
         k = torch.cat([lat, kpe], dim=-1)[None, None]
@@ -156,7 +166,21 @@ class MLAttention:
             o_lat = F.scaled_dot_product_attention(
                 q, k, lat[None, None], attn_mask=causal_mask(T, lat.shape[0], pos), scale=scale, enable_gqa=True
             )[0]  # [H, T, L]
-            return torch.bmm(o_lat, self.v_b.transpose(1, 2)).transpose(0, 1)
+            return torch.bmm(o_lat, v_b.transpose(1, 2)).transpose(0, 1)
+
+    def _decode_native(self, lib: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor,
+                       keys: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The decode step's absorbed attention in one C call on the lane pool (no torch op, so torch can stay
+        at one thread); reads the cache and the up-projections in their own dtypes. Returns [1, H, v]."""
+        cfg = self.cfg
+        qn, qp = q_nope.float().contiguous(), q_pe.float().contiguous()
+        lat, kpe = latents.contiguous(), keys.contiguous()
+        out = torch.empty(1, cfg.n_heads, cfg.v_head_dim)
+        lib.ms_mla_decode(qn.data_ptr(), qp.data_ptr(), self.k_b.data_ptr(), self.v_b.data_ptr(),
+                          int(self.k_b.dtype == torch.bfloat16), lat.data_ptr(), kpe.data_ptr(),
+                          int(lat.dtype == torch.bfloat16), lat.shape[0], cfg.n_heads, cfg.kv_lora_rank,
+                          cfg.qk_rope, cfg.qk_nope, cfg.v_head_dim, cfg.kq_scale, out.data_ptr())  # fmt: skip
+        return out
 
     def naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor,
               pos: int) -> torch.Tensor:  # fmt: skip
@@ -165,8 +189,8 @@ class MLAttention:
         lat, kpe = latents.float(), keys.float()
         S = lat.shape[0]
         with wide_torch():
-            k_nope = torch.matmul(lat[None], self.k_b)  # [H, S, nope]
-            v = torch.matmul(lat[None], self.v_b.transpose(1, 2))  # [H, S, v]
+            k_nope = torch.matmul(lat[None], self.k_b.float())  # [H, S, nope]
+            v = torch.matmul(lat[None], self.v_b.float().transpose(1, 2))  # [H, S, v]
             k = torch.cat([k_nope, kpe[None].expand(H, S, -1)], dim=-1)[None]
             q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)[None]
             mask = causal_mask(T, S, pos)

@@ -70,6 +70,54 @@ int ms_gemv_f32(const float *w, int64_t n, int64_t k, const float *x, int64_t m,
     return MS_OK;
 }
 
+typedef struct {
+    const uint16_t *w;
+    const float *x;
+    int64_t n, k, m;
+    float *y;
+} gemv16_ctx;
+
+static void gemv_bf16_task(void *vctx, int64_t t) {
+    gemv16_ctx *c = vctx;
+    int64_t r0 = t * GEMV_ROWS, r1 = r0 + GEMV_ROWS < c->n ? r0 + GEMV_ROWS : c->n;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *wr = c->w + r * c->k;
+        for (int64_t i = 0; i < c->m; i++) {
+            const float *xr = c->x + i * c->k;
+            int64_t j = 0;
+            float s = 0;
+#ifdef MS_VNNI
+            __m512 acc = _mm512_setzero_ps();
+            for (; j + 16 <= c->k; j += 16) {
+                if (i == 0) _mm_prefetch((const char *)(wr + j) + PF_DIST, PF_HINT);
+                __m512 wv = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wr + j))), 16));
+                acc = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xr + j), acc);
+            }
+            s = _mm512_reduce_add_ps(acc);
+#endif
+            for (; j < c->k; j++) {
+                uint32_t b = (uint32_t)wr[j] << 16;
+                float wf;
+                memcpy(&wf, &b, 4);
+                s += wf * xr[j];
+            }
+            c->y[i * c->n + r] = s;
+        }
+    }
+}
+
+/* y[m, n] = x[m, k] @ W.T for a bf16 W [n, k] (a weight with no lane kernel, widened), on the pool: a decode
+ * step's few rows then run beside the lane kernels instead of in torch's threads */
+int ms_gemv_bf16(const uint16_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y) {
+    if (!dims_ok(n, k) || !count_ok(m) || !prod_ok(m, k) || !prod_ok(m, n)) return MS_BAD_SHAPE;
+    if (m == 0) return MS_OK;
+    if (!w || !x || !y) return MS_BAD_PTR;
+    gemv16_ctx c = {w, x, n, k, m, y};
+    ms_internal_dispatch(gemv_bf16_task, &c, (n + GEMV_ROWS - 1) / GEMV_ROWS);
+    return MS_OK;
+}
+
 /* NeoX rotary embedding in place: x [T][H][D] float32, the first rot dims rotated as two halves, with
  * cos/sin tables [T][rot/2] for the T positions. */
 int ms_rope_neox(float *x, int64_t t, int64_t h, int64_t d, int64_t rot, const float *cosv, const float *sinv) {
