@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+import moestream.models.batch as batch
 from moestream.compute import linear
-from moestream.models import batch
 from moestream.models.common import ExpertProvider, RouteHook, resident_tensors, rms_norm, wide_torch
 from moestream.models.loader import Weights
 
