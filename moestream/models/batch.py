@@ -2,11 +2,11 @@
 to that sequence's own `forward` of one token.
 
 Exactness rule: an op runs on all B rows at once only where its per-row result cannot depend on the other
-rows: the lane kernels (ms_qmm, ms_moe_ffn: each output row is its own dot products over its own quantized
-activations, whatever m is), the float32 gemv of the routers (ms_gemv_f32: one row at a time) and the native
-RMSNorm (a loop over rows), each at the row counts where the one-row call takes the same code path. Torch's
-matmuls (f32, bf16, int4) pick kernels by shape, and its vectorized transcendental ops may round a tail
-differently, so those run per row. tests/test_batch.py holds the kernels to this.
+rows: the lane kernels (ms_qmm, ms_moe_ffn and ms_moe_ffn_clamped: each output row is its own dot products
+over its own quantized activations, whatever m is), the float32 gemv of the routers (ms_gemv_f32: one row at
+a time) and the native RMSNorm (a loop over rows), each at the row counts where the one-row call takes the
+same code path. Torch's matmuls (f32, bf16, int4) pick kernels by shape, and its vectorized transcendental ops
+may round a tail differently, so those run per row. tests/test_batch.py holds the kernels to this.
 
 What the rows share is the expensive part: each layer's routed experts are fetched once for the union of the
 rows' choices and run once on all rows routed to each, and every weight in the lane form (the projections of
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from moestream.compute import linear, native
 from moestream.compute.linear import QLinear
 from moestream.models.common import SMALL_OP, ExpertProvider, Fused, f32_matmul, rms_norm
-from moestream.models.moe import ClampedSwiGLU, DenseFFN, MoE, swiglu
+from moestream.models.moe import ClampedSwiGLU, DenseFFN, MoE, lane_act, swiglu
 
 GEMV_ROWS = 4  # rows up to which f32_matmul takes the native gemv (one row at a time) instead of torch
 
@@ -159,14 +159,15 @@ def routed_rows(
                 union.setdefault(e, []).append((b, order.pop(e)))
     outs = torch.empty(slots, H)
     for group in experts.fetch_groups(layer, list(union)):
-        if ffn is None and all(linear.lane_swiglu_ok(w) for _, w in group):
+        if all(linear.lane_swiglu_ok(w) for _, w in group):
             # the group's rows gathered in expert order: each expert's inputs and outputs one contiguous slice
             pairs = [pair for e, _ in group for pair in union[e]]
             xg = x[[b for b, _ in pairs]]
             yg = torch.empty(len(pairs), H)
             ends = list(itertools.accumulate(len(union[e]) for e, _ in group))
             spans = list(zip([0, *ends[:-1]], ends, strict=True))
-            linear.lane_swiglu([w for _, w in group], [xg[a:b] for a, b in spans], [yg[a:b] for a, b in spans])
+            linear.lane_swiglu([w for _, w in group], [xg[a:b] for a, b in spans], [yg[a:b] for a, b in spans],
+                               lane_act(ffn, [e for e, _ in group]))  # fmt: skip
             outs.index_copy_(0, torch.tensor([r for _, r in pairs]), yg)
             continue
         for e, expert in group:
