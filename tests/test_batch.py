@@ -16,6 +16,7 @@ from moestream.engine.options import EngineOptions
 from moestream.formats import quants
 from moestream.models import batch
 from moestream.models.common import f32_matmul, rms_norm, route_topk
+from moestream.models.moe import ClampedSwiGLU
 from tests.hf_gguf import n_experts, one_torch_thread, random_tokens
 from tests.test_models import ARCH_CASES
 
@@ -166,6 +167,28 @@ def test_lane_swiglu_rows_are_independent(ggml_type):
         for b in range(x.shape[0]):
             alone = torch.empty(1, hidden)
             linear.lane_swiglu([e], [x[b : b + 1].contiguous()], [alone])
+            assert torch.equal(o[b : b + 1], alone)
+
+
+@lane_only
+def test_clamped_swiglu_rows_are_independent():
+    """GPT-OSS's experts (MXFP4, biases, clamped activation): every row of a call as that row alone."""
+    rng = np.random.default_rng(5)
+    hidden, ffn = 256, 352
+    experts = []
+    for _ in range(3):
+        gu = linear.from_gguf(quants.random_gguf(T.MXFP4, 2 * ffn * hidden, rng), T.MXFP4, 2 * ffn, hidden, False)
+        down = linear.from_gguf(quants.random_gguf(T.MXFP4, hidden * ffn, rng), T.MXFP4, hidden, ffn, False)
+        experts.append((gu, None, down))
+    biases = [torch.from_numpy(rng.standard_normal((3, rows)).astype(np.float32)) for rows in (ffn, ffn, hidden)]
+    act = ClampedSwiGLU(*biases, alpha=1.702, limit=7.0)
+    xs = [torch.from_numpy(4 * rng.standard_normal((m, hidden)).astype(np.float32)) for m in (1, 5, 3)]
+    outs = [torch.empty(x.shape[0], hidden) for x in xs]
+    linear.lane_swiglu(experts, xs, outs, act.lane([0, 1, 2]))
+    for e, (expert, x, o) in enumerate(zip(experts, xs, outs, strict=True)):
+        for b in range(x.shape[0]):
+            alone = torch.empty(1, hidden)
+            linear.lane_swiglu([expert], [x[b : b + 1].contiguous()], [alone], act.lane([e]))
             assert torch.equal(o[b : b + 1], alone)
 
 

@@ -14,6 +14,7 @@ from gguf import quants as gq
 from moestream.compute import linear, native
 from moestream.errors import ComputeError
 from moestream.formats import quants
+from moestream.models.moe import ClampedSwiGLU
 
 pytestmark = pytest.mark.skipif(not native.lane_ok(), reason="needs AVX-512 VNNI and the native library")
 PER32_TYPES = [T.Q4_0, T.Q8_0, T.Q5_0, T.Q5_1, T.MXFP4]  # scales per 32 weights: rows of any multiple of 32
@@ -202,6 +203,55 @@ def test_swiglu_group_equals_expert_by_expert(gu_type, down_type, f):
         scale = float(want.abs().max()) if c else 1.0
         torch.testing.assert_close(y[r0 : r0 + c], want, rtol=1e-5, atol=1e-5 * scale)
         r0 += c
+
+
+def _clamped_experts(rng, h: int, f: int, n: int) -> tuple[list, ClampedSwiGLU]:
+    """n MXFP4 experts (gate/up fused) and GPT-OSS's activation with random biases for them."""
+    experts = []
+    for _ in range(n):
+        gu = linear.from_gguf(quants.random_gguf(T.MXFP4, 2 * f * h, rng), T.MXFP4, 2 * f, h, False)
+        down = linear.from_gguf(quants.random_gguf(T.MXFP4, h * f, rng), T.MXFP4, h, f, False)
+        experts.append((gu, None, down))
+    biases = [torch.from_numpy(rng.standard_normal((n, rows)).astype(np.float32)) for rows in (f, f, h)]
+    return experts, ClampedSwiGLU(*biases, alpha=1.702, limit=7.0)
+
+
+@pytest.mark.parametrize("f", [352, 2880])  # 2880: GPT-OSS's width (90 blocks: a last group of 10 lanes)
+def test_clamped_swiglu_group_equals_torch_path(f):
+    """GPT-OSS's experts in one native call (biases and the clamped activation in C) equal ClampedSwiGLU's
+    torch path over the same lane matmuls, with inputs large enough that both clamps bite."""
+    h = 256
+    rng = np.random.default_rng(f)
+    experts, ffn = _clamped_experts(rng, h, f, 3)
+    counts = [2, 0, 3]
+    x = torch.from_numpy(rng.standard_normal((sum(counts), h)).astype(np.float32)) * 4
+    y = torch.full_like(x, float("nan"))
+    spans = [(0, 2), (2, 2), (2, 5)]
+    ids = [0, 1, 2]
+    linear.lane_swiglu(experts, [x[a:b] for a, b in spans], [y[a:b] for a, b in spans], ffn.lane(ids))
+    clamped = 0
+    for e, (a, b) in zip(ids, spans, strict=True):
+        if a == b:
+            continue
+        gate, up = experts[e][0](x[a:b]).chunk(2, dim=-1)
+        clamped += int((gate + ffn.gate_bias[e] > 7).sum() + ((up + ffn.up_bias[e]).abs() > 7).sum())
+        want = ffn(e, experts[e], x[a:b])
+        torch.testing.assert_close(y[a:b], want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    assert clamped > 0
+
+
+def test_clamped_swiglu_refuses_bad_biases():
+    h, f = 256, 352
+    experts, ffn = _clamped_experts(np.random.default_rng(0), h, f, 2)
+    x, y = torch.randn(1, h), torch.empty(1, h)
+    with pytest.raises(ComputeError, match="bias triples"):
+        linear.lane_swiglu(experts, [x, x], [y, y], ffn.lane([0]))
+    bad = linear.ClampedAct([(ffn.gate_bias[0], ffn.up_bias[0][:-32], ffn.down_bias[0])], 1.702, 7.0)
+    with pytest.raises(ComputeError, match="bias"):
+        linear.lane_swiglu(experts[:1], [x], [y], bad)
+    bad = linear.ClampedAct([(ffn.gate_bias[0], ffn.up_bias[0], ffn.down_bias[0].double())], 1.702, 7.0)
+    with pytest.raises(ComputeError, match="bias"):
+        linear.lane_swiglu(experts[:1], [x], [y], bad)
 
 
 def test_scalar_build_reports_no_lane_kernels():

@@ -440,16 +440,32 @@ def kernel_scratch_bytes(ubatch: int, top_k: int, hidden: int, ffn: int, max_in:
     return expand + lane
 
 
-def lane_swiglu(experts: list[tuple], xs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+@dataclass(frozen=True)
+class ClampedAct:
+    """GPT-OSS's expert activation for lane_swiglu: per-expert biases (float32, contiguous; gate and up [F],
+    down [hidden]) and down(g * sigmoid(alpha * g) * (u + 1)) with g = min(gate + b, limit) and
+    u = clamp(up + b, -limit, limit)."""
+
+    biases: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (gate, up, down) of each expert
+    alpha: float
+    limit: float
+
+
+def lane_swiglu(
+    experts: list[tuple], xs: list[torch.Tensor], outs: list[torch.Tensor], act: ClampedAct | None = None
+) -> None:
     """outs[i] = down(silu(gate(xs[i])) * up(xs[i])) for several lane-form experts in one native call.
 
     xs[i]: float32 [m_i, H] contiguous (the same tensor may be given for several experts); outs[i]: float32
     [m_i, H] contiguous, written. All experts' gate/up rows run as one parallel pass, then all down rows: one
     call per group of experts instead of three kernel calls per expert. Groups with more than
-    SWIGLU_MAX_ROWS rows in all are split (bounded scratch).
+    SWIGLU_MAX_ROWS rows in all are split (bounded scratch). `act` (one bias triple per expert) replaces the
+    plain SwiGLU by GPT-OSS's clamped one.
     """
     n = len(experts)
     hidden, ffn = xs[0].shape[1], experts[0][2].in_features
+    if act is not None:
+        _check_biases(act, n, hidden, ffn)
     lib = native.lib()
     i = 0
     while i < n:
@@ -464,7 +480,7 @@ def lane_swiglu(experts: list[tuple], xs: list[torch.Tensor], outs: list[torch.T
                 raise ComputeError(f"experts {gate_up.shape} and {down.shape} for hidden {hidden}, ffn {ffn}")
             if not _rows_ok(x, hidden) or not _rows_ok(o, hidden) or o.shape[0] != x.shape[0]:
                 raise ComputeError(f"lane_swiglu: input {_desc(x)} and output {_desc(o)} for hidden size {hidden}")
-        lib.ms_moe_ffn(
+        args = (
             c,
             (ctypes.c_int * c)(*(e[0].ggml_type for e in group)),
             (ctypes.c_void_p * c)(*(e[0].weight.data_ptr() for e in group)),
@@ -476,7 +492,25 @@ def lane_swiglu(experts: list[tuple], xs: list[torch.Tensor], outs: list[torch.T
             (ctypes.c_int64 * c)(*(x.shape[0] for x in xs[i:j])),
             (ctypes.c_void_p * c)(*(o.data_ptr() for o in outs[i:j])),
         )
+        if act is None:
+            lib.ms_moe_ffn(*args)
+        else:
+            part = act.biases[i:j]
+            lib.ms_moe_ffn_clamped(
+                *args, *((ctypes.c_void_p * c)(*(b[p].data_ptr() for b in part)) for p in range(3)),
+                act.alpha, act.limit,
+            )  # fmt: skip
         i = j
+
+
+def _check_biases(act: ClampedAct, n: int, hidden: int, ffn: int) -> None:
+    """What ms_moe_ffn_clamped reads as raw memory: one float32 contiguous (gate [F], up [F], down [H]) each."""
+    if len(act.biases) != n:
+        raise ComputeError(f"lane_swiglu: {len(act.biases)} bias triples for {n} experts")
+    for triple in act.biases:
+        for b, width in zip(triple, (ffn, ffn, hidden), strict=True):
+            if b.dtype != torch.float32 or b.shape != (width,) or not b.is_contiguous():
+                raise ComputeError(f"lane_swiglu: a bias {_desc(b)} where float32 ({width},) is needed")
 
 
 def decode_on_pool(linears: list[QLinear], min_bytes: int = 1 << 20) -> bool:

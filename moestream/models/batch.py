@@ -3,11 +3,11 @@ sequence, a prompt span of each joining one), each block's result bit-identical 
 `forward` of those tokens.
 
 Exactness rule: an op runs on all B rows at once only where its per-row result cannot depend on the other
-rows: the lane kernels (ms_qmm, ms_moe_ffn: each output row is its own dot products over its own quantized
-activations, whatever m is), the float32 gemv of the routers (ms_gemv_f32: one row at a time) and the native
-RMSNorm (a loop over rows), each at the row counts where the one-row call takes the same code path. Torch's
-matmuls (f32, bf16, int4) pick kernels by shape, and its vectorized transcendental ops may round a tail
-differently, so those run per row. tests/test_batch.py holds the kernels to this.
+rows: the lane kernels (ms_qmm, ms_moe_ffn and ms_moe_ffn_clamped: each output row is its own dot products
+over its own quantized activations, whatever m is), the float32 gemv of the routers (ms_gemv_f32: one row at
+a time) and the native RMSNorm (a loop over rows), each at the row counts where the one-row call takes the
+same code path. Torch's matmuls (f32, bf16, int4) pick kernels by shape, and its vectorized transcendental ops
+may round a tail differently, so those run per row. tests/test_batch.py holds the kernels to this.
 
 A block of several tokens (a prompt span) runs everything that is not row-invariant at its size (torch's
 GEMMs, the router past GEMV_ROWS rows, norms past the native size limit, attention) as forward runs it on
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from moestream.compute import linear, native
 from moestream.compute.linear import QLinear
 from moestream.models.common import SMALL_OP, ExpertProvider, Fused, f32_matmul, rms_norm
-from moestream.models.moe import ClampedSwiGLU, DenseFFN, MoE, swiglu
+from moestream.models.moe import ClampedSwiGLU, DenseFFN, MoE, lane_act, swiglu
 
 GEMV_ROWS = 4  # rows up to which f32_matmul takes the native gemv (one row at a time) instead of torch
 
@@ -267,9 +267,9 @@ def routed_blocks(
         first += T * k
     Y = torch.empty(first, x.shape[1], dtype=x.dtype)
     for group in experts.fetch_groups(layer, list(runs)):
-        if ffn is None and all(linear.lane_swiglu_ok(w) for _, w in group):
+        if all(linear.lane_swiglu_ok(w) for _, w in group):
             for part in _lane_parts(group, runs):
-                _lane_part(x, Y, part, runs)
+                _lane_part(x, Y, part, runs, ffn)
             continue
         for ex, expert in group:
             for src, dst in runs[ex]:
@@ -303,7 +303,7 @@ def _lane_parts(group: list, runs: Runs) -> list[list]:
     return parts
 
 
-def _lane_part(x: torch.Tensor, Y: torch.Tensor, part: list, runs: Runs) -> None:
+def _lane_part(x: torch.Tensor, Y: torch.Tensor, part: list, runs: Runs, ffn: ClampedSwiGLU | None) -> None:
     """One lane_swiglu call for a part's experts, each on its rows of every block (gathered in expert order:
     each expert's inputs and outputs one contiguous slice), scattered to their rows of Y."""
     src = [r for ex, _ in part for s, _ in runs[ex] for r in s]
@@ -312,5 +312,6 @@ def _lane_part(x: torch.Tensor, Y: torch.Tensor, part: list, runs: Runs) -> None
     yg = torch.empty(len(src), x.shape[1], dtype=x.dtype)
     ends = list(itertools.accumulate(sum(len(s) for s, _ in runs[ex]) for ex, _ in part))
     spans = list(zip([0, *ends[:-1]], ends, strict=True))
-    linear.lane_swiglu([w for _, w in part], [xg[a:b] for a, b in spans], [yg[a:b] for a, b in spans])
+    linear.lane_swiglu([w for _, w in part], [xg[a:b] for a, b in spans], [yg[a:b] for a, b in spans],
+                       lane_act(ffn, [ex for ex, _ in part]))  # fmt: skip
     Y.index_copy_(0, torch.tensor(dst), yg)

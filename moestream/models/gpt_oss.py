@@ -9,8 +9,9 @@ Even layers see only the last `sliding_window` positions; odd layers see every p
 MoE: the router has a bias; the top-k experts are chosen by logit and their weights are the softmax over
 those k logits only. Each expert is a SwiGLU with biases on gate, up and down, gate clamped from above and up
 from both sides at swiglu_limit, and down(g * sigmoid(alpha * g) * (u + 1)) (moe.ClampedSwiGLU).
-The real files ship their experts in MXFP4, computed at their own 4 bits by the lane kernels (compute.linear;
-the biases and the clamp are added around them here), everything else is resident.
+The real files ship their experts in MXFP4, computed at their own 4 bits by the lane kernels (a group of
+experts, biases and clamped activation included, in one native call: compute.linear.lane_swiglu); everything
+else is resident.
 """
 
 from __future__ import annotations

@@ -137,6 +137,16 @@ class ClampedSwiGLU:
         h = a * torch.sigmoid(a * self.alpha) * (b + 1)
         return down.mm(h.to(down.dtype)).float() + self.down_bias[e]
 
+    def lane(self, ids: list[int]) -> linear.ClampedAct:
+        """The same experts' biases and activation for lane_swiglu (one native call for a group)."""
+        biases = [(self.gate_bias[e], self.up_bias[e], self.down_bias[e]) for e in ids]
+        return linear.ClampedAct(biases, self.alpha, self.limit)
+
+
+def lane_act(ffn: ClampedSwiGLU | None, ids: list[int]) -> linear.ClampedAct | None:
+    """lane_swiglu's `act` for experts `ids`: None for the plain SwiGLU."""
+    return None if ffn is None else ffn.lane(ids)
+
 
 def run_experts(
     x: torch.Tensor,
@@ -152,7 +162,7 @@ def run_experts(
     which experts were cached: streaming must never change the result. Each group the provider hands over
     (the cached experts, then misses as their reads complete) runs as one native call when the experts are in
     the lane form; otherwise expert by expert, activations kept in the experts' compute dtype. `ffn` replaces
-    the plain SwiGLU (expert by expert then).
+    the plain SwiGLU (GPT-OSS's clamped one, its biases passed to the native call).
     """
     T = x.shape[0]
     if T == 1:
@@ -163,17 +173,15 @@ def run_experts(
         outs = torch.empty(len(id_list), x.shape[1])
         xc = x.contiguous()
         for group in experts.fetch_groups(layer, id_list):
-            if ffn is not None:
-                for e, expert in group:
-                    outs[order[e]] = ffn(e, expert, x.to(expert[0].dtype))[0]
-                continue
             if all(linear.lane_swiglu_ok(w) for _, w in group):  # written straight into their rows of outs
                 linear.lane_swiglu(
-                    [w for _, w in group], [xc] * len(group), [outs[order[e] : order[e] + 1] for e, _ in group]
-                )
+                    [w for _, w in group], [xc] * len(group), [outs[order[e] : order[e] + 1] for e, _ in group],
+                    lane_act(ffn, [e for e, _ in group]),
+                )  # fmt: skip
                 continue
             for e, expert in group:
-                outs[order[e]] = swiglu(expert, x.to(expert[0].dtype))[0].float()
+                xe = x.to(expert[0].dtype)
+                outs[order[e]] = ffn(e, expert, xe)[0] if ffn is not None else swiglu(expert, xe)[0].float()
         return (w_sorted @ outs)[None]  # one fixed-order reduction over the experts, whatever came first
     # Every (token, slot) pair grouped by expert: expert e's rows are one contiguous range of the sorted
     # order, its inputs and outputs one slice of X and Y, and the final sum one index_add in that fixed order.
@@ -191,15 +199,13 @@ def run_experts(
         for part in _row_batches(group, count):
             spans = [(starts[e], starts[e] + count[e]) for e, _ in part]
             xs = [x[rows[a:b]] for a, b in spans]
-            if ffn is not None:
-                for (e, expert), xe, (a, b) in zip(part, xs, spans, strict=True):
-                    Y[a:b] = ffn(e, expert, xe.to(expert[0].dtype))
-                continue
             if all(linear.lane_swiglu_ok(w) for _, w in part):
-                linear.lane_swiglu([w for _, w in part], xs, [Y[a:b] for a, b in spans])
+                linear.lane_swiglu([w for _, w in part], xs, [Y[a:b] for a, b in spans],
+                                   lane_act(ffn, [e for e, _ in part]))  # fmt: skip
                 continue
-            for (_e, expert), xe, (a, b) in zip(part, xs, spans, strict=True):
-                Y[a:b] = swiglu(expert, xe.to(expert[0].dtype)).float()
+            for (e, expert), xe, (a, b) in zip(part, xs, spans, strict=True):
+                xe = xe.to(expert[0].dtype)
+                Y[a:b] = ffn(e, expert, xe) if ffn is not None else swiglu(expert, xe).float()
     Y.mul_(weights.reshape(-1)[order, None])
     out = torch.zeros_like(x)
     out.index_add_(0, rows, Y)

@@ -206,6 +206,12 @@ int ms_qmm(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int
 #endif
 }
 
+/* GPT-OSS's clamped SwiGLU: per-expert biases and the activation's constants */
+typedef struct {
+    const float *const *b_gate, *const *b_up, *const *b_down;
+    float alpha, limit;
+} clamp_act;
+
 /* SwiGLU experts: for each expert e, out_e[m_e, h] = down_e(silu(gate_e(x_e)) * up_e(x_e)), where gate_up_e
  * holds the gate rows then the up rows ([2f, h], one type) and down_e is [h, f]. All experts' gate/up rows
  * run in one parallel pass, then all down rows in another (a decode step: one call per layer). */
@@ -214,14 +220,31 @@ typedef struct {
     int64_t f;
     const int64_t *row0; /* first row of expert e in act */
     xprep *xp;
+    const clamp_act *clamp; /* NULL: the plain SwiGLU */
 } swiglu_ctx;
 
 static void swiglu_task(void *vctx, int64_t t) {
     swiglu_ctx *c = vctx;
     float *a = c->act + t * 2 * c->f;
-    for (int64_t i = 0; i < c->f; i++) {
-        float g = a[i];
-        a[i] = g / (1.0f + expf(-g)) * a[c->f + i];
+    const clamp_act *k = c->clamp;
+    if (!k) {
+        for (int64_t i = 0; i < c->f; i++) {
+            float g = a[i];
+            a[i] = g / (1.0f + expf(-g)) * a[c->f + i];
+        }
+    } else {
+        int e = 0;
+        while (c->row0[e + 1] <= t) e++;
+        const float *bg = k->b_gate[e], *bu = k->b_up[e];
+        const float lim = k->limit, alpha = k->alpha;
+        for (int64_t i = 0; i < c->f; i++) {
+            /* written as comparisons so that NaN passes through, as torch's clamp lets it */
+            float g = a[i] + bg[i], u = a[c->f + i] + bu[i];
+            g = g > lim ? lim : g;
+            u = u > lim ? lim : u < -lim ? -lim : u;
+            float s = 1.0f / (1.0f + expf(-(g * alpha)));
+            a[i] = g * s * (u + 1.0f);
+        }
     }
     const xprep *p = c->xp;
     quantize_row(a, c->f, p, t);
@@ -250,10 +273,12 @@ static void moe_quant_task(void *vctx, int64_t t) {
 
 /* x[e]: expert e's m[e] input rows [m[e], h]; out[e]: its output rows [m[e], h] (pointers may repeat for x:
  * a decode step passes the same token to every expert). */
-int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const int *type_d, const uint8_t *const *w_d,
-               int64_t h, int64_t f, const float *const *x, const int64_t *m, float *const *out) {
+static int moe_ffn_run(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const int *type_d,
+                       const uint8_t *const *w_d, int64_t h, int64_t f, const float *const *x, const int64_t *m,
+                       float *const *out, const clamp_act *clamp) {
 #ifndef MS_VNNI
     (void)n_exp; (void)type_gu; (void)w_gu; (void)type_d; (void)w_d; (void)h; (void)f; (void)x; (void)m; (void)out;
+    (void)clamp;
     return MS_NO_SIMD;
 #else
     if (!dim_ok(h) || !dim_ok(f) || h % 32 || f % 32) return MS_BAD_SHAPE;
@@ -265,6 +290,7 @@ int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const 
         if (ms_lane_row_bytes(type_gu[e], h) < 0 || ms_lane_row_bytes(type_d[e], f) < 0) return MS_BAD_SHAPE;
         if (!count_ok(m[e])) return MS_BAD_SHAPE;
         if (m[e] && (!w_gu[e] || !w_d[e] || !x[e] || !out[e])) return MS_BAD_PTR;
+        if (m[e] && clamp && (!clamp->b_gate[e] || !clamp->b_up[e] || !clamp->b_down[e])) return MS_BAD_PTR;
         row0[e] = rows;
         rows += m[e];
     }
@@ -294,7 +320,7 @@ int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const 
     }
     run_jobs(jobs, nj);
 
-    swiglu_ctx sc = {act, f, row0, &xact};
+    swiglu_ctx sc = {act, f, row0, &xact, clamp};
     ms_internal_dispatch(swiglu_task, &sc, rows);
 
     nj = 0;
@@ -305,6 +331,28 @@ int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const 
         jobs[nj++] = (qmm_job){type_d[e], w_d[e], h, f, &xacts[e], m[e], out[e], h};
     }
     run_jobs(jobs, nj);
+    if (clamp)
+        for (int e = 0; e < n_exp; e++)
+            for (int64_t r = 0; r < m[e]; r++)
+                for (int64_t i = 0; i < h; i++) out[e][r * h + i] += clamp->b_down[e][i];
     return MS_OK;
 #endif
+}
+
+int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const int *type_d, const uint8_t *const *w_d,
+               int64_t h, int64_t f, const float *const *x, const int64_t *m, float *const *out) {
+    return moe_ffn_run(n_exp, type_gu, w_gu, type_d, w_d, h, f, x, m, out, NULL);
+}
+
+/* GPT-OSS's experts: as ms_moe_ffn, with per-expert biases (b_gate[e], b_up[e]: f floats; b_down[e]: h)
+ * and the clamped activation: g = min(gate + b_gate, limit), u = clamp(up + b_up, -limit, limit),
+ * out = down(g * sigmoid(alpha * g) * (u + 1)) + b_down. */
+int ms_moe_ffn_clamped(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const int *type_d,
+                       const uint8_t *const *w_d, int64_t h, int64_t f, const float *const *x, const int64_t *m,
+                       float *const *out, const float *const *b_gate, const float *const *b_up,
+                       const float *const *b_down, float alpha, float limit) {
+    if (!b_gate || !b_up || !b_down) return MS_BAD_PTR;
+    if (!isfinite(alpha) || !isfinite(limit) || limit < 0) return MS_BAD_SHAPE;
+    clamp_act clamp = {b_gate, b_up, b_down, alpha, limit};
+    return moe_ffn_run(n_exp, type_gu, w_gu, type_d, w_d, h, f, x, m, out, &clamp);
 }
