@@ -1,0 +1,117 @@
+"""The lane matmul (native qmm_vnni.c) at m activation rows, one thread, two source trees side by side.
+
+    python bench/lane_rows.py --before /tmp/main-tree --after . --repeat 5
+
+Each repeat runs one fresh process per tree (arms alternate); a process builds the tree's native library
+(PYTHONPATH=tree), packs random weights of each type and shape, and times lin(x) (activation quantization and
+the matmul) per m: a warm-up call, then calls for at least --min-s, the mean per call. Shapes are an expert's
+gate/up (n=768 outputs of k=2048) and down (n=2048 of k=768) at the Qwen3-30B size. Reports the median
+(min-max) over repeats of ms per call and GMAC/s, and the load average each process saw.
+
+Writes bench/results/<date>-<name>.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from harness import add_results_args, log, median_range, save_rows
+
+SHAPES = ((768, 2048), (2048, 768))  # (n outputs, k inputs)
+TYPES = ("Q4_0", "Q4_K")
+MS = (1, 2, 4, 8, 16, 64, 256)
+
+
+def one(types: list[str], ms: list[int], min_s: float) -> dict:
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+
+    from moestream.compute import linear, native
+    from moestream.formats import quants
+
+    native.set_threads(1)
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    out = {"load_avg": os.getloadavg()[0], "ms": {}}
+    for name in types:
+        t = GGMLQuantizationType[name]
+        for n, k in SHAPES:
+            lin = linear.from_gguf(quants.random_gguf(t, n * k, rng), t, n, k, False)
+            assert lin.kind == "lane"
+            for m in ms:
+                x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+                lin(x)
+                calls, t0 = 0, time.perf_counter()
+                while True:
+                    lin(x)
+                    calls += 1
+                    spent = time.perf_counter() - t0
+                    if spent >= min_s:
+                        break
+                out["ms"][f"{name} {n}x{k} m={m}"] = 1e3 * spent / calls
+    out["load_avg_end"] = os.getloadavg()[0]
+    return out
+
+
+def run_tree(tree: str, args: argparse.Namespace) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    cmd = [sys.executable, __file__, "--one", "--types", ",".join(args.types), "--ms", ",".join(map(str, args.ms)),
+           "--min-s", str(args.min_s)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        raise SystemExit(f"lane_rows: the run on {tree} failed: {res.stderr.strip().splitlines()[-1:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", default="", help="source tree of the baseline (holds moestream/)")
+    ap.add_argument("--after", default=".", help="source tree measured against it")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--min-s", type=float, default=0.05, help="timed seconds per (shape, m) per process")
+    ap.add_argument("--types", type=lambda s: s.split(","), default=list(TYPES))
+    ap.add_argument("--ms", type=lambda s: [int(v) for v in s.split(",")], default=list(MS))
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    add_results_args(ap, "lane-rows")
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(args.types, args.ms, args.min_s)))
+        return
+    if not args.before:
+        raise SystemExit("lane_rows: --before is required (a source tree holding moestream/)")
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    for i in range(args.repeat):
+        for arm in ("before", "after"):
+            runs[arm].append(run_tree(getattr(args, arm), args))
+            log(f"repeat {i + 1}/{args.repeat} {arm}: load {runs[arm][-1]['load_avg']:.2f}")
+    rows, lines = [], []
+    lines.append("| case | before ms | after ms | before GMAC/s | after GMAC/s | speedup |")
+    lines.append("|---|---|---|---|---|---|")
+    for key in runs["before"][0]["ms"]:
+        shape, m = key.split(" m=")
+        n, k = (int(v) for v in shape.split()[1].split("x"))
+        macs = n * k * int(m)
+        b = [r["ms"][key] for r in runs["before"]]
+        a = [r["ms"][key] for r in runs["after"]]
+        gb = [macs / (v * 1e6) for v in b]
+        ga = [macs / (v * 1e6) for v in a]
+        rows.append({"case": key, "n": n, "k": k, "m": int(m), "before_ms": b, "after_ms": a})
+        lines.append(f"| {key} | {median_range(b)} | {median_range(a)} | {median_range(gb, 1)} | "
+                     f"{median_range(ga, 1)} | {statistics.median(b) / statistics.median(a):.2f}x |")
+    loads = [r["load_avg"] for arm in runs.values() for r in arm]
+    lines.append("")
+    lines.append(f"load average (1 min) at process start: {median_range(loads)}")
+    rows.append({"load_avg": {arm: [r["load_avg"] for r in v] for arm, v in runs.items()}})
+    print("\n".join(lines))
+    print(save_rows(args, rows, lines))
+
+
+if __name__ == "__main__":
+    main()
