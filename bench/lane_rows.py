@@ -3,7 +3,7 @@
     python bench/lane_rows.py --before /tmp/main-tree --after . --repeat 5
 
 Each repeat runs one fresh process per tree (arms alternate); a process builds the tree's native library
-(PYTHONPATH=tree), packs random weights of each type and shape, and times lin(x) (activation quantization and
+(imported from the tree), packs random weights of each type and shape, and times lin(x) (activation quantization and
 the matmul) per m: a warm-up call, then calls for at least --min-s, the mean per call. Shapes are an expert's
 gate/up (n=768 outputs of k=2048) and down (n=2048 of k=768) at the Qwen3-30B size. Reports the median
 (min-max) over repeats of ms per call and GMAC/s, and the load average each process saw.
@@ -29,6 +29,7 @@ MS = (1, 2, 4, 8, 16, 64, 256)
 
 
 def one(types: list[str], ms: list[int], min_s: float) -> dict:
+    sys.path.insert(0, os.environ["LANE_ROWS_TREE"])  # ahead of the repository harness puts on the path
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType
@@ -39,7 +40,7 @@ def one(types: list[str], ms: list[int], min_s: float) -> dict:
     native.set_threads(1)
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    out = {"load_avg": os.getloadavg()[0], "ms": {}}
+    out = {"load_avg": os.getloadavg()[0], "ms": {}, "cpu_ms": {}, "library": native.lib()._name}
     for name in types:
         t = GGMLQuantizationType[name]
         for n, k in SHAPES:
@@ -48,7 +49,7 @@ def one(types: list[str], ms: list[int], min_s: float) -> dict:
             for m in ms:
                 x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
                 lin(x)
-                calls, t0 = 0, time.perf_counter()
+                calls, t0, c0 = 0, time.perf_counter(), time.process_time()
                 while True:
                     lin(x)
                     calls += 1
@@ -56,12 +57,13 @@ def one(types: list[str], ms: list[int], min_s: float) -> dict:
                     if spent >= min_s:
                         break
                 out["ms"][f"{name} {n}x{k} m={m}"] = 1e3 * spent / calls
+                out["cpu_ms"][f"{name} {n}x{k} m={m}"] = 1e3 * (time.process_time() - c0) / calls
     out["load_avg_end"] = os.getloadavg()[0]
     return out
 
 
 def run_tree(tree: str, args: argparse.Namespace) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    env = dict(os.environ, LANE_ROWS_TREE=os.path.abspath(tree))
     cmd = [sys.executable, __file__, "--one", "--types", ",".join(args.types), "--ms", ",".join(map(str, args.ms)),
            "--min-s", str(args.min_s)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -90,10 +92,10 @@ def main() -> None:
     for i in range(args.repeat):
         for arm in ("before", "after"):
             runs[arm].append(run_tree(getattr(args, arm), args))
-            log(f"repeat {i + 1}/{args.repeat} {arm}: load {runs[arm][-1]['load_avg']:.2f}")
+            log(f"repeat {i + 1}/{args.repeat} {arm}: load {runs[arm][-1]['load_avg']:.2f} {runs[arm][-1]['library']}")
     rows, lines = [], []
-    lines.append("| case | before ms | after ms | before GMAC/s | after GMAC/s | speedup |")
-    lines.append("|---|---|---|---|---|---|")
+    lines.append("| case | before ms | after ms | before GMAC/s | after GMAC/s | speedup | CPU GMAC/s before / after |")
+    lines.append("|---|---|---|---|---|---|---|")
     for key in runs["before"][0]["ms"]:
         shape, m = key.split(" m=")
         n, k = (int(v) for v in shape.split()[1].split("x"))
@@ -102,15 +104,21 @@ def main() -> None:
         a = [r["ms"][key] for r in runs["after"]]
         gb = [macs / (v * 1e6) for v in b]
         ga = [macs / (v * 1e6) for v in a]
-        rows.append({"case": key, "n": n, "k": k, "m": int(m), "before_ms": b, "after_ms": a})
-        lines.append(f"| {key} | {median_range(b)} | {median_range(a)} | {median_range(gb, 1)} | "
-                     f"{median_range(ga, 1)} | {statistics.median(b) / statistics.median(a):.2f}x |")
+        cb = [macs / (r["cpu_ms"][key] * 1e6) for r in runs["before"]]
+        ca = [macs / (r["cpu_ms"][key] * 1e6) for r in runs["after"]]
+        rows.append({"case": key, "n": n, "k": k, "m": int(m), "before_ms": b, "after_ms": a,
+                     "before_cpu_ms": [r["cpu_ms"][key] for r in runs["before"]],
+                     "after_cpu_ms": [r["cpu_ms"][key] for r in runs["after"]]})
+        lines.append(f"| {key} | {median_range(b, 3)} | {median_range(a, 3)} | {median_range(gb, 1)} | "
+                     f"{median_range(ga, 1)} | {statistics.median(b) / statistics.median(a):.2f}x | "
+                     f"{statistics.median(cb):.1f} / {statistics.median(ca):.1f} |")
     loads = [r["load_avg"] for arm in runs.values() for r in arm]
     lines.append("")
     lines.append(f"load average (1 min) at process start: {median_range(loads)}")
-    rows.append({"load_avg": {arm: [r["load_avg"] for r in v] for arm, v in runs.items()}})
-    print("\n".join(lines))
-    print(save_rows(args, rows, lines))
+    rows.append({"load_avg": {arm: [r["load_avg"] for r in v] for arm, v in runs.items()},
+                 "library": {arm: v[0]["library"] for arm, v in runs.items()}})
+    args.model = os.devnull  # synthetic weights: no model file
+    save_rows(args, rows, lines)
 
 
 if __name__ == "__main__":
