@@ -91,11 +91,11 @@ def test_each_row_is_computed_alone(ggml_type):
 def test_rows_alone_at_the_tile_edges(ggml_type):
     """The many-token kernel works in tiles of weight rows x tokens and in blocks of tokens (a block of 8
     tokens at k = 2048): an odd n leaves a last row alone, m = 3, 5..7 leave partial tiles, 9 and 17 cross the
-    blocks, and the per-32 types' 1408 and 2880 end rows in a masked group of 12 and 10 lanes. Every row has the
-    bits it has alone."""
+    blocks; 768 ends rows in a group of 8 lanes (two tokens a register), and the per-32 types' 1408 and 2880 in a
+    masked group of 12 and 10 lanes. Every row has the bits it has alone."""
     rng = np.random.default_rng(int(ggml_type) + 7)
-    widths = (2048, 1408, 2880) if ggml_type in PER32_TYPES else (2048,)
-    for n, k in zip((37, 9, 5), widths, strict=False):
+    shapes = [(37, 2048), (9, 768)] + ([(5, 1408), (3, 2880)] if ggml_type in PER32_TYPES else [])
+    for n, k in shapes:
         lin = linear.from_gguf(quants.random_gguf(ggml_type, n * k, rng), ggml_type, n, k, False)
         x = torch.from_numpy(rng.standard_normal((17, k)).astype(np.float32))
         alone = torch.cat([lin(x[i : i + 1]) for i in range(17)])

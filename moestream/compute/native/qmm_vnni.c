@@ -6,7 +6,36 @@
 
 
 #ifdef MS_VNNI
-static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+/* The sum of a register's 16 floats, in GCC's _mm512_reduce_add_ps tree (written out: every kernel must add
+ * in this one order, and hsum8 below adds in it too): halves, then quarters, then pairs. */
+static inline float hsum(__m512 v) {
+    const __m256 t3 = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+                                    _mm512_castps512_ps256(v));
+    const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)));
+}
+
+/* hsum of 8 registers at once: each step of hsum's tree for several registers in one instruction (the same
+ * pairs added, so the same bits) */
+static inline void hsum8(const __m512 *a, float *out) {
+    __m512 p[4], q[2];
+    for (int i = 0; i < 4; i++) /* halves: [a0.lo + a0.hi | a1.lo + a1.hi] */
+        p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+    for (int i = 0; i < 2; i++) /* quarters: one 128-bit lane per register */
+        q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+    /* pairs: lane i holds registers i's and i + 4's two partial sums, then their sums */
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    float r[16];
+    _mm512_storeu_ps(r, _mm512_add_ps(s, _mm512_shuffle_ps(s, s, _MM_SHUFFLE(2, 3, 0, 1))));
+    for (int i = 0; i < 4; i++) {
+        out[i] = r[4 * i];
+        out[i + 4] = r[4 * i + 2];
+    }
+}
 
 /* One token, two rows at a time: the activation loads are shared and the two rows' dot products are
  * independent chains (decode is this case: its speed is the speed of the engine). `T` is a constant at
@@ -328,27 +357,30 @@ void ms_internal_qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) {
 #define TILE_R(T) (TWO_HALF(T) ? TILE_R2 : TILE_R1)
 #define TILE_M(T) (TWO_HALF(T) ? TILE_M2 : TILE_M1)
 
+/* a group's 4 L bytes of weights; bc (L = 8): the 32 bytes in both halves of the register */
+#define LDW(L, bc, p) ((bc) ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const void *)(p))) : LDB(L, p))
+
 /* chunk c's weights of group g: the even step's (w0) and the odd step's (w1) */
-static inline __attribute__((always_inline)) void chunk_weights(int T, int L, const uint8_t *g, int c, __m512i *w0,
-                                                                __m512i *w1) {
+static inline __attribute__((always_inline)) void chunk_weights(int T, int L, int bc, const uint8_t *g, int c,
+                                                                __m512i *w0, __m512i *w1) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const int cb = 4 * L;
     if (T == QT_Q8_0) {
-        *w0 = LDB(L, g + 2 * c * cb);
-        *w1 = LDB(L, g + (2 * c + 1) * cb);
+        *w0 = LDW(L, bc, g + 2 * c * cb);
+        *w1 = LDW(L, bc, g + (2 * c + 1) * cb);
     } else if (T == QT_Q2_K || T == QT_Q3_K) {
-        const __m512i v = LDB(L, g + (c >> 1) * cb);
-        const __m512i h = T == QT_Q3_K ? LDB(L, g + 8 * L) : _mm512_setzero_si512();
+        const __m512i v = LDW(L, bc, g + (c >> 1) * cb);
+        const __m512i h = T == QT_Q3_K ? LDW(L, bc, g + 8 * L) : _mm512_setzero_si512();
         *w0 = q23_weights(T, v, h, 2 * c);
         *w1 = q23_weights(T, v, h, 2 * c + 1);
     } else if (T == QT_Q5_K || T == QT_Q5_0 || T == QT_Q5_1) {
-        q5_weights(LDB(L, g + c * cb), LDB(L, g + 16 * L), c, w0, w1);
+        q5_weights(LDW(L, bc, g + c * cb), LDW(L, bc, g + 16 * L), c, w0, w1);
     } else if (T == QT_Q6_K) {
-        __m512i h = LDB(L, g + 16 * L + (c >> 1) * cb);
+        __m512i h = LDW(L, bc, g + 16 * L + (c >> 1) * cb);
         if (c & 1) h = _mm512_srli_epi16(h, 4);
-        q6_weights(LDB(L, g + c * cb), h, w0, w1);
+        q6_weights(LDW(L, bc, g + c * cb), h, w0, w1);
     } else {
-        const __m512i v = LDB(L, g + c * cb);
+        const __m512i v = LDW(L, bc, g + c * cb);
         *w0 = _mm512_and_si512(v, m4);
         *w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
         if (T == QT_IQ4_XS || T == QT_MXFP4) {
@@ -359,52 +391,103 @@ static inline __attribute__((always_inline)) void chunk_weights(int T, int L, co
     }
 }
 
+/* qmv2_group's float steps for one (row, token): its int32 sums a0 (and a1, TWO_HALF) into the float sum *a */
+static inline __attribute__((always_inline)) void group_sum(int T, int L, __m512i a0, __m512i a1, __m512 sc,
+                                                            __m512 mn, __m512 lo, __m512 hi, const xprep *x,
+                                                            int64_t i, __m512 *a) {
+    const __m512 dxv = LDF(L, x->dx + i);
+    if (TWO_HALF(T)) {
+        *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(sc, dxv), *a);
+        *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(mn, dxv), *a);
+        if (T == QT_Q2_K) {
+            const __m512 nlo = _mm512_mul_ps(_mm512_cvtepi32_ps(LDI(L, x->n32lo + i)), dxv);
+            const __m512 nhi = _mm512_mul_ps(_mm512_cvtepi32_ps(LDI(L, x->n32hi + i)), dxv);
+            *a = _mm512_fmadd_ps(nlo, lo, _mm512_fmadd_ps(nhi, hi, *a));
+        }
+        return;
+    }
+    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(sc, dxv), *a);
+    if (T == QT_Q4_K || T == QT_Q5_K) *a = _mm512_fnmadd_ps(mn, LDF(L, x->dxsx + i), *a);
+    if (T == QT_Q5_1) *a = _mm512_fmadd_ps(mn, LDF(L, x->dxsx + i), *a);
+}
+
+/* the int32 sums' start for token index i (the activations' offset terms), as qmv2_group's */
+static inline __attribute__((always_inline)) void sum_init(int T, int L, const xprep *x, int64_t i, __m512i *i0,
+                                                           __m512i *i1) {
+    *i1 = _mm512_setzero_si512();
+    if (T == QT_Q4_K || T == QT_Q5_K || T == QT_Q2_K || T == QT_Q5_1) {
+        *i0 = _mm512_setzero_si512();
+    } else if (T == QT_Q6_K) {
+        *i0 = LDI(L, x->n32lo + i);
+        *i1 = LDI(L, x->n32hi + i);
+    } else if (T == QT_Q3_K) {
+        *i0 = _mm512_srai_epi32(LDI(L, x->n32lo + i), 3);
+        *i1 = _mm512_srai_epi32(LDI(L, x->n32hi + i), 3);
+    } else {
+        *i0 = LDI(L, x->n8sx + i);
+        if (T == QT_Q8_0 || T == QT_IQ4_XS || T == QT_MXFP4) *i0 = _mm512_slli_epi32(*i0, 4);
+        if (T == QT_Q5_0) *i0 = _mm512_slli_epi32(*i0, 1);
+    }
+}
+
 /* One group of R rows (g, rb bytes apart) x M tokens (xq, k bytes apart; xi: the first token's index into the
  * per-lane arrays, nsub apart). acc[r * M + t]. */
+/* two registers' low halves as one: tokens t and t + 1 of an 8-lane group side by side */
+static inline __m512i join8(__m512i lo, __m512i hi) { return _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1); }
+/* half h of a joined register back as an 8-lane group's register (upper lanes zero) */
+static inline __m512i half8(__m512i v, int h) {
+    return _mm512_zextsi256_si512(h ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v));
+}
+
 static inline __attribute__((always_inline)) void tile_group(int T, int L, int R, int M, const uint8_t *g,
                                                              int64_t rb, const int8_t *xq, int64_t k,
                                                              const xprep *x, int64_t xi, int64_t nsub,
                                                              __m512 *acc) {
     const __mmask16 mf = LANES16(L);
     const int cb = 4 * L;
+    /* an 8-lane group fills half a register: two tokens share one, the weights in both halves */
+    const int pk = L == 8 && M % 2 == 0, V = pk ? M / 2 : M;
     __m512i a0[R * M], a1[R * M];
 #pragma GCC unroll 8
-    for (int t = 0; t < M; t++) {
-        const int64_t i = xi + t * nsub;
-        __m512i i0, i1 = _mm512_setzero_si512();
-        if (T == QT_Q4_K || T == QT_Q5_K || T == QT_Q2_K || T == QT_Q5_1) {
-            i0 = _mm512_setzero_si512();
-        } else if (T == QT_Q6_K) {
-            i0 = LDI(L, x->n32lo + i);
-            i1 = LDI(L, x->n32hi + i);
-        } else if (T == QT_Q3_K) {
-            i0 = _mm512_srai_epi32(LDI(L, x->n32lo + i), 3);
-            i1 = _mm512_srai_epi32(LDI(L, x->n32hi + i), 3);
+    for (int v = 0; v < V; v++) {
+        __m512i i0, i1;
+        if (pk) {
+            __m512i j0, j1;
+            sum_init(T, L, x, xi + 2 * v * nsub, &i0, &i1);
+            sum_init(T, L, x, xi + (2 * v + 1) * nsub, &j0, &j1);
+            i0 = join8(i0, j0);
+            i1 = join8(i1, j1);
         } else {
-            i0 = LDI(L, x->n8sx + i);
-            if (T == QT_Q8_0 || T == QT_IQ4_XS || T == QT_MXFP4) i0 = _mm512_slli_epi32(i0, 4);
-            if (T == QT_Q5_0) i0 = _mm512_slli_epi32(i0, 1);
+            sum_init(T, L, x, xi + v * nsub, &i0, &i1);
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            a0[r * M + t] = i0;
-            a1[r * M + t] = i1;
+            a0[r * V + v] = i0;
+            a1[r * V + v] = i1;
         }
     }
 #pragma GCC unroll 4
     for (int c = 0; c < 4; c++) {
         __m512i w0[R], w1[R];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) chunk_weights(T, L, g + r * rb, c, &w0[r], &w1[r]);
+        for (int r = 0; r < R; r++) chunk_weights(T, L, pk, g + r * rb, c, &w0[r], &w1[r]);
 #pragma GCC unroll 8
-        for (int t = 0; t < M; t++) {
-            const __m512i xl = LDB(L, xq + t * k + 2 * c * cb), xh = LDB(L, xq + t * k + (2 * c + 1) * cb);
+        for (int v = 0; v < V; v++) {
+            __m512i xl, xh;
+            if (pk) {
+                const int8_t *p0 = xq + 2 * v * k, *p1 = p0 + k;
+                xl = join8(LDB(8, p0 + 2 * c * cb), LDB(8, p1 + 2 * c * cb));
+                xh = join8(LDB(8, p0 + (2 * c + 1) * cb), LDB(8, p1 + (2 * c + 1) * cb));
+            } else {
+                xl = LDB(L, xq + v * k + 2 * c * cb);
+                xh = LDB(L, xq + v * k + (2 * c + 1) * cb);
+            }
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
-                a0[r * M + t] = _mm512_dpbusd_epi32(a0[r * M + t], w0[r], xl);
+                a0[r * V + v] = _mm512_dpbusd_epi32(a0[r * V + v], w0[r], xl);
                 /* one sum where the halves share a scale */
-                if (TWO_HALF(T)) a1[r * M + t] = _mm512_dpbusd_epi32(a1[r * M + t], w1[r], xh);
-                else a0[r * M + t] = _mm512_dpbusd_epi32(a0[r * M + t], w1[r], xh);
+                if (TWO_HALF(T)) a1[r * V + v] = _mm512_dpbusd_epi32(a1[r * V + v], w1[r], xh);
+                else a0[r * V + v] = _mm512_dpbusd_epi32(a0[r * V + v], w1[r], xh);
             }
         }
     }
@@ -416,22 +499,9 @@ static inline __attribute__((always_inline)) void tile_group(int T, int L, int R
         if (T == QT_Q2_K) q2k_mins(gr, L, mf, &lo, &hi);
 #pragma GCC unroll 8
         for (int t = 0; t < M; t++) {
-            const int64_t i = xi + t * nsub;
-            const __m512 dxv = LDF(L, x->dx + i);
-            __m512 *a = &acc[r * M + t];
-            if (TWO_HALF(T)) {
-                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[r * M + t]), _mm512_mul_ps(sc, dxv), *a);
-                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[r * M + t]), _mm512_mul_ps(mn, dxv), *a);
-                if (T == QT_Q2_K) {
-                    const __m512 nlo = _mm512_mul_ps(_mm512_cvtepi32_ps(LDI(L, x->n32lo + i)), dxv);
-                    const __m512 nhi = _mm512_mul_ps(_mm512_cvtepi32_ps(LDI(L, x->n32hi + i)), dxv);
-                    *a = _mm512_fmadd_ps(nlo, lo, _mm512_fmadd_ps(nhi, hi, *a));
-                }
-                continue;
-            }
-            *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[r * M + t]), _mm512_mul_ps(sc, dxv), *a);
-            if (T == QT_Q4_K || T == QT_Q5_K) *a = _mm512_fnmadd_ps(mn, LDF(L, x->dxsx + i), *a);
-            if (T == QT_Q5_1) *a = _mm512_fmadd_ps(mn, LDF(L, x->dxsx + i), *a);
+            const __m512i s0 = pk ? half8(a0[r * V + t / 2], t & 1) : a0[r * V + t];
+            const __m512i s1 = pk ? half8(a1[r * V + t / 2], t & 1) : a1[r * V + t];
+            group_sum(T, L, s0, s1, sc, mn, lo, hi, x, xi + t * nsub, &acc[r * M + t]);
         }
     }
 }
@@ -459,6 +529,13 @@ static inline __attribute__((always_inline)) void tile_rows(int T, int R, int M,
         const int rem = (int)(nsub - s0);
         if (!per32_type(T) || rem == 8) tile_group(T, 8, R, M, g, rb, xq, k, J->x, t0 * nsub + s0, nsub, acc);
         else tile_group(T, rem, R, M, g, rb, xq, k, J->x, t0 * nsub + s0, nsub, acc);
+    }
+    if (R * M == 8) {
+        float sums[8];
+        hsum8(acc, sums);
+        for (int rr = 0; rr < R; rr++)
+            for (int t = 0; t < M; t++) J->y[(t0 + t) * J->ldy + r + rr] = sums[rr * M + t];
+        return;
     }
     for (int rr = 0; rr < R; rr++)
         for (int t = 0; t < M; t++) J->y[(t0 + t) * J->ldy + r + rr] = hsum(acc[rr * M + t]);
