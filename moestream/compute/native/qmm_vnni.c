@@ -342,20 +342,8 @@ void ms_internal_qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) {
 #define TWO_HALF(T) ((T) == QT_Q6_K || (T) == QT_Q3_K || (T) == QT_Q2_K)
 /* Tiles: R rows x M tokens. One int32 sum per (row, token) for most types, two for TWO_HALF; with the float
  * sums and the unpacked weights they fit the 32 registers. */
-#ifndef TILE_R1
-#define TILE_R1 2
-#endif
-#ifndef TILE_M1
-#define TILE_M1 4
-#endif
-#ifndef TILE_R2
-#define TILE_R2 1
-#endif
-#ifndef TILE_M2
-#define TILE_M2 4
-#endif
-#define TILE_R(T) (TWO_HALF(T) ? TILE_R2 : TILE_R1)
-#define TILE_M(T) (TWO_HALF(T) ? TILE_M2 : TILE_M1)
+#define TILE_R(T) (TWO_HALF(T) ? 1 : 2)
+#define TILE_M(T) 4
 
 /* a group's 4 L bytes of weights; bc (L = 8): the 32 bytes in both halves of the register */
 #define LDW(L, bc, p) ((bc) ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const void *)(p))) : LDB(L, p))
@@ -430,8 +418,6 @@ static inline __attribute__((always_inline)) void sum_init(int T, int L, const x
     }
 }
 
-/* One group of R rows (g, rb bytes apart) x M tokens (xq, k bytes apart; xi: the first token's index into the
- * per-lane arrays, nsub apart). acc[r * M + t]. */
 /* two registers' low halves as one: tokens t and t + 1 of an 8-lane group side by side */
 static inline __m512i join8(__m512i lo, __m512i hi) { return _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1); }
 /* half h of a joined register back as an 8-lane group's register (upper lanes zero) */
@@ -439,6 +425,8 @@ static inline __m512i half8(__m512i v, int h) {
     return _mm512_zextsi256_si512(h ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v));
 }
 
+/* One group of R rows (g, rb bytes apart) x M tokens (xq, k bytes apart; xi: the first token's index into the
+ * per-lane arrays, nsub apart). acc[r * M + t]. A stride of 0 repeats a row or a token (a partial tile). */
 static inline __attribute__((always_inline)) void tile_group(int T, int L, int R, int M, const uint8_t *g,
                                                              int64_t rb, const int8_t *xq, int64_t k,
                                                              const xprep *x, int64_t xi, int64_t nsub,
@@ -506,10 +494,13 @@ static inline __attribute__((always_inline)) void tile_group(int T, int L, int R
     }
 }
 
-/* rows r .. r + R - 1 against tokens t0 .. t0 + M - 1, whole rows; pf: prefetch the rows' weights ahead */
+/* rows r .. r + nr - 1 (nr <= R) against tokens t0 .. t0 + nt - 1 (nt <= M), whole rows; a partial tile
+ * computes its last row or token again in the missing places and stores only the real ones (one copy of the
+ * kernel per tile shape is what keeps the library's build short). pf: prefetch the rows' weights ahead. */
 static inline __attribute__((always_inline)) void tile_rows(int T, int R, int M, const qmm_job *J, int64_t r,
-                                                            int64_t t0, int pf) {
+                                                            int nr, int64_t t0, int nt, int pf) {
     const int64_t k = J->k, nsub = k / 32, rb = ms_lane_row_bytes(T, k);
+    const int64_t rs = nr > 1 ? rb : 0, tk = nt > 1 ? k : 0, tn = nt > 1 ? nsub : 0;
     __m512 acc[R * M];
 #pragma GCC unroll 16
     for (int i = 0; i < R * M; i++) acc[i] = _mm512_setzero_ps();
@@ -518,52 +509,39 @@ static inline __attribute__((always_inline)) void tile_rows(int T, int R, int M,
     int64_t s0 = 0;
     for (; s0 + 16 <= nsub; s0 += 16) {
         if (pf)
-            for (int rr = 0; rr < R; rr++)
+            for (int rr = 0; rr < nr; rr++)
                 for (int64_t o = 0; o < group_bytes(T, 16); o += 64)
                     _mm_prefetch((const char *)g + rr * rb + PF_DIST + o, PF_HINT);
-        tile_group(T, 16, R, M, g, rb, xq, k, J->x, t0 * nsub + s0, nsub, acc);
+        tile_group(T, 16, R, M, g, rs, xq, tk, J->x, t0 * nsub + s0, tn, acc);
         g += group_bytes(T, 16);
         xq += 32 * 16;
     }
     if (s0 < nsub) {
         const int rem = (int)(nsub - s0);
-        if (!per32_type(T) || rem == 8) tile_group(T, 8, R, M, g, rb, xq, k, J->x, t0 * nsub + s0, nsub, acc);
-        else tile_group(T, rem, R, M, g, rb, xq, k, J->x, t0 * nsub + s0, nsub, acc);
+        if (!per32_type(T) || rem == 8) tile_group(T, 8, R, M, g, rs, xq, tk, J->x, t0 * nsub + s0, tn, acc);
+        else tile_group(T, rem, R, M, g, rs, xq, tk, J->x, t0 * nsub + s0, tn, acc);
     }
+    float sums[R * M];
     if (R * M == 8) {
-        float sums[8];
         hsum8(acc, sums);
-        for (int rr = 0; rr < R; rr++)
-            for (int t = 0; t < M; t++) J->y[(t0 + t) * J->ldy + r + rr] = sums[rr * M + t];
-        return;
+    } else {
+        for (int i = 0; i < R * M; i++) sums[i] = hsum(acc[i]);
     }
-    for (int rr = 0; rr < R; rr++)
-        for (int t = 0; t < M; t++) J->y[(t0 + t) * J->ldy + r + rr] = hsum(acc[rr * M + t]);
+    for (int rr = 0; rr < nr; rr++)
+        for (int t = 0; t < nt; t++) J->y[(t0 + t) * J->ldy + r + rr] = sums[rr * M + t];
 }
 
-/* rows r .. r + R - 1 against tokens [t0, t1): whole tiles, then the last 1..M - 1 tokens in tiles of 4, 2, 1 */
-static inline __attribute__((always_inline)) void tile_tokens(int T, int R, const qmm_job *J, int64_t r,
+/* rows r .. r + nr - 1 against tokens [t0, t1): whole tiles, then the last 1..M - 1 tokens in tiles of 2 */
+static inline __attribute__((always_inline)) void tile_tokens(int T, const qmm_job *J, int64_t r, int nr,
                                                               int64_t t0, int64_t t1, int pf) {
-    const int M = TILE_M(T);
+    const int R = TILE_R(T), M = TILE_M(T);
     int64_t t = t0;
-    for (; t + M <= t1; t += M, pf = 0) tile_rows(T, R, M, J, r, t, pf);
-    if (M > 4 && t + 4 <= t1) {
-        tile_rows(T, R, 4, J, r, t, pf);
-        t += 4;
-        pf = 0;
-    }
-    if (M > 2 && t + 2 <= t1) {
-        tile_rows(T, R, 2, J, r, t, pf);
-        t += 2;
-        pf = 0;
-    }
-    if (t < t1) tile_rows(T, R, 1, J, r, t, pf);
+    for (; t + M <= t1; t += M, pf = 0) tile_rows(T, R, M, J, r, nr, t, M, pf);
+    for (; t < t1; t += 2, pf = 0) tile_rows(T, R, 2, J, r, nr, t, t + 2 <= t1 ? 2 : 1, pf);
 }
 
 /* Tokens go in blocks whose activations stay in L1 while the rows [r0, r1) (in L2) pass over them. */
-#ifndef TOKEN_BLOCK_BYTES
 #define TOKEN_BLOCK_BYTES 16384
-#endif
 
 static inline __attribute__((always_inline)) void qmm_tiles(int T, const qmm_job *J, int64_t r0, int64_t r1) {
     const int M = TILE_M(T);
@@ -571,9 +549,8 @@ static inline __attribute__((always_inline)) void qmm_tiles(int T, const qmm_job
     if (tb < M) tb = M;
     for (int64_t b0 = 0; b0 < J->m; b0 += tb) {
         const int64_t b1 = J->m - b0 < tb ? J->m : b0 + tb;
-        int64_t r = r0;
-        for (; r + TILE_R(T) <= r1; r += TILE_R(T)) tile_tokens(T, TILE_R(T), J, r, b0, b1, b0 == 0);
-        for (; r < r1; r++) tile_tokens(T, 1, J, r, b0, b1, b0 == 0);
+        for (int64_t r = r0; r < r1; r += TILE_R(T))
+            tile_tokens(T, J, r, r1 - r < TILE_R(T) ? (int)(r1 - r) : TILE_R(T), b0, b1, b0 == 0);
     }
 }
 
