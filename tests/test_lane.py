@@ -88,6 +88,22 @@ def test_each_row_is_computed_alone(ggml_type):
         assert torch.equal(lin(x[:m]), alone[:m])
 
 
+@pytest.mark.parametrize("ggml_type", LANE_TYPES, ids=lambda t: t.name)
+def test_rows_alone_at_the_tile_edges(ggml_type):
+    """The many-token kernel works in tiles of weight rows x tokens and in blocks of tokens (a block of 8
+    tokens at k = 2048): an odd n leaves a last row alone, m = 3, 5..7 leave partial tiles, 9 and 17 cross the
+    blocks; 768 ends rows in a group of 8 lanes (two tokens a register), and the per-32 types' 1408 and 2880 in a
+    masked group of 12 and 10 lanes. Every row has the bits it has alone."""
+    rng = np.random.default_rng(int(ggml_type) + 7)
+    shapes = [(37, 2048), (9, 768)] + ([(5, 1408), (3, 2880)] if ggml_type in PER32_TYPES else [])
+    for n, k in shapes:
+        lin = linear.from_gguf(quants.random_gguf(ggml_type, n * k, rng), ggml_type, n, k, False)
+        x = torch.from_numpy(rng.standard_normal((17, k)).astype(np.float32))
+        alone = torch.cat([lin(x[i : i + 1]) for i in range(17)])
+        for m in (2, 3, 5, 6, 7, 9, 17):
+            assert torch.equal(lin(x[17 - m :]), alone[17 - m :]), (n, k, m)
+
+
 @pytest.mark.parametrize("ggml_type", PER32_TYPES, ids=lambda t: t.name)
 def test_fallback_agrees_with_the_lane_kernels(ggml_type, monkeypatch):
     """Without VNNI (here: switched off) these types are widened to bf16 by the C decoder, not numpy: the

@@ -118,7 +118,13 @@ static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row)
 /* ---------------------------------------------------------------------------------------------------- */
 /* entry points */
 
+/* Rows of W per task: a one-token job streams its rows once, so tasks are long; a many-token job computes
+ * far longer per row, so shorter tasks keep the threads evenly loaded (an expert's 768 rows are 12 tasks, not
+ * 3 for 2 threads). A multiple of the kernels' row tiles. */
 #define ROWS_PER_TASK 256
+#define ROWS_PER_TASK_MANY 64
+
+static int64_t task_rows(const qmm_job *J) { return J->m == 1 ? ROWS_PER_TASK : ROWS_PER_TASK_MANY; }
 
 typedef struct {
     const qmm_job *jobs;
@@ -132,7 +138,7 @@ static void multi_task(void *vctx, int64_t t) {
     int j = 0;
     while (c->first_task[j + 1] <= t) j++;
     const qmm_job *J = &c->jobs[j];
-    int64_t r0 = (t - c->first_task[j]) * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK;
+    int64_t r0 = (t - c->first_task[j]) * task_rows(J), r1 = r0 + task_rows(J);
     if (r1 > J->n) r1 = J->n;
     if (J->m == 1) ms_internal_qmv_rows(J, r0, r1);
     else ms_internal_qmm_rows(J, r0, r1);
@@ -145,7 +151,7 @@ static void multi_task(void *vctx, int64_t t) {
 static void run_jobs(const qmm_job *jobs, int njobs) {
     int64_t first[njobs + 1];
     first[0] = 0;
-    for (int j = 0; j < njobs; j++) first[j + 1] = first[j] + (jobs[j].n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    for (int j = 0; j < njobs; j++) first[j + 1] = first[j] + (jobs[j].n + task_rows(&jobs[j]) - 1) / task_rows(&jobs[j]);
     multi_ctx c = {jobs, njobs, first};
     ms_internal_dispatch(multi_task, &c, first[njobs]);
 }

@@ -4,10 +4,38 @@
 /* ---------------------------------------------------------------------------------------------------- */
 /* the dot products */
 
-#define MT 4 /* tokens per register tile */
 
 #ifdef MS_VNNI
-static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+/* The sum of a register's 16 floats, in GCC's _mm512_reduce_add_ps tree (written out: every kernel must add
+ * in this one order, and hsum8 below adds in it too): halves, then quarters, then pairs. */
+static inline float hsum(__m512 v) {
+    const __m256 t3 = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+                                    _mm512_castps512_ps256(v));
+    const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)));
+}
+
+/* hsum of 8 registers at once: each step of hsum's tree for several registers in one instruction (the same
+ * pairs added, so the same bits) */
+static inline void hsum8(const __m512 *a, float *out) {
+    __m512 p[4], q[2];
+    for (int i = 0; i < 4; i++) /* halves: [a0.lo + a0.hi | a1.lo + a1.hi] */
+        p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+    for (int i = 0; i < 2; i++) /* quarters: one 128-bit lane per register */
+        q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+    /* pairs: lane i holds registers i's and i + 4's two partial sums, then their sums */
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(q[0], q[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    float r[16];
+    _mm512_storeu_ps(r, _mm512_add_ps(s, _mm512_shuffle_ps(s, s, _MM_SHUFFLE(2, 3, 0, 1))));
+    for (int i = 0; i < 4; i++) {
+        out[i] = r[4 * i];
+        out[i + 4] = r[4 * i + 2];
+    }
+}
 
 /* One token, two rows at a time: the activation loads are shared and the two rows' dot products are
  * independent chains (decode is this case: its speed is the speed of the engine). `T` is a constant at
@@ -305,108 +333,239 @@ void ms_internal_qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) {
     else qmv2(QT_Q8_0, J, r0, r1);
 }
 
-/* rows [r0, r1) of one job, all its tokens */
-void ms_internal_qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
-    const int type = J->type;
-    const int64_t k = J->k, nsub = k / 32, rb = ms_lane_row_bytes(type, k);
+/* The many-token kernel: tiles of R weight rows x M tokens. A group's weights are unpacked once per tile and
+ * used by its M tokens while in registers; each token's activation bytes by its R rows. Per (row, token) the
+ * integer sums are the exact ones of qmv2_group (int32 addition is exact and wraps alike in any order) and the
+ * float steps are its steps in its order, so each row of y has the bits the one-token kernel gives it. */
+
+/* the types whose two halves of 16 take separate scales: two int32 sums per (row, token) */
+#define TWO_HALF(T) ((T) == QT_Q6_K || (T) == QT_Q3_K || (T) == QT_Q2_K)
+/* Tiles: R rows x M tokens. One int32 sum per (row, token) for most types, two for TWO_HALF; with the float
+ * sums and the unpacked weights they fit the 32 registers. */
+#define TILE_R(T) (TWO_HALF(T) ? 1 : 2)
+#define TILE_M(T) 4
+
+/* a group's 4 L bytes of weights; bc (L = 8): the 32 bytes in both halves of the register */
+#define LDW(L, bc, p) ((bc) ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const void *)(p))) : LDB(L, p))
+
+/* chunk c's weights of group g: the even step's (w0) and the odd step's (w1) */
+static inline __attribute__((always_inline)) void chunk_weights(int T, int L, int bc, const uint8_t *g, int c,
+                                                                __m512i *w0, __m512i *w1) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = J->w + r * rb;
-        for (int64_t m0 = 0; m0 < J->m; m0 += MT) {
-            const int mt = J->m - m0 < MT ? (int)(J->m - m0) : MT;
-            __m512 acc[MT];
-            for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
-            const uint8_t *g = row;
-            int8_t *xq[MT];
-            for (int i = 0; i < mt; i++) xq[i] = J->x->q + (m0 + i) * k;
-            for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
-                const int L = group_lanes(nsub, s0);
-                const __mmask64 mb = LANES64(L);
-                const __mmask16 mf = LANES16(L);
-                const int cb = 4 * L; /* bytes per chunk / step */
-                if (m0 == 0)
-                    for (int64_t o = 0; o < 34 * L; o += 64) _mm_prefetch((const char *)g + PF_DIST + o, PF_HINT);
-                __m512i w[8];
-                __m512 scale, mins = _mm512_setzero_ps();
-                if (type == QT_Q8_0) {
-                    for (int s = 0; s < 8; s++) w[s] = _mm512_maskz_loadu_epi8(mb, g + s * cb);
-                } else if (type == QT_Q2_K || type == QT_Q3_K) {
-                    const __m512i h = type == QT_Q3_K ? _mm512_maskz_loadu_epi8(mb, g + 8 * L) : _mm512_setzero_si512();
-                    for (int s = 0; s < 8; s++) {
-                        const __m512i v = _mm512_maskz_loadu_epi8(mb, g + (s >> 2) * cb);
-                        w[s] = type == QT_Q3_K ? q23_weights(QT_Q3_K, v, h, s) : q23_weights(QT_Q2_K, v, h, s);
-                    }
-                } else if (type == QT_Q5_K || type == QT_Q5_0 || type == QT_Q5_1) {
-                    __m512i h = _mm512_maskz_loadu_epi8(mb, g + 16 * L);
-                    for (int c = 0; c < 4; c++)
-                        q5_weights(_mm512_maskz_loadu_epi8(mb, g + c * cb), h, c, &w[2 * c], &w[2 * c + 1]);
-                } else if (type == QT_Q6_K) {
-                    for (int c = 0; c < 4; c++) {
-                        __m512i h = _mm512_maskz_loadu_epi8(mb, g + 16 * L + (c >> 1) * cb);
-                        if (c & 1) h = _mm512_srli_epi16(h, 4);
-                        q6_weights(_mm512_maskz_loadu_epi8(mb, g + c * cb), h, &w[2 * c], &w[2 * c + 1]);
-                    }
-                } else {
-                    for (int c = 0; c < 4; c++) {
-                        __m512i v = _mm512_maskz_loadu_epi8(mb, g + c * cb);
-                        w[2 * c] = _mm512_and_si512(v, m4);
-                        w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                        if (type == QT_IQ4_XS || type == QT_MXFP4) {
-                            const __m512i tbl = type == QT_MXFP4 ? mxfp4_table() : iq4_table();
-                            w[2 * c] = _mm512_shuffle_epi8(tbl, w[2 * c]);
-                            w[2 * c + 1] = _mm512_shuffle_epi8(tbl, w[2 * c + 1]);
-                        }
-                    }
-                }
-                group_scales(type, g, L, mf, &scale, &mins);
-                __m512 q2lo = _mm512_setzero_ps(), q2hi = _mm512_setzero_ps();
-                if (type == QT_Q2_K) q2k_mins(g, L, mf, &q2lo, &q2hi);
-                g += group_bytes(type, L);
-                for (int i = 0; i < mt; i++) {
-                    const int64_t xi = (m0 + i) * nsub + s0;
-                    const int8_t *xp = xq[i];
-                    __m512i a0, a1;
-                    if (type == QT_Q4_K || type == QT_Q5_K || type == QT_Q2_K || type == QT_Q5_1) {
-                        a0 = _mm512_setzero_si512();
-                    } else if (type == QT_Q6_K) {
-                        a0 = _mm512_maskz_loadu_epi32(mf, J->x->n32lo + xi);
-                    } else if (type == QT_Q3_K) {
-                        a0 = _mm512_srai_epi32(_mm512_maskz_loadu_epi32(mf, J->x->n32lo + xi), 3);
-                    } else {
-                        a0 = _mm512_maskz_loadu_epi32(mf, J->x->n8sx + xi);
-                        if (type == QT_Q8_0 || type == QT_IQ4_XS || type == QT_MXFP4) a0 = _mm512_slli_epi32(a0, 4);
-                        if (type == QT_Q5_0) a0 = _mm512_slli_epi32(a0, 1);
-                    }
-                    a1 = type == QT_Q6_K   ? _mm512_maskz_loadu_epi32(mf, J->x->n32hi + xi)
-                         : type == QT_Q3_K ? _mm512_srai_epi32(_mm512_maskz_loadu_epi32(mf, J->x->n32hi + xi), 3)
-                                           : _mm512_setzero_si512();
-                    for (int s = 0; s < 8; s += 2) {
-                        a0 = _mm512_dpbusd_epi32(a0, w[s], _mm512_maskz_loadu_epi8(mb, xp + s * cb));
-                        a1 = _mm512_dpbusd_epi32(a1, w[s + 1], _mm512_maskz_loadu_epi8(mb, xp + (s + 1) * cb));
-                    }
-                    __m512 dxv = _mm512_maskz_loadu_ps(mf, J->x->dx + xi);
-                    if (type == QT_Q6_K || type == QT_Q3_K || type == QT_Q2_K) { /* the second half's scale is in mins */
-                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(scale, dxv), acc[i]);
-                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(mins, dxv), acc[i]);
-                        if (type == QT_Q2_K) {
-                            __m512 nlo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mf, J->x->n32lo + xi)), dxv);
-                            __m512 nhi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mf, J->x->n32hi + xi)), dxv);
-                            acc[i] = _mm512_fmadd_ps(nlo, q2lo, _mm512_fmadd_ps(nhi, q2hi, acc[i]));
-                        }
-                        xq[i] += 32 * L;
-                        continue;
-                    }
-                    __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1));
-                    acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, dxv), acc[i]);
-                    if (type == QT_Q4_K || type == QT_Q5_K)
-                        acc[i] = _mm512_fnmadd_ps(mins, _mm512_maskz_loadu_ps(mf, J->x->dxsx + xi), acc[i]);
-                    if (type == QT_Q5_1)
-                        acc[i] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(mf, J->x->dxsx + xi), acc[i]);
-                    xq[i] += 32 * L;
-                }
-            }
-            for (int i = 0; i < mt; i++) J->y[(m0 + i) * J->ldy + r] = hsum(acc[i]);
+    const int cb = 4 * L;
+    if (T == QT_Q8_0) {
+        *w0 = LDW(L, bc, g + 2 * c * cb);
+        *w1 = LDW(L, bc, g + (2 * c + 1) * cb);
+    } else if (T == QT_Q2_K || T == QT_Q3_K) {
+        const __m512i v = LDW(L, bc, g + (c >> 1) * cb);
+        const __m512i h = T == QT_Q3_K ? LDW(L, bc, g + 8 * L) : _mm512_setzero_si512();
+        *w0 = q23_weights(T, v, h, 2 * c);
+        *w1 = q23_weights(T, v, h, 2 * c + 1);
+    } else if (T == QT_Q5_K || T == QT_Q5_0 || T == QT_Q5_1) {
+        q5_weights(LDW(L, bc, g + c * cb), LDW(L, bc, g + 16 * L), c, w0, w1);
+    } else if (T == QT_Q6_K) {
+        __m512i h = LDW(L, bc, g + 16 * L + (c >> 1) * cb);
+        if (c & 1) h = _mm512_srli_epi16(h, 4);
+        q6_weights(LDW(L, bc, g + c * cb), h, w0, w1);
+    } else {
+        const __m512i v = LDW(L, bc, g + c * cb);
+        *w0 = _mm512_and_si512(v, m4);
+        *w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        if (T == QT_IQ4_XS || T == QT_MXFP4) {
+            const __m512i tbl = T == QT_MXFP4 ? mxfp4_table() : iq4_table();
+            *w0 = _mm512_shuffle_epi8(tbl, *w0);
+            *w1 = _mm512_shuffle_epi8(tbl, *w1);
         }
     }
+}
+
+/* qmv2_group's float steps for one (row, token): its int32 sums a0 (and a1, TWO_HALF) into the float sum *a */
+static inline __attribute__((always_inline)) void group_sum(int T, int L, __m512i a0, __m512i a1, __m512 sc,
+                                                            __m512 mn, __m512 lo, __m512 hi, const xprep *x,
+                                                            int64_t i, __m512 *a) {
+    const __m512 dxv = LDF(L, x->dx + i);
+    if (TWO_HALF(T)) {
+        *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(sc, dxv), *a);
+        *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(mn, dxv), *a);
+        if (T == QT_Q2_K) {
+            const __m512 nlo = _mm512_mul_ps(_mm512_cvtepi32_ps(LDI(L, x->n32lo + i)), dxv);
+            const __m512 nhi = _mm512_mul_ps(_mm512_cvtepi32_ps(LDI(L, x->n32hi + i)), dxv);
+            *a = _mm512_fmadd_ps(nlo, lo, _mm512_fmadd_ps(nhi, hi, *a));
+        }
+        return;
+    }
+    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(sc, dxv), *a);
+    if (T == QT_Q4_K || T == QT_Q5_K) *a = _mm512_fnmadd_ps(mn, LDF(L, x->dxsx + i), *a);
+    if (T == QT_Q5_1) *a = _mm512_fmadd_ps(mn, LDF(L, x->dxsx + i), *a);
+}
+
+/* the int32 sums' start for token index i (the activations' offset terms), as qmv2_group's */
+static inline __attribute__((always_inline)) void sum_init(int T, int L, const xprep *x, int64_t i, __m512i *i0,
+                                                           __m512i *i1) {
+    *i1 = _mm512_setzero_si512();
+    if (T == QT_Q4_K || T == QT_Q5_K || T == QT_Q2_K || T == QT_Q5_1) {
+        *i0 = _mm512_setzero_si512();
+    } else if (T == QT_Q6_K) {
+        *i0 = LDI(L, x->n32lo + i);
+        *i1 = LDI(L, x->n32hi + i);
+    } else if (T == QT_Q3_K) {
+        *i0 = _mm512_srai_epi32(LDI(L, x->n32lo + i), 3);
+        *i1 = _mm512_srai_epi32(LDI(L, x->n32hi + i), 3);
+    } else {
+        *i0 = LDI(L, x->n8sx + i);
+        if (T == QT_Q8_0 || T == QT_IQ4_XS || T == QT_MXFP4) *i0 = _mm512_slli_epi32(*i0, 4);
+        if (T == QT_Q5_0) *i0 = _mm512_slli_epi32(*i0, 1);
+    }
+}
+
+/* two registers' low halves as one: tokens t and t + 1 of an 8-lane group side by side */
+static inline __m512i join8(__m512i lo, __m512i hi) { return _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1); }
+/* half h of a joined register back as an 8-lane group's register (upper lanes zero) */
+static inline __m512i half8(__m512i v, int h) {
+    return _mm512_zextsi256_si512(h ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v));
+}
+
+/* One group of R rows (g, rb bytes apart) x M tokens (xq, k bytes apart; xi: the first token's index into the
+ * per-lane arrays, nsub apart). acc[r * M + t]. A stride of 0 repeats a row or a token (a partial tile). */
+static inline __attribute__((always_inline)) void tile_group(int T, int L, int R, int M, const uint8_t *g,
+                                                             int64_t rb, const int8_t *xq, int64_t k,
+                                                             const xprep *x, int64_t xi, int64_t nsub,
+                                                             __m512 *acc) {
+    const __mmask16 mf = LANES16(L);
+    const int cb = 4 * L;
+    /* an 8-lane group fills half a register: two tokens share one, the weights in both halves */
+    const int pk = L == 8 && M % 2 == 0, V = pk ? M / 2 : M;
+    __m512i a0[R * M], a1[R * M];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; v++) {
+        __m512i i0, i1;
+        if (pk) {
+            __m512i j0, j1;
+            sum_init(T, L, x, xi + 2 * v * nsub, &i0, &i1);
+            sum_init(T, L, x, xi + (2 * v + 1) * nsub, &j0, &j1);
+            i0 = join8(i0, j0);
+            i1 = join8(i1, j1);
+        } else {
+            sum_init(T, L, x, xi + v * nsub, &i0, &i1);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            a0[r * V + v] = i0;
+            a1[r * V + v] = i1;
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        __m512i w0[R], w1[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) chunk_weights(T, L, pk, g + r * rb, c, &w0[r], &w1[r]);
+#pragma GCC unroll 8
+        for (int v = 0; v < V; v++) {
+            __m512i xl, xh;
+            if (pk) {
+                const int8_t *p0 = xq + 2 * v * k, *p1 = p0 + k;
+                xl = join8(LDB(8, p0 + 2 * c * cb), LDB(8, p1 + 2 * c * cb));
+                xh = join8(LDB(8, p0 + (2 * c + 1) * cb), LDB(8, p1 + (2 * c + 1) * cb));
+            } else {
+                xl = LDB(L, xq + v * k + 2 * c * cb);
+                xh = LDB(L, xq + v * k + (2 * c + 1) * cb);
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                a0[r * V + v] = _mm512_dpbusd_epi32(a0[r * V + v], w0[r], xl);
+                /* one sum where the halves share a scale */
+                if (TWO_HALF(T)) a1[r * V + v] = _mm512_dpbusd_epi32(a1[r * V + v], w1[r], xh);
+                else a0[r * V + v] = _mm512_dpbusd_epi32(a0[r * V + v], w1[r], xh);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        const uint8_t *gr = g + r * rb;
+        __m512 sc, mn = _mm512_setzero_ps(), lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+        group_scales(T, gr, L, mf, &sc, &mn);
+        if (T == QT_Q2_K) q2k_mins(gr, L, mf, &lo, &hi);
+#pragma GCC unroll 8
+        for (int t = 0; t < M; t++) {
+            const __m512i s0 = pk ? half8(a0[r * V + t / 2], t & 1) : a0[r * V + t];
+            const __m512i s1 = pk ? half8(a1[r * V + t / 2], t & 1) : a1[r * V + t];
+            group_sum(T, L, s0, s1, sc, mn, lo, hi, x, xi + t * nsub, &acc[r * M + t]);
+        }
+    }
+}
+
+/* rows r .. r + nr - 1 (nr <= R) against tokens t0 .. t0 + nt - 1 (nt <= M), whole rows; a partial tile
+ * computes its last row or token again in the missing places and stores only the real ones (one copy of the
+ * kernel per tile shape is what keeps the library's build short). pf: prefetch the rows' weights ahead. */
+static inline __attribute__((always_inline)) void tile_rows(int T, int R, int M, const qmm_job *J, int64_t r,
+                                                            int nr, int64_t t0, int nt, int pf) {
+    const int64_t k = J->k, nsub = k / 32, rb = ms_lane_row_bytes(T, k);
+    const int64_t rs = nr > 1 ? rb : 0, tk = nt > 1 ? k : 0, tn = nt > 1 ? nsub : 0;
+    __m512 acc[R * M];
+#pragma GCC unroll 16
+    for (int i = 0; i < R * M; i++) acc[i] = _mm512_setzero_ps();
+    const uint8_t *g = J->w + r * rb;
+    const int8_t *xq = J->x->q + t0 * k;
+    int64_t s0 = 0;
+    for (; s0 + 16 <= nsub; s0 += 16) {
+        if (pf)
+            for (int rr = 0; rr < nr; rr++)
+                for (int64_t o = 0; o < group_bytes(T, 16); o += 64)
+                    _mm_prefetch((const char *)g + rr * rb + PF_DIST + o, PF_HINT);
+        tile_group(T, 16, R, M, g, rs, xq, tk, J->x, t0 * nsub + s0, tn, acc);
+        g += group_bytes(T, 16);
+        xq += 32 * 16;
+    }
+    if (s0 < nsub) {
+        const int rem = (int)(nsub - s0);
+        if (!per32_type(T) || rem == 8) tile_group(T, 8, R, M, g, rs, xq, tk, J->x, t0 * nsub + s0, tn, acc);
+        else tile_group(T, rem, R, M, g, rs, xq, tk, J->x, t0 * nsub + s0, tn, acc);
+    }
+    float sums[R * M];
+    if (R * M == 8) {
+        hsum8(acc, sums);
+    } else {
+        for (int i = 0; i < R * M; i++) sums[i] = hsum(acc[i]);
+    }
+    for (int rr = 0; rr < nr; rr++)
+        for (int t = 0; t < nt; t++) J->y[(t0 + t) * J->ldy + r + rr] = sums[rr * M + t];
+}
+
+/* rows r .. r + nr - 1 against tokens [t0, t1): whole tiles, then the last 1..M - 1 tokens in tiles of 2 */
+static inline __attribute__((always_inline)) void tile_tokens(int T, const qmm_job *J, int64_t r, int nr,
+                                                              int64_t t0, int64_t t1, int pf) {
+    const int R = TILE_R(T), M = TILE_M(T);
+    int64_t t = t0;
+    for (; t + M <= t1; t += M, pf = 0) tile_rows(T, R, M, J, r, nr, t, M, pf);
+    for (; t < t1; t += 2, pf = 0) tile_rows(T, R, 2, J, r, nr, t, t + 2 <= t1 ? 2 : 1, pf);
+}
+
+/* Tokens go in blocks whose activations stay in L1 while the rows [r0, r1) (in L2) pass over them. */
+#define TOKEN_BLOCK_BYTES 16384
+
+static inline __attribute__((always_inline)) void qmm_tiles(int T, const qmm_job *J, int64_t r0, int64_t r1) {
+    const int M = TILE_M(T);
+    int64_t tb = TOKEN_BLOCK_BYTES / J->k / M * M;
+    if (tb < M) tb = M;
+    for (int64_t b0 = 0; b0 < J->m; b0 += tb) {
+        const int64_t b1 = J->m - b0 < tb ? J->m : b0 + tb;
+        for (int64_t r = r0; r < r1; r += TILE_R(T))
+            tile_tokens(T, J, r, r1 - r < TILE_R(T) ? (int)(r1 - r) : TILE_R(T), b0, b1, b0 == 0);
+    }
+}
+
+/* rows [r0, r1) of one job, all its tokens */
+void ms_internal_qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
+    if (J->type == QT_Q4_0) qmm_tiles(QT_Q4_0, J, r0, r1);
+    else if (J->type == QT_Q4_K) qmm_tiles(QT_Q4_K, J, r0, r1);
+    else if (J->type == QT_Q5_K) qmm_tiles(QT_Q5_K, J, r0, r1);
+    else if (J->type == QT_Q6_K) qmm_tiles(QT_Q6_K, J, r0, r1);
+    else if (J->type == QT_IQ4_XS) qmm_tiles(QT_IQ4_XS, J, r0, r1);
+    else if (J->type == QT_Q3_K) qmm_tiles(QT_Q3_K, J, r0, r1);
+    else if (J->type == QT_Q2_K) qmm_tiles(QT_Q2_K, J, r0, r1);
+    else if (J->type == QT_Q5_0) qmm_tiles(QT_Q5_0, J, r0, r1);
+    else if (J->type == QT_Q5_1) qmm_tiles(QT_Q5_1, J, r0, r1);
+    else if (J->type == QT_MXFP4) qmm_tiles(QT_MXFP4, J, r0, r1);
+    else qmm_tiles(QT_Q8_0, J, r0, r1);
 }
 #endif
