@@ -37,7 +37,7 @@ class BatchEngine(Protocol):
     def _check_prompt(self, prompt: list[int]) -> None: ...
 
     def _forward_rows(
-        self, blocks: list[list[int]], kvs: list[Any], positions: list[int], prompt: bool | None = None
+        self, blocks: list[list[int]], kvs: list[Any], positions: list[int], prompt: bool
     ) -> torch.Tensor: ...
 
 
@@ -84,7 +84,6 @@ class Batch:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.decode_batch_sizes: Counter[int] = Counter()  # decode steps by the rows they ran
-        self.decode_tokens = 0
 
     @property
     def capacity(self) -> int:
@@ -194,7 +193,6 @@ class Batch:
             token = s.sampler(s.logits)
             s.logits = None
             s.n_new += 1
-            self.decode_tokens += 1
             st = s.stats
             st.decode_tokens, st.decode_s = s.n_new, time.perf_counter() - s.decode_started
             reason = "stop" if token in s.stop_ids else "length" if s.n_new >= s.max_new_tokens else None

@@ -364,19 +364,15 @@ class Engine:
         self._begin_step(len(tokens), units, pos)
         return self.model.forward(tokens, self.kv if kv is None else kv, pos)
 
-    def _forward_batch(self, tokens: list[int], kvs: list[Any], positions: list[int]) -> torch.Tensor:
-        """One decode step of several sequences (token b at positions[b] in kvs[b]): logits [B, V]."""
-        return self._forward_rows([[t] for t in tokens], kvs, positions)
-
     def _forward_rows(
-        self, blocks: list[list[int]], kvs: list[Any], positions: list[int], prompt: bool | None = None
+        self, blocks: list[list[int]], kvs: list[Any], positions: list[int], prompt: bool
     ) -> torch.Tensor:
         """One step of several sequences: block b (the token it decodes, or its next prompt span) at
         positions[b] in kvs[b]; each block's last logits [B, V]. Each layer's experts are fetched once for the
-        union of what all blocks route to. prompt: the step holds a prompt span (default: a block of more
-        than one token) and so reads as a prompt micro-batch does."""
+        union of what all blocks route to. prompt: the step holds a prompt span, and so reads as a prompt
+        micro-batch does."""
         longest, total = max(len(b) for b in blocks), sum(len(b) for b in blocks)
-        self.cache.phase = "prompt" if (longest > 1 if prompt is None else prompt) else "decode"
+        self.cache.phase = "prompt" if prompt else "decode"
         # torch's ops run a block at a time, so the longest block sets their threads; the cache's growth
         # allowance counts the micro-batches of all the step's tokens
         self._begin_step(longest, -(-total // self.ubatch), positions[0])
