@@ -33,12 +33,14 @@ def _drive_cache(
     from moestream.formats.gguf_file import GGUFFile
     from moestream.streaming.expert_cache import ExpertCache
     from moestream.streaming.expert_store import ExpertStore
+    from moestream.streaming.read_ahead import ahead_experts
     from moestream.streaming.reader import ExpertReader
 
     layers, experts, top_k, ubatch = 4, 16, 4, 6
     f = GGUFFile(model)
     store = ExpertStore(f, layers, experts, False)
-    reader = ExpertReader(model, store.max_segment_nbytes, threads=3)
+    # the buffers the engine plans (planning.read_buffers): a decode token's misses plus what the read-ahead holds
+    reader = ExpertReader(model, store.max_segment_nbytes, threads=3, buffers=3 * (top_k + ahead_experts(experts)))
     scratch = 0 if admit_prompt else top_k  # as the engine: non-admitted misses use scratch slots
     cache = ExpertCache(store, reader, n_slots + scratch, scratch_slots=scratch)
     cache.admit_prompt = admit_prompt

@@ -25,7 +25,7 @@ from moestream.compute import linear
 from moestream.errors import BudgetError
 from moestream.streaming.expert_store import ExpertStore
 from moestream.streaming.pending import Expert, PendingExpert, pack_lanes
-from moestream.streaming.read_ahead import ahead_choice, consecutive_runs, reads_ahead
+from moestream.streaming.read_ahead import ahead_choice, ahead_reads, consecutive_runs, reads_ahead
 from moestream.streaming.reader import ExpertReader, Lease
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
@@ -440,6 +440,12 @@ class ExpertCache:
         """Start reading the first experts of `layer` that are not cached (ahead_experts of them, in expert
         order), each admitted at once; the layer's cached experts are pinned first so that the read-ahead
         evicts none of them. Their reads wait in the reader's buffers until the layer's fetch packs them."""
+        need = ahead_reads(self.store.n_experts, self.reader.run_len)
+        if self.reader.ahead_buffers() < need:
+            raise ValueError(
+                f"the read-ahead holds up to {need} reads but the reader spares {self.reader.ahead_buffers()} "
+                "buffers for it; build the reader with planning.read_buffers"
+            )
         with self._lock:
             fresh = []
             for e in range(self.store.n_experts):

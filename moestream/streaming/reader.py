@@ -176,6 +176,13 @@ class ExpertReader:
         # Deadline of any one wait for a buffer or a read (seconds); tests lower it.
         self.wait_s = max(MIN_WAIT_S, self.buffers_nbytes / SLOW_DISK_BPS)
 
+    def ahead_buffers(self) -> int:
+        """Buffers a read-ahead may hold at once: all but 2 x threads of the pool its reads use. Those it leaves
+        are what the current layer's own reads cycle through; were the read-ahead to hold them all, a read the
+        model's thread waits for would find no buffer (waiters are not served in order) until the deadline."""
+        pool = self.n_run_buffers if self.n_run_buffers else self.n_buffers
+        return pool - 2 * self.threads
+
     @property
     def buffers_nbytes(self) -> int:
         """Memory the reader holds at most (counted in the budget)."""
