@@ -1,3 +1,4 @@
+import gzip
 import time
 
 import numpy as np
@@ -71,6 +72,24 @@ def test_not_a_trace(tmp_path):
         read_trace(path)
     with pytest.raises(MoestreamError, match="cannot read"):
         read_trace(tmp_path / "missing.csv")
+
+
+def test_a_gzipped_trace_reads_as_the_plain_one(tmp_path):
+    path = tmp_path / "t.csv"
+    with TraceWriter(path, {"n_slots": 7}) as w:
+        for i in range(300):
+            w.record(i, "decode", i, i % 4, i % 16, 0, "disk", 10, 0.0)
+    packed = tmp_path / "t.csv.gz"
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    meta, rows = read_trace(path)
+    gz_meta, gz_rows = read_trace(packed)
+    assert gz_meta == meta and meta["n_slots"] == 7
+    assert np.array_equal(gz_rows, rows)
+    assert read_meta(packed) == meta
+    cut = tmp_path / "cut.csv.gz"
+    cut.write_bytes(packed.read_bytes()[:-20])
+    with pytest.raises(MoestreamError, match="damaged or cut off"):
+        read_trace(cut)
 
 
 def test_damaged_row_is_reported(tmp_path):

@@ -30,12 +30,13 @@ thread formats and writes the rows in batches of a few thousand.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import queue
 import threading
 import warnings
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -64,6 +65,7 @@ TRACE_DTYPE = np.dtype(
 )
 
 _FLUSH_ROWS = 4096
+GZIP_MAGIC = b"\x1f\x8b"  # a trace kept gzipped (bench/results) is read as it is
 
 
 class TraceWriter:
@@ -158,8 +160,22 @@ class TraceWriter:
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The `# key: value` metadata at the top of a trace."""
-    meta, _ = _read_head(os.fspath(path))
-    return meta
+    path = os.fspath(path)
+    with _open_trace(path) as f:
+        return _read_head(path, f)
+
+
+def _open_trace(path: str) -> BinaryIO:
+    """The trace file for reading; a gzipped one (as bench/results keeps them) is read through gzip."""
+    try:
+        f = open(path, "rb")
+        if f.read(2) != GZIP_MAGIC:
+            f.seek(0)
+            return f
+        f.close()
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    except OSError as exc:
+        raise MoestreamError(f"cannot read the trace {path}: {exc.strerror}; check the path") from None
 
 
 def parse_meta_line(line: str, meta: dict[str, Any]) -> bool:
@@ -176,25 +192,18 @@ def parse_meta_line(line: str, meta: dict[str, Any]) -> bool:
     return True
 
 
-def _read_head(path: str) -> tuple[dict[str, Any], int]:
-    """Metadata and the byte offset of the first data row."""
+def _read_head(path: str, f: BinaryIO) -> dict[str, Any]:
+    """The metadata, leaving f at the first data row."""
     meta: dict[str, Any] = {}
-    try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise MoestreamError(f"cannot read the trace {path}: {exc.strerror}; check the path") from None
-    with f:
-        offset = 0
-        for raw in f:
-            offset += len(raw)
-            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            if parse_meta_line(line, meta):
-                continue
-            if line.strip() != HEADER:
-                raise MoestreamError(
-                    f"{path} is not a moestream trace (expected the header '{HEADER}'); record one with --trace FILE"
-                )
-            return meta, offset
+    while raw := f.readline():
+        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        if parse_meta_line(line, meta):
+            continue
+        if line.strip() != HEADER:
+            raise MoestreamError(
+                f"{path} is not a moestream trace (expected the header '{HEADER}'); record one with --trace FILE"
+            )
+        return meta
     raise MoestreamError(f"{path} is not a moestream trace (no header line); record one with --trace FILE")
 
 
@@ -208,10 +217,12 @@ def read_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray
     A trace still being written may end in a partial line: it is ignored.
     """
     path = os.fspath(path)
-    meta, offset = _read_head(path)
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = f.read()
+    try:
+        with _open_trace(path) as f:
+            meta = _read_head(path, f)
+            data = f.read()
+    except (OSError, EOFError) as exc:  # gzip's BadGzipFile is an OSError; a cut-off .gz ends in EOFError
+        raise MoestreamError(f"cannot read the trace {path}: {exc}; the file is damaged or cut off") from None
     end = data.rfind(b"\n")
     data = data[: end + 1] if end >= 0 else b""
     if not data:
