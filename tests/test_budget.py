@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -105,6 +106,37 @@ def test_engine_picks_the_micro_batch_the_budget_fits(tiny):
         assert eng.ubatch == 64
     finally:
         eng.close()
+
+
+def test_a_known_prompt_length_bounds_the_span_and_its_buffers(tiny, tmp_path):
+    """run knows its prompt: the plan sets aside a span's buffers for that prompt only, and the slots get the
+    rest; a longer prompt than announced still runs (in more spans) and gives the same tokens."""
+    with pytest.raises(BudgetError) as err:
+        Engine(tiny, EngineOptions(ram_budget_mb=64, ctx=1024))
+    least = int(re.search(r"at least --ram-budget-mb (\d+)", str(err.value)).group(1))
+    opts = EngineOptions(ram_budget_mb=least + 300, ctx=1024)
+    prompt = list(range(3, 603))
+    eng = Engine(tiny, opts)
+    try:
+        assert eng.span >= 512
+        free_span, free_plan = eng.span, eng.plan
+        want = eng.generate(prompt, 6).tokens
+    finally:
+        eng.close()
+    eng = Engine(tiny, dataclasses.replace(opts, longest_prompt=40))
+    try:
+        assert eng.span == eng.ubatch and eng.plan.span == eng.span < free_span
+        assert eng.plan.compute < free_plan.compute and eng.plan.n_slots >= free_plan.n_slots
+        assert eng.generate(prompt, 6).tokens == want
+    finally:
+        eng.close()
+    # `run` tokenizes its prompt before the engine plans, and tells it the length
+    stats = tmp_path / "stats.json"
+    cmd = [sys.executable, "-m", "moestream", "run", "-m", tiny, "-p", "hello there", "-n", "1", "--ctx", "1024"]
+    cmd += ["--ram-budget-mb", str(least + 300), "--stats-json", str(stats)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(stats.read_text())["plan"]["span"] <= 128 < free_span
 
 
 def test_peak_rss_stays_under_a_budget_close_to_the_minimum(tiny, tmp_path):

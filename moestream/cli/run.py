@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from moestream.analysis.synth import SHAPES, SynthShape, llama_cpp_loads, synth_nbytes, write_synth
 from moestream.cli import values
-from moestream.cli.options import add_engine_args, add_sampling_args, open_engine, sampler
+from moestream.cli.options import add_engine_args, add_sampling_args, engine_options, sampler
 from moestream.engine.engine import Engine
 from moestream.engine.model_file import open_model
 from moestream.engine.options import EngineOptions
@@ -29,6 +29,7 @@ from moestream.engine.sampling import Sampler
 from moestream.engine.stats import GenerationStats
 from moestream.errors import MoestreamError
 from moestream.formats.chat_template import render_chat
+from moestream.formats.tokenizer import Tokenizer
 from moestream.paths import cache_dir
 from moestream.serving.text import stream_text
 from moestream.streaming.budget import MB
@@ -43,16 +44,12 @@ CACHE_SHARE = 0.33
 
 def cmd_run(args: argparse.Namespace) -> int:
     pick = sampler(args)
-    engine = open_engine(args)
+    ids = prompt_ids(args)
+    # the plan sets aside prompt buffers for this prompt only; the rest of the budget holds experts
+    engine = Engine(args.model, dataclasses.replace(engine_options(args), longest_prompt=len(ids) or None))
     print(engine.lock_report.line(), file=sys.stderr)
     try:
         tok = engine.tokenizer
-        prompt = args.prompt
-        if args.chat:
-            if not tok.chat_template:
-                raise MoestreamError("this model has no chat template; drop --chat")
-            prompt = render_chat(tok.chat_template, [{"role": "user", "content": prompt}])
-        ids = tok.encode(prompt)
         if args.preload:
             print(f"preloaded {engine.preload()} experts", file=sys.stderr)
         stop_ids = set() if args.ignore_eos else tok.stop_ids
@@ -75,6 +72,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+def prompt_ids(args: argparse.Namespace) -> list[int]:
+    """The prompt (in the file's chat template with --chat) in the file's own tokens, read from the model's
+    header before the engine loads it."""
+    model = open_model(args.model, check_types=False)
+    try:
+        tok = Tokenizer.from_metadata(model.gguf.metadata)
+    finally:
+        model.close()
+    prompt = args.prompt
+    if args.chat:
+        if not tok.chat_template:
+            raise MoestreamError("this model has no chat template; drop --chat")
+        prompt = render_chat(tok.chat_template, [{"role": "user", "content": prompt}])
+    return tok.encode(prompt)
 
 
 def write_stats_json(path: str, engine: Engine, st: GenerationStats) -> None:

@@ -17,6 +17,7 @@ _POSITIVE = {
     "pin_mb": "--pin-mb",
     "keep_free_mb": "--keep-free-mb",
     "max_batch": "--max-batch",
+    "longest_prompt": "the prompt's length",
 }
 
 # Upper bounds: more is a typo, and would start that many threads or size buffers by it.
@@ -46,6 +47,10 @@ class EngineOptions:
     # (attention in chunks of ubatch). None: the longest span the budget holds (choose_span), the whole
     # prompt with n_slots; the micro-batch: the micro-batch-major path (every micro-batch through every layer)
     prefill_span: int | None = None
+    # the longest prompt this engine will prefill, where the caller knows it (run): the span, and the compute
+    # buffers the plan sets aside for it, need no more, and what they would have taken holds expert slots
+    # instead. A longer prompt still runs, in more spans. None: prompts up to the context.
+    longest_prompt: int | None = None
     # reads
     io_threads: int = 4
     direct: bool | None = None  # None: O_DIRECT where the file system allows

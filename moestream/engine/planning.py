@@ -129,8 +129,9 @@ class SlotPlanner:
         fit = {k: v for k, v in kw.items() if k not in ("compute", "max_slots")}
         if o.ubatch is None:
             ubatch = choose_ubatch(resident=rss_bytes(), compute_for=self._compute, **fit)
+        longest = min(self.ctx, o.longest_prompt or self.ctx)
         span = o.prefill_span or choose_span(
-            resident=rss_bytes(), compute_for=self._compute, ubatch=ubatch, longest=self.ctx, **fit
+            resident=rss_bytes(), compute_for=self._compute, ubatch=ubatch, longest=longest, **fit
         )
         # the span's activations (a span shorter than the micro-batch still runs the micro-batch's chunks)
         kw["compute"] = self._compute(max(span, ubatch))
