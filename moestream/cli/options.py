@@ -34,9 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=values.whole(1, 1 << 20),
         default=None,
         help="prompt tokens that run through every layer at once, each layer's experts read once for all of "
-        "them (default: the longest span the budget holds, and for `run` no longer than its prompt, the rest "
-        "of the budget going to expert slots; --prefill-span equal to --ubatch runs the prompt micro-batch by "
-        "micro-batch)",
+        "them (default: the longest span the budget holds, and for `run` no longer than its prompt; "
+        "--prefill-span equal to --ubatch runs the prompt micro-batch by micro-batch)",
     )
     p.add_argument(
         "--mlock",

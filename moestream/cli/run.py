@@ -45,7 +45,7 @@ CACHE_SHARE = 0.33
 def cmd_run(args: argparse.Namespace) -> int:
     pick = sampler(args)
     ids = prompt_ids(args)
-    # the plan sets aside prompt buffers for this prompt only; the rest of the budget holds experts
+    # the plan sets aside prompt buffers for this prompt only (the rest: expert slots, the read-ahead's buffers)
     engine = Engine(args.model, dataclasses.replace(engine_options(args), longest_prompt=len(ids) or None))
     print(engine.lock_report.line(), file=sys.stderr)
     try:

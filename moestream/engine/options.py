@@ -48,8 +48,8 @@ class EngineOptions:
     # prompt with n_slots; the micro-batch: the micro-batch-major path (every micro-batch through every layer)
     prefill_span: int | None = None
     # the longest prompt this engine will prefill, where the caller knows it (run): the span, and the compute
-    # buffers the plan sets aside for it, need no more, and what they would have taken holds expert slots
-    # instead. A longer prompt still runs, in more spans. None: prompts up to the context.
+    # buffers the plan sets aside for it, need no more; what they would have taken goes to expert slots or the
+    # read-ahead's buffers. A longer prompt still runs, in more spans. None: prompts up to the context.
     longest_prompt: int | None = None
     # reads
     io_threads: int = 4
