@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from moestream.compute import linear, native
 from moestream.compute.linear import QLinear
 from moestream.models.common import SMALL_OP, ExpertProvider, Fused, f32_matmul, rms_norm
-from moestream.models.moe import ClampedSwiGLU, DenseFFN, MoE, lane_act, swiglu
+from moestream.models.moe import ClampedSwiGLU, DenseFFN, MoE, lane_act, row_batches, swiglu
 
 GEMV_ROWS = 4  # rows up to which f32_matmul takes the native gemv (one row at a time) instead of torch
 
@@ -268,7 +268,8 @@ def routed_blocks(
     Y = torch.empty(first, x.shape[1], dtype=x.dtype)
     for group in experts.fetch_groups(layer, list(runs)):
         if all(linear.lane_swiglu_ok(w) for _, w in group):
-            for part in _lane_parts(group, runs):
+            rows = {e: sum(len(src) for src, _ in runs[e]) for e, _ in group}  # every block's rows of expert e
+            for part in row_batches(group, rows):
                 _lane_part(x, Y, part, runs, ffn)
             continue
         for ex, expert in group:
@@ -286,21 +287,6 @@ def routed_blocks(
         summed.index_add_(0, blk.rows, Yb)
         out.append(summed)
     return out
-
-
-def _lane_parts(group: list, runs: Runs) -> list[list]:
-    """A group's experts in consecutive parts of at most SWIGLU_MAX_ROWS rows (an expert with more alone):
-    the inputs gathered for one part bound what a long prompt block holds at once."""
-    parts: list[list] = []
-    total = 0
-    for item in group:
-        n = sum(len(src) for src, _ in runs[item[0]])
-        if not parts or total + n > linear.SWIGLU_MAX_ROWS:
-            parts.append([])
-            total = 0
-        parts[-1].append(item)
-        total += n
-    return parts
 
 
 def _lane_part(x: torch.Tensor, Y: torch.Tensor, part: list, runs: Runs, ffn: ClampedSwiGLU | None) -> None:

@@ -196,7 +196,7 @@ def run_experts(
     rows = order // k
     Y = torch.empty(rows.shape[0], x.shape[1], dtype=x.dtype)
     for group in experts.fetch_groups(layer, needed):
-        for part in _row_batches(group, count):
+        for part in row_batches(group, count):
             spans = [(starts[e], starts[e] + count[e]) for e, _ in part]
             xs = [x[rows[a:b]] for a, b in spans]
             if all(linear.lane_swiglu_ok(w) for _, w in part):
@@ -212,7 +212,7 @@ def run_experts(
     return out
 
 
-def _row_batches(group: list, count: dict[int, int]) -> list[list]:
+def row_batches(group: list, count: dict[int, int]) -> list[list]:
     """A group's experts in consecutive batches of at most SWIGLU_MAX_ROWS rows (an expert with more alone),
     as lane_swiglu splits its calls: the rows gathered for one batch bound the inputs held at once."""
     batches: list[list] = []
