@@ -44,12 +44,11 @@ CACHE_SHARE = 0.33
 
 def cmd_run(args: argparse.Namespace) -> int:
     pick = sampler(args)
-    ids = prompt_ids(args)
+    tok, ids = prompt_ids(args)
     # the plan sets aside prompt buffers for this prompt only (the rest: expert slots, the read-ahead's buffers)
-    engine = Engine(args.model, dataclasses.replace(engine_options(args), longest_prompt=len(ids) or None))
+    engine = Engine(args.model, dataclasses.replace(engine_options(args), longest_prompt=len(ids) or None), tok)
     print(engine.lock_report.line(), file=sys.stderr)
     try:
-        tok = engine.tokenizer
         if args.preload:
             print(f"preloaded {engine.preload()} experts", file=sys.stderr)
         stop_ids = set() if args.ignore_eos else tok.stop_ids
@@ -74,9 +73,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def prompt_ids(args: argparse.Namespace) -> list[int]:
-    """The prompt (in the file's chat template with --chat) in the file's own tokens, read from the model's
-    header before the engine loads it."""
+def prompt_ids(args: argparse.Namespace) -> tuple[Tokenizer, list[int]]:
+    """The file's tokenizer, read from the model's header before the engine loads it, and the prompt (in the
+    file's chat template with --chat) in its tokens."""
     model = open_model(args.model, check_types=False)
     try:
         tok = Tokenizer.from_metadata(model.gguf.metadata)
@@ -87,7 +86,7 @@ def prompt_ids(args: argparse.Namespace) -> list[int]:
         if not tok.chat_template:
             raise MoestreamError("this model has no chat template; drop --chat")
         prompt = render_chat(tok.chat_template, [{"role": "user", "content": prompt}])
-    return tok.encode(prompt)
+    return tok, tok.encode(prompt)
 
 
 def write_stats_json(path: str, engine: Engine, st: GenerationStats) -> None:

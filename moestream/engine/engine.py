@@ -35,7 +35,8 @@ from moestream.streaming.reader import ExpertReader
 
 
 class Engine:
-    def __init__(self, model_path: str, options: EngineOptions | None = None):
+    def __init__(self, model_path: str, options: EngineOptions | None = None, tokenizer: Tokenizer | None = None):
+        """tokenizer: one already built from this file's metadata (run builds it to count its prompt first)."""
         o = self.options = options or EngineOptions()
         self._set_threads(o.threads)
         self.file = open_model(model_path, o.exact)
@@ -47,7 +48,8 @@ class Engine:
         )
         cfg = self.file.cfg
         self.ctx = min(o.ctx or min(cfg.context_length, 4096), cfg.context_length)
-        self._tokenizer = tokenizer_if_any(self.gguf)  # built before sizing: ~50 MB for a 150k vocabulary
+        # built before sizing: ~50 MB for a 150k vocabulary
+        self._tokenizer = tokenizer or tokenizer_if_any(self.gguf)
         # the read-ahead admits what it reads, so admission rules that can turn a miss away switch it off
         read_ahead = o.read_ahead and o.admit_prompt and o.min_hits == 0
         planner = SlotPlanner(self.file, self.ctx, o)
