@@ -6,9 +6,11 @@ sent alone, streamed or not, with a client leaving mid-stream, and under an expe
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,9 @@ from moestream.analysis.synth import write_synth
 from moestream.analysis.trace import DECODE, read_trace
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
+from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
+from moestream.serving.worker import Admission, DoneEvent, Job, TextEvent, Worker
 from tests.test_server import MODEL, _metrics, _post, serve_process
 
 PROMPTS = [
@@ -101,6 +105,49 @@ def test_prompts_arriving_together_prefill_in_one_step(model_path: str, tmp_path
     assert len(set(rows["step"].tolist())) == 1  # the four prompts' one step
     per_key = Counter(zip(rows["layer"].tolist(), rows["expert"].tolist(), strict=True))
     assert len(per_key) and max(per_key.values()) == 1
+
+
+def test_a_burst_of_requests_starts_in_one_step(model_path: str, tmp_path: Path) -> None:
+    """Requests that reach the server a little apart (each parsed and templated first) still start together:
+    their prompts run in one step instead of the first one's alone, while a lone request is not held back."""
+    engine = Engine(model_path, EngineOptions(n_slots=10_000, ctx=256, max_batch=4, trace_path=str(tmp_path / "t")))
+    loop = asyncio.new_event_loop()
+    worker = Worker(engine, admission=Admission(gather_s=30.0, gather_gap_s=1.0))
+    worker.start()
+
+    def job(prompt: str) -> Job:
+        return Job(engine.tokenizer.encode(prompt), 4, Sampler(), [], loop)
+
+    async def first_token_at(j: Job) -> float:
+        """When the job's first text came; waits for the rest of its answer."""
+        assert isinstance(await j.events.get(), TextEvent)
+        at = time.monotonic()
+        while not isinstance(await j.events.get(), DoneEvent):
+            pass
+        return at
+
+    try:
+        start = time.monotonic()
+        lone = job(PROMPTS[5])
+        worker.submit(lone)
+        assert loop.run_until_complete(first_token_at(lone)) - start < 15.0  # a gap, not the 30 s window
+        first_step = engine._step + 1
+        burst = [job(p) for p in PROMPTS[:4]]
+        for j in burst:
+            worker.submit(j)
+            time.sleep(0.1)  # well under the gap
+
+        async def all_done() -> None:
+            await asyncio.gather(*(first_token_at(j) for j in burst))
+
+        loop.run_until_complete(all_done())
+    finally:
+        worker.stop()
+        engine.close()
+        loop.close()
+    _meta, rows = read_trace(str(tmp_path / "t"))
+    prompt_steps = rows[(rows["phase"] != DECODE) & (rows["step"] >= first_step)]["step"]
+    assert len(set(prompt_steps.tolist())) == 1
 
 
 def test_slot_keeps_its_conversation(model_path: str) -> None:
@@ -193,7 +240,7 @@ def test_concurrent_clients_get_what_they_get_alone(model_path: str, tmp_path: P
         assert m["moestream_requests_cancelled_total"] >= 1
         assert m["moestream_sequence_slots"] == 4
         # decode steps ran several requests' rows together
-        assert m['moestream_decode_batch_size_bucket{le="1"}'] < m['moestream_decode_batch_size_count']
+        assert m['moestream_decode_batch_size_bucket{le="1"}'] < m["moestream_decode_batch_size_count"]
 
 
 def test_full_queue_answers_429(model_path: str, tmp_path: Path) -> None:

@@ -9,8 +9,9 @@ from moestream.cli import values
 from moestream.cli.options import add_engine_args, add_prompt_cache_arg, add_sampling_args, open_engine, sampler
 from moestream.engine.planning import DEFAULT_BATCH
 from moestream.errors import MoestreamError
-from moestream.serving.app import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, Defaults, default_model_name, serve
+from moestream.serving.app import DEFAULT_MAX_TOKENS, Defaults, default_model_name, serve
 from moestream.serving.chat import HELP, ChatSession, repl
+from moestream.serving.worker import DEFAULT_GATHER_MS, DEFAULT_MAX_QUEUE, Admission
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -38,7 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             port=args.port,
             log_level=args.log_level,
             defaults=defaults,
-            max_queue=args.max_queue,
+            admission=Admission(max_queue=args.max_queue, gather_s=args.batch_window_ms / 1000),
         )
     finally:
         engine.close()
@@ -101,6 +102,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_QUEUE,
         help=f"requests that may wait for a free slot; beyond them the server answers 429 with Retry-After "
         f"(default {DEFAULT_MAX_QUEUE})",
+    )
+    p.add_argument(
+        "--batch-window-ms",
+        type=values.whole(0, 10_000),
+        default=DEFAULT_GATHER_MS,
+        help="requests that arrive within 10 ms of each other start together, each layer's experts read once "
+        f"for all their prompts; the wait for the rest of such a burst lasts at most this long (default "
+        f"{DEFAULT_GATHER_MS}; 0 starts every request at once)",
     )
     p.add_argument("--host", type=values.text, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=values.port, default=8080, help="port (default 8080)")

@@ -45,7 +45,7 @@ from moestream.serving.schemas import (
 )
 from moestream.serving.text import Answer, finish_reason_with_calls, sse
 from moestream.serving.worker import (
-    DEFAULT_MAX_QUEUE,
+    Admission,
     DoneEvent,
     ErrorEvent,
     Event,
@@ -98,14 +98,14 @@ class Service:
         defaults: Defaults,
         max_body_bytes: int,
         on_fatal: Callable[[str], None] | None = None,
-        max_queue: int = DEFAULT_MAX_QUEUE,
+        admission: Admission = Admission(),
     ):
         self.engine = engine
         self.tok = engine.tokenizer
         self.model_name = model_name
         self.defaults = defaults
         self.max_body_bytes = max_body_bytes
-        self.worker = Worker(engine, on_fatal, max_queue=max_queue)
+        self.worker = Worker(engine, on_fatal, admission=admission)
         self.created = int(time.time())
         self.format = chat_format(self.tok.chat_template)
         self._keep: dict[tuple[str, ...], frozenset[int]] = {}
@@ -372,12 +372,12 @@ def create_app(
     defaults: Defaults | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     on_fatal: Callable[[str], None] | None = None,
-    max_queue: int = DEFAULT_MAX_QUEUE,
+    admission: Admission = Admission(),
 ) -> FastAPI:
     """The ASGI app. Its lifespan starts the engine worker and stops it (cancelling what is left).
     on_fatal(reason) is called from the worker when the server cannot answer any more (the model file
     changed under it)."""
-    svc = Service(engine, model_name, defaults or Defaults(), max_body_bytes, on_fatal, max_queue)
+    svc = Service(engine, model_name, defaults or Defaults(), max_body_bytes, on_fatal, admission)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -478,7 +478,7 @@ def serve(
     port: int,
     log_level: str,
     defaults: Defaults,
-    max_queue: int = DEFAULT_MAX_QUEUE,
+    admission: Admission = Admission(),
 ) -> str | None:
     """Serve `engine` over HTTP until a signal ends it (the caller opens and closes the engine). Returns
     why the server stopped on its own (the model file changed), or None after a signal."""
@@ -490,7 +490,7 @@ def serve(
         if server is not None:
             server.should_exit = True
 
-    app = create_app(engine, name, defaults=defaults, on_fatal=on_fatal, max_queue=max_queue)
+    app = create_app(engine, name, defaults=defaults, on_fatal=on_fatal, admission=admission)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     handle_exit = server.handle_exit

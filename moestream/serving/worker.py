@@ -16,7 +16,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +29,26 @@ from moestream.streaming.budget import rss_bytes
 
 FILE_CHECK_S = 5.0  # how often an idle server checks that its model file is unchanged
 DEFAULT_MAX_QUEUE = 64  # requests waiting for a sequence slot before the server answers 429
+DEFAULT_GATHER_MS = 50
+# Requests that arrive together reach the worker a few milliseconds apart (each is parsed and templated on
+# the event loop first). The worker waits while they keep coming, this much after the last one, so that a
+# burst starts in one step: a prompt step that set off with the first request alone would make the others
+# wait for its whole pass over the experts, which under memory pressure is a read of most of the file.
+GATHER_GAP_S = 0.01
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _unavailable(reason: str) -> APIError:
     return APIError(503, f"the server cannot answer any more: {reason}", type="server_error")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """How requests get into the batch: the queue's bound and how long a burst of arrivals is gathered."""
+
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting for a sequence slot; beyond them 429
+    gather_s: float = DEFAULT_GATHER_MS / 1000  # longest wait for the rest of a burst (0: step at once)
+    gather_gap_s: float = GATHER_GAP_S  # a burst ends when nothing more arrived for this long
 
 
 @dataclass
@@ -104,11 +119,12 @@ class Worker:
         engine: Any,
         on_fatal: Callable[[str], None] | None = None,
         check_every_s: float = FILE_CHECK_S,
-        max_queue: int = DEFAULT_MAX_QUEUE,
+        admission: Admission = Admission(),
     ):
         self.engine = engine
         self.batch = engine.batch()
-        self.max_queue = max_queue
+        self.max_queue = admission.max_queue
+        self.gather_s, self.gather_gap_s = admission.gather_s, admission.gather_gap_s
         self.jobs: queue.Queue[Job | None] = queue.Queue()  # submitted, not yet seen by the worker
         self.active: dict[Sequence, _Active] = {}
         self._lock = threading.Lock()
@@ -174,18 +190,29 @@ class Worker:
                     self._check_file()
                     continue
                 job = False
-            while job is not False:
-                if job is None:
-                    self._end_all()
-                    return
-                self._add(job)
-                try:
-                    job = self.jobs.get_nowait()
-                except queue.Empty:
-                    job = False
+            if job is not False:
+                for arrival in self._burst(job):
+                    if arrival is None:
+                        self._end_all()
+                        return
+                    self._add(arrival)
             self._drop_cancelled()
             if self.batch:
                 self._step()
+
+    def _burst(self, first: Job | None) -> Iterator[Job | None]:
+        """The first arrival and those that follow it closely (gather_gap_s apart, gather_s at most)."""
+        end = time.monotonic() + self.gather_s
+        job: Job | None = first
+        while True:
+            yield job
+            if job is None:
+                return
+            wait = min(end - time.monotonic(), self.gather_gap_s)
+            try:
+                job = self.jobs.get(timeout=wait) if wait > 0 else self.jobs.get_nowait()
+            except queue.Empty:
+                return
 
     def _check_file(self) -> bool:
         """False (and the server winds down) when the model file changed under the process."""
