@@ -107,7 +107,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "--batch-window-ms",
         type=values.whole(0, 10_000),
         default=DEFAULT_GATHER_MS,
-        help="requests that arrive within 25 ms of each other start together, each layer's experts read once "
+        help="requests that arrive within 100 ms of each other start together, each layer's experts read once "
         f"for all their prompts; the wait for the rest of such a burst lasts at most this long (default "
         f"{DEFAULT_GATHER_MS}; 0 starts every request at once)",
     )

@@ -29,12 +29,13 @@ from moestream.streaming.budget import rss_bytes
 
 FILE_CHECK_S = 5.0  # how often an idle server checks that its model file is unchanged
 DEFAULT_MAX_QUEUE = 64  # requests waiting for a sequence slot before the server answers 429
-DEFAULT_GATHER_MS = 100
-# Requests that arrive together reach the worker a few milliseconds apart (each is parsed and templated on
-# the event loop first). The worker waits while they keep coming, this much after the last one, so that a
-# burst starts in one step: a prompt step that set off with the first request alone would make the others
-# wait for its whole pass over the experts, which under memory pressure is a read of most of the file.
-GATHER_GAP_S = 0.025
+DEFAULT_GATHER_MS = 300
+# Requests that arrive together reach the worker tens of milliseconds apart (each client builds its request,
+# the server parses and templates it; at 25 ms a benchmark's fourth client still missed the step). The worker
+# waits while they keep coming, this much after the last one, so that a burst starts in one step: a prompt
+# step that set off with the first request alone would make the others wait for its whole pass over the
+# experts, which under memory pressure is a read of most of the file.
+GATHER_GAP_S = 0.1
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
