@@ -124,8 +124,7 @@ class Worker:
     ):
         self.engine = engine
         self.batch = engine.batch()
-        self.max_queue = admission.max_queue
-        self.gather_s, self.gather_gap_s = admission.gather_s, admission.gather_gap_s
+        self.admission = admission
         self.jobs: queue.Queue[Job | None] = queue.Queue()  # submitted, not yet seen by the worker
         self.active: dict[Sequence, _Active] = {}
         self._lock = threading.Lock()
@@ -155,13 +154,13 @@ class Worker:
             return
         with self._lock:
             free = self.batch.capacity - len(self._holding)
-            if len(self._waiting) >= self.max_queue + free:
+            if len(self._waiting) >= self.admission.max_queue + free:
                 self.metrics.rejected += 1
                 retry = max(1, math.ceil(self.metrics.request_s))
                 raise APIError(
                     429,
                     f"the server is busy: {len(self._holding)} requests are generating and {len(self._waiting)} "
-                    f"wait for a slot (--max-queue {self.max_queue}); retry in about {retry} s",
+                    f"wait for a slot (--max-queue {self.admission.max_queue}); retry in about {retry} s",
                     type="server_error",
                     code="queue_full",
                     headers={"Retry-After": str(retry)},
@@ -203,13 +202,13 @@ class Worker:
 
     def _burst(self, first: Job | None) -> Iterator[Job | None]:
         """The first arrival and those that follow it closely (gather_gap_s apart, gather_s at most)."""
-        end = time.monotonic() + self.gather_s
+        end = time.monotonic() + self.admission.gather_s
         job: Job | None = first
         while True:
             yield job
             if job is None:
                 return
-            wait = min(end - time.monotonic(), self.gather_gap_s)
+            wait = min(end - time.monotonic(), self.admission.gather_gap_s)
             try:
                 job = self.jobs.get(timeout=wait) if wait > 0 else self.jobs.get_nowait()
             except queue.Empty:
