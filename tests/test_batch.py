@@ -38,9 +38,9 @@ class CountingExperts:
         self.inner = inner
         self.calls: list[tuple[int, list[int]]] = []
 
-    def fetch_groups(self, layer, ids, admit=True):
+    def fetch_groups(self, layer, ids, admit=True, ordered=False):
         self.calls.append((layer, list(ids)))
-        return self.inner.fetch_groups(layer, ids, admit)
+        return self.inner.fetch_groups(layer, ids, admit, ordered)
 
 
 @pytest.fixture(scope="module", params=[(a, w) for a in ARCH_CASES for w in (0, 1)],
@@ -249,10 +249,10 @@ class FailingExperts(CountingExperts):
         super().__init__(inner)
         self.fail_layer = fail_layer
 
-    def fetch_groups(self, layer, ids, admit=True):
+    def fetch_groups(self, layer, ids, admit=True, ordered=False):
         if layer == self.fail_layer:
             raise OSError("read error")
-        return super().fetch_groups(layer, ids, admit)
+        return super().fetch_groups(layer, ids, admit, ordered)
 
 
 def test_failed_step_leaves_each_cache_to_retry(tiny_file):

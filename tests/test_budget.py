@@ -17,6 +17,7 @@ from moestream.errors import BudgetError
 from moestream.models.qwen3moe import Qwen3Moe, Qwen3MoeConfig
 from moestream.streaming import budget
 from moestream.streaming.budget import MB, UBATCH_CHOICES, choose_span, choose_ubatch, plan_slots
+from moestream.streaming.expert_cache import ORDERED_ROOM
 
 SLOT = 3 * MB
 PLAN = dict(resident=300 * MB, compute=40 * MB, reader=10 * MB, slot_nbytes=SLOT, min_slots=8, max_slots=256)
@@ -92,7 +93,9 @@ def test_engine_picks_the_micro_batch_the_budget_fits(tiny):
         assert eng.ubatch in UBATCH_CHOICES and eng.plan.n_slots >= eng.cfg.top_k
         # the plan counts the prompt span's activations (a span of at least the micro-batch, at most the context)
         assert eng.ubatch <= eng.span == eng.plan.span <= 512
-        assert eng.plan.compute == Qwen3Moe.compute_nbytes(eng.cfg, eng.span, 512)
+        # the span's attention by micro-batch chunks, its MoE summed in order where the cache keeps the order
+        ordered = eng.plan.n_slots >= ORDERED_ROOM * eng.cfg.n_experts
+        assert eng.plan.compute == Qwen3Moe.compute_nbytes(eng.cfg, eng.span, 512, chunk=eng.ubatch, ordered=ordered)
         assert f"(prompt span {eng.span} tokens)" in eng.plan.describe()
     finally:
         eng.close()

@@ -19,7 +19,9 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
+from moestream.models import moe
 from moestream.models.common import KVCache, query_chunks
+from moestream.streaming.expert_cache import ExpertCache
 from moestream.streaming.expert_store import PER_EXPERT_TENSOR, is_routed_expert_tensor
 from tests.hf_gguf import (
     QWEN3MOE,
@@ -197,6 +199,37 @@ def test_layer_major_prefill_equals_micro_batch_major(tiny, tmp_path, stream):
         assert all(got <= distinct for got, distinct in reads.values()), reads
         if stream and n == 10:  # the micro-batches read experts again where the cache cannot hold a layer's
             assert sum(r for r, _ in mb_reads.values()) >= sum(r for r, _ in reads.values())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streaming"])
+def test_a_span_summed_as_its_experts_come_is_bit_identical(tiny, stream, monkeypatch):
+    """A span whose experts are fetched in order and summed as they come (moe.InOrderSum) gives the very
+    logits of holding every (token, expert) result to the end, with every expert cached and under a budget
+    that streams; the span's fetches did ask for the order."""
+    _, path, toks, _, model = tiny
+    cfg = model.config
+    slots = 2 * n_experts(cfg) + 4 if stream else cfg.num_hidden_layers * n_experts(cfg)
+    asked: list[bool] = []
+    real = ExpertCache.fetch_groups
+
+    def spy(self, layer, ids, admit=True, ordered=False):
+        asked.append(ordered)
+        return real(self, layer, ids, admit, ordered)
+
+    monkeypatch.setattr(ExpertCache, "fetch_groups", spy)
+    runs = {}
+    for pairs in (0, 1 << 30):
+        monkeypatch.setattr(moe, "ORDERED_MIN_PAIRS", pairs)
+        eng = Engine(path, EngineOptions(n_slots=slots, ubatch=8))
+        keep = _KeepLogits()
+        try:
+            runs[pairs] = eng.generate(toks[:80], 4, keep).tokens, keep.logits[0]
+        finally:
+            eng.close()
+        assert any(asked) == (pairs == 0)
+        asked.clear()
+    assert runs[0][0] == runs[1 << 30][0]
+    assert torch.equal(runs[0][1], runs[1 << 30][1])
 
 
 def test_prompt_reuse_gives_samerandom_tokens(tiny):

@@ -26,10 +26,18 @@ def tiny_model(tmp_path_factory):
 
 
 def _drive_cache(
-    model: str, trace_path, n_slots: int, admit_prompt: bool, seed: int, read_ahead: bool = True, skew: float = 3.0
+    model: str,
+    trace_path,
+    n_slots: int,
+    admit_prompt: bool,
+    seed: int,
+    read_ahead: bool = True,
+    skew: float = 3.0,
+    ordered: bool = False,
 ):
     """Run the real ExpertCache over a skewed random routing (prompt micro-batches, then decode), tracing
-    it as the engine does; returns the cache's own stats."""
+    it as the engine does; returns the cache's own stats. ordered: the prompt's fetches yield in request
+    order (a long span's), which must not change what the cache decides."""
     from moestream.formats.gguf_file import GGUFFile
     from moestream.streaming.expert_cache import ExpertCache
     from moestream.streaming.expert_store import ExpertStore
@@ -77,8 +85,8 @@ def _drive_cache(
             now["token"] = tok
             for layer in range(layers):
                 ids = sorted({e for _ in range(ubatch) for e in route()})
-                for _ in cache.fetch(layer, ids, admit=admit_prompt):
-                    pass
+                got = [e for g in cache.fetch_groups(layer, ids, admit=admit_prompt, ordered=ordered) for e, _ in g]
+                assert sorted(got) == ids and (got == ids or not (ordered and admit_prompt) or n_slots < 2 * len(ids))
         cache.phase = "decode"
         for tok in range(24, 64):
             now["step"] += 1
@@ -96,9 +104,10 @@ def _drive_cache(
 
 @pytest.mark.parametrize("n_slots", [16, 24, 40, 64])
 @pytest.mark.parametrize("admit_prompt", [True, False])
-def test_replay_reproduces_live_cache_exactly(tiny_model, tmp_path, n_slots, admit_prompt):
+@pytest.mark.parametrize("ordered", [False, True], ids=["as-ready", "ordered"])
+def test_replay_reproduces_live_cache_exactly(tiny_model, tmp_path, n_slots, admit_prompt, ordered):
     path = tmp_path / "t.csv"
-    stats = _drive_cache(tiny_model, path, n_slots, admit_prompt, seed=n_slots)
+    stats = _drive_cache(tiny_model, path, n_slots, admit_prompt, seed=n_slots, ordered=ordered)
     meta, rows = read_trace(path)
     acc = rp.accesses_from_trace(meta, rows)
     r = rp.replay(acc, "lru", meta["n_slots"])  # admission 'engine': from the trace's admit_prompt
@@ -112,10 +121,13 @@ def test_replay_reproduces_live_cache_exactly(tiny_model, tmp_path, n_slots, adm
 
 @pytest.mark.parametrize("n_slots", [64, 80])
 @pytest.mark.parametrize("read_ahead", [True, False])
-def test_replay_reproduces_live_cache_with_prompt_read_ahead(tiny_model, tmp_path, n_slots, read_ahead):
+@pytest.mark.parametrize("ordered", [False, True], ids=["as-ready", "ordered"])
+def test_replay_reproduces_live_cache_with_prompt_read_ahead(tiny_model, tmp_path, n_slots, read_ahead, ordered):
     # flat routing: prompt micro-batches ask for nearly every expert, so the cache reads the next layer ahead
     path = tmp_path / "t.csv"
-    stats = _drive_cache(tiny_model, path, n_slots, True, seed=n_slots, read_ahead=read_ahead, skew=1e9)
+    stats = _drive_cache(
+        tiny_model, path, n_slots, True, seed=n_slots, read_ahead=read_ahead, skew=1e9, ordered=ordered
+    )
     assert (stats.ahead_reads > 0) == read_ahead
     assert stats.ahead_unused <= stats.ahead_reads
     meta, rows = read_trace(path)

@@ -23,6 +23,7 @@ from moestream.streaming.budget import (
     plan_slots,
     rss_bytes,
 )
+from moestream.streaming.expert_cache import ORDERED_ROOM
 from moestream.streaming.expert_store import ExpertStore
 from moestream.streaming.read_ahead import AHEAD_MIN_LAYERS, ahead_experts, ahead_reads
 from moestream.streaming.reader import ALIGN
@@ -91,6 +92,9 @@ class SlotPlanner:
             model, ctx, options.io_threads, options.ubatch or UBATCH_CHOICES[-1], options.ram_budget_mb
         )
         self.base_reserve_mb = DEFAULT_RESERVE_MB if options.reserve_mb is None else options.reserve_mb
+        self.base_reader = self.kw["reader"]
+        self._chunk: int | None = None  # attention's query chunk, once plan() has chosen the micro-batch
+        self._ordered = False  # whether a long span's MoE sums as its experts come (plan())
         # the prompt cache grows into its MB as conversations are saved, so the plan holds them for it
         pc = options.prompt_cache_mb
         self.prompt_cache_mb = PROMPT_CACHE_DEFAULT_MB if pc is None else pc  # plan() may lower the default
@@ -120,32 +124,51 @@ class SlotPlanner:
 
     def plan(self, read_ahead: bool) -> tuple[BudgetPlan, int, bool]:
         """(the plan, the micro-batch, whether the read-ahead runs), measured with the weights loaded; the
-        plan's span is the prompt span (choose_span, or the one the options give)."""
+        plan's span is the prompt span (choose_span, or the one the options give).
+
+        A long span's MoE sums its experts as they come where its fetch keeps their order (ExpertCache: the
+        cache may hold ORDERED_ROOM times a layer's request, and admits what the prompt reads), and its
+        attention runs a micro-batch of queries at a time: the span's activations are counted so, unless the
+        plan that comes of it leaves too few slots for the order, when they are counted as held."""
         m, o, kw = self.model, self.options, self.kw
         if o.prompt_cache_mb is None:
             self.prompt_cache_mb = self._default_prompt_cache()
             kw["reserve_mb"] = self.base_reserve_mb + self.prompt_cache_mb
         ubatch = o.ubatch or DEFAULT_UBATCH
-        fit = {k: v for k, v in kw.items() if k not in ("compute", "max_slots")}
         if o.ubatch is None:
+            fit = {k: v for k, v in kw.items() if k not in ("compute", "max_slots")}
             ubatch = choose_ubatch(resident=rss_bytes(), compute_for=self._compute, **fit)
+        self._chunk = ubatch
+        self._ordered = o.admit_prompt and o.min_hits == 0
+        plan, ahead = self._fit(ubatch, read_ahead)
+        if self._ordered and plan.n_slots < ORDERED_ROOM * m.cfg.n_experts:
+            self._ordered = False
+            plan, ahead = self._fit(ubatch, read_ahead)
+        return plan, ubatch, ahead
+
+    def _fit(self, ubatch: int, read_ahead: bool) -> tuple[BudgetPlan, bool]:
+        """The prompt span and the slots beside it, and whether the read-ahead runs, for this micro-batch."""
+        m, o, kw = self.model, self.options, self.kw
+        fit = {k: v for k, v in kw.items() if k not in ("compute", "max_slots")}
         longest = min(self.ctx, o.longest_prompt or self.ctx)
         span = o.prefill_span or choose_span(
             resident=rss_bytes(), compute_for=self._compute, ubatch=ubatch, longest=longest, **fit
         )
         # the span's activations (a span shorter than the micro-batch still runs the micro-batch's chunks)
         kw["compute"] = self._compute(max(span, ubatch))
+        kw["reader"] = self.base_reader
         plan = replace(plan_slots(resident=rss_bytes(), **kw), span=span)
         # the read-ahead's buffers only where the cache keeps room to read ahead with them; else the memory
         # stays with the slots
         room = AHEAD_MIN_LAYERS * m.cfg.n_experts
         if not read_ahead or plan.n_slots < room:
-            return plan, ubatch, False
+            return plan, False
         kw["reader"] = reader_nbytes(m.cfg, m.store, o.io_threads, True, o.run_reads)
         with_ahead = replace(plan_slots(resident=rss_bytes(), **kw), span=span)
         if with_ahead.n_slots < room:
-            return plan, ubatch, False
-        return with_ahead, ubatch, True
+            kw["reader"] = self.base_reader
+            return plan, False
+        return with_ahead, True
 
     def _default_prompt_cache(self) -> int:
         """PROMPT_CACHE_DEFAULT_MB where it takes at most PROMPT_CACHE_SHARE of the slots' room, else 0."""
@@ -155,9 +178,11 @@ class SlotPlanner:
         return PROMPT_CACHE_DEFAULT_MB if PROMPT_CACHE_DEFAULT_MB * MB <= PROMPT_CACHE_SHARE * room else 0
 
     def _compute(self, tokens: int) -> int:
-        """Compute buffers of a forward call over `tokens` prompt tokens (a span's attention runs in chunks,
-        so this bounds it from above)."""
-        return self.model.arch.compute_nbytes(self.model.cfg, tokens, self.ctx)
+        """Compute buffers of a forward call over `tokens` prompt tokens: its attention by micro-batch chunks
+        of queries once the micro-batch is chosen, its MoE summed as the experts come where plan() allows."""
+        return self.model.arch.compute_nbytes(
+            self.model.cfg, tokens, self.ctx, chunk=self._chunk, ordered=self._ordered
+        )
 
 
 def budget_for_slots(

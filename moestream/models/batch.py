@@ -30,8 +30,17 @@ import torch.nn.functional as F
 
 from moestream.compute import linear, native
 from moestream.compute.linear import QLinear
-from moestream.models.common import SMALL_OP, ExpertProvider, Fused, f32_matmul, rms_norm
-from moestream.models.moe import ClampedSwiGLU, DenseFFN, MoE, lane_act, row_batches, swiglu
+from moestream.models.common import SMALL_OP, ExpertProvider, Fused, by_query_chunks, f32_matmul, rms_norm
+from moestream.models.moe import (
+    ClampedSwiGLU,
+    DenseFFN,
+    InOrderSum,
+    MoE,
+    lane_act,
+    row_batches,
+    summed_as_they_come,
+    swiglu,
+)
 
 GEMV_ROWS = 4  # rows up to which f32_matmul takes the native gemv (one row at a time) instead of torch
 
@@ -99,8 +108,12 @@ class SplitMixer(Protocol):
 
 
 def split_call(mixer: SplitMixer, x: torch.Tensor, layer: int, kv: Any, pos: int, rope: Any) -> torch.Tensor:
-    """The mixer on T tokens of one sequence (forward)."""
-    return mixer.output(mixer.core(mixer.project(x, ALONE), layer, kv, pos, rope), ALONE)
+    """The mixer on T tokens of one sequence (forward); a long span a query chunk at a time (by_query_chunks)."""
+
+    def run(xc: torch.Tensor, p: int) -> torch.Tensor:
+        return mixer.output(mixer.core(mixer.project(xc, ALONE), layer, kv, p, rope), ALONE)
+
+    return by_query_chunks(x, kv, pos, run)
 
 
 def split_rows(mixer: SplitMixer, x: torch.Tensor, layer: int, kvs: list, positions: list[int], rope: Any):
@@ -217,17 +230,16 @@ def moe_blocks(
 
 @dataclass
 class _Block:
-    """Where one block's (token, slot) results sit in the step's buffer Y and how forward sums them: one
-    token by a fixed-order product over its experts sorted by id, several by an index_add of the (token,
-    slot) pairs sorted by expert (run_experts)."""
+    """How one block's results are summed as forward sums them: one token by a fixed-order product over its
+    experts sorted by id (its rows of the step's buffer Y, from `first`), several by adding each expert's
+    weighted rows in id order (`summed`, an InOrderSum over the block's sorted (token, slot) pairs)."""
 
-    first: int  # its first row of Y
-    tokens: int
-    weights: torch.Tensor  # one token: [k] by expert id; several: [T * k] in the sorted pairs' order
-    rows: torch.Tensor | None  # several tokens: each sorted pair's token (the index_add's index)
+    first: int  # one token: its first row of Y
+    weights: torch.Tensor | None  # one token: [k] by expert id
+    summed: InOrderSum | None  # several tokens
 
 
-Runs = dict[int, list[tuple[list[int], list[int]]]]  # expert -> per block: (its input rows of x, rows of Y)
+Runs = dict[int, list[tuple[int, list[int], list[int]]]]  # expert -> per block: (block, its rows of x, dst)
 
 
 def routed_blocks(
@@ -239,65 +251,81 @@ def routed_blocks(
     ffn: ClampedSwiGLU | None,
 ) -> list[torch.Tensor]:
     """Each block's sum_k w_k * expert_k(x_t) [T_b, hidden], each expert output and each sum computed as
-    run_experts computes them for that block alone. The union of all blocks' experts (in first-seen order)
-    is fetched in one call; an expert's rows of every block run in one lane kernel call (row-invariant),
-    any other expert per block, as forward runs it."""
+    run_experts computes them for that block alone. The union of all blocks' experts (in first-seen order,
+    or by id where run_experts would ask in order) is fetched in one call; an expert's rows of every block
+    run in one lane kernel call (row-invariant), any other expert per block, as forward runs it. dst: a
+    one-token block's rows of Y (unused for several tokens, whose rows the block's InOrderSum knows)."""
     blocks: list[_Block] = []
     runs: Runs = {}
-    first = 0
-    for (a, _e), (w, ids) in zip(spans, routes, strict=True):
+    singles = 0
+    ordered = False
+    for b, ((a, _e), (w, ids)) in enumerate(zip(spans, routes, strict=True)):
         T, k = ids.shape
         if T == 1:
             id_list, w_list = ids[0].tolist(), w[0].tolist()
             by_id = sorted(range(k), key=id_list.__getitem__)
-            blocks.append(_Block(first, 1, torch.tensor([w_list[p] for p in by_id], dtype=x.dtype), None))
-            slot = {p: first + r for r, p in enumerate(by_id)}
+            blocks.append(_Block(singles, torch.tensor([w_list[p] for p in by_id], dtype=x.dtype), None))
+            slot = {p: singles + r for r, p in enumerate(by_id)}
             for p, ex in enumerate(id_list):  # fetched in the router's order, as forward fetches one token's
-                runs.setdefault(ex, []).append(([a], [slot[p]]))
-        else:
-            order = torch.argsort(ids.reshape(-1), stable=True)
-            needed, counts = torch.unique_consecutive(ids.reshape(-1)[order], return_counts=True)
-            rows = order // k
-            blocks.append(_Block(first, T, w.reshape(-1)[order], rows))
-            src = (rows + a).tolist()
-            start = first
-            for ex, c in zip(needed.tolist(), counts.tolist(), strict=True):
-                runs.setdefault(ex, []).append((src[start - first : start - first + c], list(range(start, start + c))))
-                start += c
-        first += T * k
-    Y = torch.empty(first, x.shape[1], dtype=x.dtype)
-    for group in experts.fetch_groups(layer, list(runs)):
+                runs.setdefault(ex, []).append((b, [a], [slot[p]]))
+            singles += k
+            continue
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        needed_t, counts_t = torch.unique_consecutive(ids.reshape(-1)[order], return_counts=True)
+        needed, counts = needed_t.tolist(), counts_t.tolist()
+        rows = order // k
+        starts = dict(zip(needed, itertools.accumulate([0, *counts[:-1]]), strict=True))
+        count = dict(zip(needed, counts, strict=True))
+        summed = InOrderSum(torch.zeros(T, x.shape[1], dtype=x.dtype), needed, rows, w.reshape(-1)[order, None],
+                            starts, count)  # fmt: skip
+        blocks.append(_Block(0, None, summed))
+        ordered = ordered or summed_as_they_come(rows.shape[0])
+        src = (rows + a).tolist()
+        for ex in needed:
+            runs.setdefault(ex, []).append((b, src[starts[ex] : starts[ex] + count[ex]], []))
+    Y = torch.empty(singles, x.shape[1], dtype=x.dtype)
+    for group in experts.fetch_groups(layer, sorted(runs) if ordered else list(runs), ordered=ordered):
         if all(linear.lane_swiglu_ok(w) for _, w in group):
-            rows = {e: sum(len(src) for src, _ in runs[e]) for e, _ in group}  # every block's rows of expert e
-            for part in row_batches(group, rows):
-                _lane_part(x, Y, part, runs, ffn)
+            n_rows = {e: sum(len(src) for _, src, _ in runs[e]) for e, _ in group}  # every block's rows of e
+            for part in row_batches(group, n_rows):
+                _lane_part(x, Y, blocks, part, runs, ffn)
             continue
         for ex, expert in group:
-            for src, dst in runs[ex]:
+            for b, src, dst in runs[ex]:
                 xe = x[src].to(expert[0].dtype)
-                Y[dst] = ffn(ex, expert, xe) if ffn is not None else swiglu(expert, xe).float()
+                _deliver(Y, blocks[b], ex, dst, ffn(ex, expert, xe) if ffn is not None else swiglu(expert, xe).float())
     out = []
     for blk in blocks:
-        Yb = Y[blk.first : blk.first + len(blk.weights)]
-        if blk.rows is None:
-            out.append((blk.weights @ Yb)[None])
-            continue
-        Yb.mul_(blk.weights[:, None])
-        summed = torch.zeros(blk.tokens, x.shape[1], dtype=x.dtype)
-        summed.index_add_(0, blk.rows, Yb)
-        out.append(summed)
+        if blk.summed is not None:
+            out.append(blk.summed.result())
+        else:
+            assert blk.weights is not None
+            out.append((blk.weights @ Y[blk.first : blk.first + len(blk.weights)])[None])
     return out
 
 
-def _lane_part(x: torch.Tensor, Y: torch.Tensor, part: list, runs: Runs, ffn: ClampedSwiGLU | None) -> None:
+def _deliver(Y: torch.Tensor, blk: _Block, ex: int, dst: list[int], y: torch.Tensor) -> None:
+    """Expert ex's output rows for one block: into Y (one token) or the block's in-order sum."""
+    if blk.summed is not None:
+        blk.summed.add(ex, y)
+    else:
+        Y[dst] = y
+
+
+def _lane_part(
+    x: torch.Tensor, Y: torch.Tensor, blocks: list[_Block], part: list, runs: Runs, ffn: ClampedSwiGLU | None
+) -> None:
     """One lane_swiglu call for a part's experts, each on its rows of every block (gathered in expert order:
-    each expert's inputs and outputs one contiguous slice), scattered to their rows of Y."""
-    src = [r for ex, _ in part for s, _ in runs[ex] for r in s]
-    dst = [r for ex, _ in part for _, d in runs[ex] for r in d]
+    each expert's inputs and outputs one contiguous slice), each block's slice then delivered."""
+    src = [r for ex, _ in part for _, s, _ in runs[ex] for r in s]
     xg = x[src]
     yg = torch.empty(len(src), x.shape[1], dtype=x.dtype)
-    ends = list(itertools.accumulate(sum(len(s) for s, _ in runs[ex]) for ex, _ in part))
+    ends = list(itertools.accumulate(sum(len(s) for _, s, _ in runs[ex]) for ex, _ in part))
     spans = list(zip([0, *ends[:-1]], ends, strict=True))
     linear.lane_swiglu([w for _, w in part], [xg[a:b] for a, b in spans], [yg[a:b] for a, b in spans],
                        lane_act(ffn, [ex for ex, _ in part]))  # fmt: skip
-    Y.index_copy_(0, torch.tensor(dst), yg)
+    at = 0
+    for ex, _ in part:
+        for b, s, dst in runs[ex]:
+            _deliver(Y, blocks[b], ex, dst, yg[at : at + len(s)])
+            at += len(s)

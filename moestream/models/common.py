@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -54,8 +54,11 @@ RouteHook = Callable[[int, int, int], "torch.Tensor | None"]
 class ExpertProvider(Protocol):
     """What a model sees of the streaming machinery: ask for experts of a layer, receive weights."""
 
-    def fetch_groups(self, layer: int, ids: list[int], admit: bool = True) -> Iterator[list[tuple[int, Expert]]]:
-        """Every id's (expert id, weights), in groups as they become available (see ExpertCache)."""
+    def fetch_groups(
+        self, layer: int, ids: list[int], admit: bool = True, ordered: bool = False
+    ) -> Iterator[list[tuple[int, Expert]]]:
+        """Every id's (expert id, weights), in groups as they become available, or in the order of `ids` where
+        the slots allow (ordered; see ExpertCache)."""
         ...
 
 
@@ -219,6 +222,27 @@ def query_chunks(T: int, chunk: int) -> list[tuple[int, int]]:
     that its buffers (scores, mask, output blocks) are chunk x keys, never T x keys."""
     chunk = max(1, chunk)
     return [(a, min(T, a + chunk)) for a in range(0, T, chunk)]
+
+
+def by_query_chunks(
+    x: torch.Tensor, kv: Any, pos: int, run: Callable[[torch.Tensor, int], torch.Tensor]
+) -> torch.Tensor:
+    """run(x, pos) for an attention block, a prompt span longer than the cache's query chunk a chunk at a
+    time (run(x[a:b], pos + a), projections included; each chunk's keys are written before it attends): the
+    span then holds its output and one chunk's q, k, v and attention, not those of every token, which the
+    budget's compute_nbytes counts."""
+    T = x.shape[0]
+    chunk = getattr(kv, "query_chunk", T) or T
+    if T <= chunk:
+        return run(x, pos)
+    out: torch.Tensor | None = None
+    for a, b in query_chunks(T, chunk):
+        y = run(x[a:b], pos + a)
+        if out is None:
+            out = torch.empty(T, *y.shape[1:], dtype=y.dtype)
+        out[a:b] = y
+    assert out is not None
+    return out
 
 
 def causal_mask(T: int, S: int, pos: int) -> torch.Tensor | None:

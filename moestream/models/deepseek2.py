@@ -32,7 +32,7 @@ from moestream.models.base import MoEModel
 from moestream.models.common import RoPE, rms_norm, yarn_inv_freq
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.mla import MLACache, MLAttention
-from moestream.models.moe import MoE, Routing, dense_or_moe
+from moestream.models.moe import MoE, Routing, dense_or_moe, transient_nbytes
 
 ARCH = "deepseek2"
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
@@ -189,7 +189,9 @@ class DeepSeek2(MoEModel):
         return MLACache.bytes_for(cfg.n_blocks, cfg.kv_lora_rank, cfg.qk_rope, ctx, exact)
 
     @staticmethod
-    def compute_nbytes(cfg: DeepSeek2Config, ubatch: int, ctx: int) -> int:
+    def compute_nbytes(
+        cfg: DeepSeek2Config, ubatch: int, ctx: int, chunk: int | None = None, ordered: bool = False
+    ) -> int:
         """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions.
 
         Attention holds the span's latents and rotary keys in float32, and per token and head either the
@@ -205,9 +207,10 @@ class DeepSeek2(MoEModel):
         attn = 2 * nh * (cfg.qk_nope + R) + 2 * nh * (2 * L + R) + nh * cfg.v_head_dim + cfg.q_lora_rank + L + R
         moe = (2 * cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2
                + 3 * max(cfg.shared_ffn, cfg.dense_ffn))  # fmt: skip
-        per_token = 4 * (residual + max(attn, moe)) * 3 // 2
+        mixing = transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
+                                  hidden=cfg.hidden, chunk=chunk, ordered=ordered)  # fmt: skip
         runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
-        return span + scratch + ubatch * per_token + cfg.vocab_size * 4 * 2 + runtime
+        return span + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> MLACache:
         cfg = self.cfg

@@ -29,7 +29,7 @@ from moestream.models.base import MoEModel
 from moestream.models.batch import Ops, split_call
 from moestream.models.common import KVCache, RoPE, rms_norm
 from moestream.models.loader import ArchMetadata, Weights
-from moestream.models.moe import MoE, Routing, dense_or_moe
+from moestream.models.moe import MoE, Routing, dense_or_moe, transient_nbytes
 
 ARCH = "glm4moe"
 # llama.cpp's expert_gating_func values; a file without one (0) is sigmoid-gated for this architecture
@@ -204,7 +204,9 @@ class Glm4Moe(MoEModel):
         return 2 * cfg.n_blocks * ctx * cfg.n_kv_heads * cfg.head_dim * (4 if exact else 2)
 
     @staticmethod
-    def compute_nbytes(cfg: Glm4MoeConfig, ubatch: int, ctx: int) -> int:
+    def compute_nbytes(
+        cfg: Glm4MoeConfig, ubatch: int, ctx: int, chunk: int | None = None, ordered: bool = False
+    ) -> int:
         """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions: Qwen3Moe's
         account (keys and values of the span in float32, the widest per-token moment of attention or the
         MoE on top of the residual stream) with the shared expert's or dense FFN's intermediates added."""
@@ -215,9 +217,10 @@ class Glm4Moe(MoEModel):
         attn = 3 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
         moe = (2 * cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2
                + 3 * max(cfg.shared_ffn, cfg.dense_ffn))  # fmt: skip
-        per_token = 4 * (residual + max(attn, moe)) * 3 // 2
+        mixing = transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
+                                  hidden=cfg.hidden, chunk=chunk, ordered=ordered)  # fmt: skip
         runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
-        return keys + scratch + ubatch * per_token + cfg.vocab_size * 4 * 2 + runtime
+        return keys + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
         cfg = self.cfg

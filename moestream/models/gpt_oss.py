@@ -28,7 +28,7 @@ from moestream.models.base import MoEModel
 from moestream.models.batch import Ops, split_call
 from moestream.models.common import SINK_SCORES_BYTES, KVCache, RoPE, attend_with_sinks, rms_norm, yarn_inv_freq
 from moestream.models.loader import ArchMetadata, Weights
-from moestream.models.moe import MoE, Routing
+from moestream.models.moe import MoE, Routing, transient_nbytes
 
 ARCH = "gpt-oss"
 # GPT-OSS's clamped SwiGLU; neither is written to the GGUF (llama.cpp hard-codes them too)
@@ -168,7 +168,9 @@ class GptOss(MoEModel):
         return 2 * cfg.n_layers * ctx * cfg.n_kv_heads * cfg.head_dim * (4 if exact else 2)
 
     @staticmethod
-    def compute_nbytes(cfg: GptOssConfig, ubatch: int, ctx: int) -> int:
+    def compute_nbytes(
+        cfg: GptOssConfig, ubatch: int, ctx: int, chunk: int | None = None, ordered: bool = False
+    ) -> int:
         """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions: Qwen3Moe's
         account (the layer's keys and values in float32, the widest per-token moment of attention or the MoE
         on top of the residual stream) plus the score chunk attend_with_sinks holds (twice: the scores and
@@ -181,9 +183,10 @@ class GptOss(MoEModel):
         residual = 6 * cfg.hidden
         attn = 4 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
         moe = 2 * cfg.top_k * cfg.hidden + cfg.n_experts + 4 * cfg.expert_ffn + cfg.hidden
-        per_token = 4 * (residual + max(attn, moe)) * 3 // 2
+        mixing = transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
+                                  hidden=cfg.hidden, chunk=chunk, ordered=ordered)  # fmt: skip
         runtime = 4 * 1024 * 1024  # rope tables, masks, per-thread blocks
-        return keys + scores + scratch + ubatch * per_token + cfg.vocab_size * 4 * 2 + runtime
+        return keys + scores + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
         cfg = self.cfg

@@ -23,7 +23,7 @@ from moestream.models.base import MoEModel
 from moestream.models.batch import Ops, split_call
 from moestream.models.common import KVCache, RoPE, rms_norm
 from moestream.models.loader import ArchMetadata, Weights
-from moestream.models.moe import MoE
+from moestream.models.moe import MoE, transient_nbytes
 
 
 @dataclass
@@ -171,7 +171,9 @@ class GQAMoEModel(MoEModel):
         return 2 * cfg.n_layers * ctx * cfg.n_kv_heads * cfg.head_dim * (4 if exact else 2)
 
     @staticmethod
-    def compute_nbytes(cfg: GQAMoEConfig, ubatch: int, ctx: int) -> int:
+    def compute_nbytes(
+        cfg: GQAMoEConfig, ubatch: int, ctx: int, chunk: int | None = None, ordered: bool = False
+    ) -> int:
         """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions: Qwen3Moe's
         account (the layer's keys and values in float32 for SDPA, kernel scratch, per token the wider of
         attention and the MoE with a 1.5 margin), plus the shared expert's intermediates."""
@@ -182,9 +184,10 @@ class GQAMoEModel(MoEModel):
         attn = 3 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
         moe = (2 * cfg.top_k * cfg.hidden + cfg.n_experts + 1 + (cfg.hidden + 3 * cfg.expert_ffn) // 2
                + 3 * cfg.shared_ffn)  # fmt: skip
-        per_token = 4 * (residual + max(attn, moe)) * 3 // 2
+        mixing = transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
+                                  hidden=cfg.hidden, chunk=chunk, ordered=ordered)  # fmt: skip
         runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
-        return keys + scratch + ubatch * per_token + cfg.vocab_size * 4 * 2 + runtime
+        return keys + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
         cfg = self.cfg

@@ -21,6 +21,10 @@ from moestream.errors import ModelFileError
 from moestream.models.common import ExpertProvider, Fused, f32_matmul, route_topk
 from moestream.models.loader import Weights
 
+# (token, expert) pairs past which a call's experts are fetched in id order and summed as they come: a
+# micro-batch's pairs are few, a long span's would otherwise all be held until the last expert arrives
+ORDERED_MIN_PAIRS = 1024
+
 # llama.cpp clamps the sum of the chosen weights to the smallest normal F16 before dividing by it
 MIN_WEIGHT_SUM = 6.103515625e-5
 
@@ -184,32 +188,96 @@ def run_experts(
                 outs[order[e]] = ffn(e, expert, xe)[0] if ffn is not None else swiglu(expert, xe)[0].float()
         return (w_sorted @ outs)[None]  # one fixed-order reduction over the experts, whatever came first
     # Every (token, slot) pair grouped by expert: expert e's rows are one contiguous range of the sorted
-    # order, its inputs and outputs one slice of X and Y, and the final sum one index_add in that fixed order.
+    # order, its inputs one gather of x, and the final sum an index_add per expert in id order.
     k = ids.shape[1]
     order = torch.argsort(ids.reshape(-1), stable=True)
     needed_t, counts_t = torch.unique_consecutive(ids.reshape(-1)[order], return_counts=True)
     needed, counts = needed_t.tolist(), counts_t.tolist()
     starts = dict(zip(needed, itertools.accumulate([0, *counts[:-1]]), strict=True))
     count = dict(zip(needed, counts, strict=True))
-    # Y holds every (token, slot) result until the fixed-order sum; the inputs are gathered a batch of experts
-    # at a time, so that a long span's T x k rows are held once, not three times.
     rows = order // k
-    Y = torch.empty(rows.shape[0], x.shape[1], dtype=x.dtype)
-    for group in experts.fetch_groups(layer, needed):
+    total = InOrderSum(torch.zeros_like(x), needed, rows, weights.reshape(-1)[order, None], starts, count)
+    for group in experts.fetch_groups(layer, needed, ordered=summed_as_they_come(rows.shape[0])):
         for part in row_batches(group, count):
             spans = [(starts[e], starts[e] + count[e]) for e, _ in part]
             xs = [x[rows[a:b]] for a, b in spans]
             if all(linear.lane_swiglu_ok(w) for _, w in part):
-                linear.lane_swiglu([w for _, w in part], xs, [Y[a:b] for a, b in spans],
-                                   lane_act(ffn, [e for e, _ in part]))  # fmt: skip
-                continue
-            for (e, expert), xe, (a, b) in zip(part, xs, spans, strict=True):
-                xe = xe.to(expert[0].dtype)
-                Y[a:b] = ffn(e, expert, xe) if ffn is not None else swiglu(expert, xe).float()
-    Y.mul_(weights.reshape(-1)[order, None])
-    out = torch.zeros_like(x)
-    out.index_add_(0, rows, Y)
-    return out
+                ys = [torch.empty(b - a, x.shape[1], dtype=x.dtype) for a, b in spans]
+                linear.lane_swiglu([w for _, w in part], xs, ys, lane_act(ffn, [e for e, _ in part]))
+            else:
+                ys = [ffn(e, expert, xe.to(expert[0].dtype)) if ffn is not None
+                      else swiglu(expert, xe.to(expert[0].dtype)).float()
+                      for (e, expert), xe in zip(part, xs, strict=True)]  # fmt: skip
+            for (e, _), ye in zip(part, ys, strict=True):
+                total.add(e, ye)
+    return total.result()
+
+
+def summed_as_they_come(pairs: int) -> bool:
+    """Whether a call of this many (token, expert) pairs asks for its experts in order and sums each as it
+    comes (ORDERED_MIN_PAIRS): a micro-batch keeps computing cached experts while the misses are read."""
+    return pairs > ORDERED_MIN_PAIRS
+
+
+def transient_nbytes(
+    tokens: int,
+    *,
+    residual: int,
+    attn: int,
+    moe: int,
+    top_k: int,
+    hidden: int,
+    chunk: int | None = None,
+    ordered: bool = False,
+) -> int:
+    """The per-token part of an architecture's compute_nbytes, with its 1.5 margin: `residual` float32 values
+    a token over all `tokens` (the residual stream and its temporaries), and the wider of two moments on top:
+    attention (`attn` a token, over `chunk` queries at a time where by_query_chunks runs it so, else every
+    token) and the MoE (`moe` a token, of which 2 x top_k x hidden are the (token, expert) rows gathered
+    and their results: with `ordered`, the engine's assurance that a long span's fetch keeps its order,
+    those are one row batch's and the span holds only its output besides)."""
+    att = min(tokens, chunk or tokens) * attn
+    if ordered and summed_as_they_come(tokens * top_k):
+        mix = tokens * (moe - 2 * top_k * hidden + hidden) + 2 * linear.SWIGLU_MAX_ROWS * hidden
+    else:
+        mix = tokens * moe
+    return 4 * (tokens * residual + max(att, mix)) * 3 // 2
+
+
+class InOrderSum:
+    """sum_k w_k * expert_k(x_t) for each token t, added expert by expert in ascending id order (the order the
+    sorted pairs give), however the experts arrive: an expert's weighted rows wait only while an earlier id
+    is missing. With the experts yielded in order nothing waits, so a prompt span holds its output and one
+    batch of rows, not a row for every (token, expert) pair."""
+
+    def __init__(
+        self,
+        out: torch.Tensor,
+        needed: list[int],
+        rows: torch.Tensor,
+        weights: torch.Tensor,
+        starts: dict[int, int],
+        count: dict[int, int],
+    ):
+        self.out, self.needed, self.rows, self.weights = out, needed, rows, weights
+        self.starts, self.count = starts, count
+        self.waiting: dict[int, torch.Tensor] = {}
+        self.next = 0
+
+    def add(self, e: int, y: torch.Tensor) -> None:
+        """Expert e's outputs for its rows of the sorted pairs (consumed: scaled in place)."""
+        a = self.starts[e]
+        y.mul_(self.weights[a : a + self.count[e]])
+        self.waiting[e] = y
+        while self.next < len(self.needed) and self.needed[self.next] in self.waiting:
+            e = self.needed[self.next]
+            a = self.starts[e]
+            self.out.index_add_(0, self.rows[a : a + self.count[e]], self.waiting.pop(e))
+            self.next += 1
+
+    def result(self) -> torch.Tensor:
+        assert not self.waiting and self.next == len(self.needed), "an expert was never delivered"
+        return self.out
 
 
 def row_batches(group: list, count: dict[int, int]) -> list[list]:

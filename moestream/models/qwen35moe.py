@@ -26,10 +26,10 @@ import torch
 
 from moestream.compute import linear
 from moestream.models.base import MoEModel
-from moestream.models.common import KVCache, RoPE, rms_norm
+from moestream.models.common import KVCache, RoPE, by_query_chunks, rms_norm
 from moestream.models.deltanet import CHUNK, N_CHECKPOINTS, GatedDeltaNet, HybridCache
 from moestream.models.loader import ArchMetadata, Weights
-from moestream.models.moe import MoE
+from moestream.models.moe import MoE, transient_nbytes
 
 ARCH = "qwen35moe"
 
@@ -137,6 +137,9 @@ class GatedAttention:
         self.cfg = cfg
 
     def __call__(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
+        return by_query_chunks(x, kv, pos, lambda xc, p: self._attend(xc, layer, kv, p, rope))
+
+    def _attend(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
         cfg = self.cfg
         T, H, Hkv, D = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qg, k, v = self.qkv(x)
@@ -176,7 +179,9 @@ class Qwen35Moe(MoEModel):
         return kv + (1 + N_CHECKPOINTS) * cfg.state_nbytes
 
     @staticmethod
-    def compute_nbytes(cfg: Qwen35MoeConfig, ubatch: int, ctx: int) -> int:
+    def compute_nbytes(
+        cfg: Qwen35MoeConfig, ubatch: int, ctx: int, chunk: int | None = None, ordered: bool = False
+    ) -> int:
         """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions.
 
         As Qwen3Moe.compute_nbytes (SDPA's flash kernel holds float keys, not scores), with the DeltaNet
@@ -194,9 +199,12 @@ class Qwen35Moe(MoEModel):
         # X and Y of the routed experts (moe.run_experts), the router, one expert's and the shared
         # expert's intermediates
         moe = 2 * cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2 + 3 * cfg.shared_ffn
-        per_token = 4 * (residual + max(attn, deltanet, moe)) * 3 // 2
+        # the gated attention runs by query chunks (by_query_chunks), the DeltaNet layers over the whole span
+        mixing = max(transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
+                                      hidden=cfg.hidden, chunk=chunk, ordered=ordered),
+                     4 * ubatch * (residual + deltanet) * 3 // 2)  # fmt: skip
         runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
-        return keys + scratch + ubatch * per_token + cfg.vocab_size * 4 * 2 + runtime
+        return keys + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> HybridCache:
         dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)

@@ -18,9 +18,9 @@ import torch
 
 from moestream.compute import linear, native
 from moestream.models.base import MoEModel
-from moestream.models.common import KVCache, RoPE, rms_norm
+from moestream.models.common import KVCache, RoPE, by_query_chunks, rms_norm
 from moestream.models.loader import ArchMetadata, Weights
-from moestream.models.moe import MoE
+from moestream.models.moe import MoE, transient_nbytes
 
 ARCH = "qwen3moe"
 
@@ -128,6 +128,9 @@ class Attention:
         return out
 
     def __call__(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
+        return by_query_chunks(x, kv, pos, lambda xc, p: self._attend(xc, layer, kv, p, rope))
+
+    def _attend(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
         cfg = self.cfg
         T = x.shape[0]
         nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -168,7 +171,9 @@ class Qwen3Moe(MoEModel):
         return 2 * cfg.n_layers * ctx * cfg.n_kv_heads * cfg.head_dim * (4 if exact else 2)
 
     @staticmethod
-    def compute_nbytes(cfg: Qwen3MoeConfig, ubatch: int, ctx: int) -> int:
+    def compute_nbytes(
+        cfg: Qwen3MoeConfig, ubatch: int, ctx: int, chunk: int | None = None, ordered: bool = False
+    ) -> int:
         """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions.
 
         Attention runs through SDPA's flash kernel, which never builds the [T, S] score matrix: what it
@@ -177,7 +182,8 @@ class Qwen3Moe(MoEModel):
         kept until the fixed-order sum, the router, one expert's intermediates), on top of the residual
         stream and its norm temporaries. Measured peaks (first micro-batch in a fresh process, 1-8
         threads, ub 16..512, ctx 2048/4096, the qwen3-30b-a3b and qwen3.6 synth shapes) were 0.55-0.8x
-        of this; the 1.5 on the per-token part keeps that margin.
+        of this; the 1.5 on the per-token part keeps that margin. A prompt span of `ubatch` tokens runs its
+        attention `chunk` queries at a time and, `ordered`, sums its experts as they come (transient_nbytes).
         """
         keys = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4
         scratch = linear.kernel_scratch_bytes(
@@ -186,9 +192,10 @@ class Qwen3Moe(MoEModel):
         residual = 6 * cfg.hidden
         attn = 3 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
         moe = 2 * cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2  # X and Y
-        per_token = 4 * (residual + max(attn, moe)) * 3 // 2
+        mixing = transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
+                                  hidden=cfg.hidden, chunk=chunk, ordered=ordered)  # fmt: skip
         runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
-        return keys + scratch + ubatch * per_token + cfg.vocab_size * 4 * 2 + runtime
+        return keys + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
         cfg = self.cfg

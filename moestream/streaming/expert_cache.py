@@ -29,6 +29,8 @@ from moestream.streaming.read_ahead import ahead_choice, ahead_reads, consecutiv
 from moestream.streaming.reader import ExpertReader, Lease
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
+# an ordered fetch keeps its order where the cache may hold this many times its request (fetch_groups)
+ORDERED_ROOM = 2
 
 
 @dataclass
@@ -250,18 +252,29 @@ class ExpertCache:
         for group in self.fetch_groups(layer, ids, admit):
             yield from group
 
-    def fetch_groups(self, layer: int, ids: list[int], admit: bool = True) -> Iterator[list[tuple[int, Expert]]]:
+    def fetch_groups(
+        self, layer: int, ids: list[int], admit: bool = True, ordered: bool = False
+    ) -> Iterator[list[tuple[int, Expert]]]:
         """Yield every id's (expert id, weights) in groups: first all the cached ones, then the misses as their
         reads complete (those that complete together in one group). A group stays pinned until the next yield,
         so the model can compute a whole group in one kernel call.
 
         With admit=False, experts read from disk are used once and their slots go straight back to the free
         list, so the access does not push anything out of the cache (the prompt path, when configured so).
+
+        ordered=True yields in the order of `ids` instead (a long prompt span: the model then sums each
+        expert's rows into the output as it comes, instead of holding every (token, expert) result until the
+        last one), where the cache may grow to twice the request (ORDERED_ROOM): what waits for an earlier
+        miss then stays pinned without changing what the cache evicts, so its decisions (and the replay of
+        its trace) are those of the unordered fetch. A smaller cache, or one that does not admit what it
+        reads, yields as the reads complete. Should the slots still run out, a group comes early, out of order.
         """
         if self._ahead_layer >= 0 and self._ahead_layer != layer:
             self._drop_ahead()  # read ahead for a layer this call is not: an abandoned forward pass
         phase = self.stats.by_phase[self.phase]
         refresh = admit and (self.phase != "prompt" or self.admit_prompt)
+        room = min(self.n_slots - len(self._scratch_set), self._lru_limit())
+        ordered = ordered and refresh and self.min_hits == 0 and room >= ORDERED_ROOM * len(ids)
         hits: list[tuple[int, int]] = []
         pending: deque[int] = deque()
         taken: list[PendingExpert] = []  # misses whose reads the previous layer's fetch started (read-ahead)
@@ -303,6 +316,24 @@ class ExpertCache:
                 fut.add_done_callback(completed.put)
         unused_ids = {id(p) for p in unused}
         hitq = deque(hits)
+        # ordered: what is in hand but waits for an earlier id (request position -> expert id, slot, read)
+        held: dict[int, tuple[int, int, bool]] = {}
+        position = {e: i for i, e in enumerate(ids)} if ordered else {}
+        next_pos = 0
+        early: set[int] = set()  # positions yielded ahead of their turn
+
+        def in_order(all_held: bool = False) -> list[tuple[int, int, bool]]:
+            """The held experts to yield now: those from next_pos on without a gap (every one if all_held)."""
+            nonlocal next_pos
+            if all_held:
+                early.update(held)
+                return [held.pop(i) for i in sorted(held)]
+            run = []
+            while next_pos in held or next_pos in early:
+                if next_pos in held:
+                    run.append(held.pop(next_pos))
+                next_pos += 1
+            return run
 
         def complete(p: PendingExpert, experts: Expert | None, ready: list[PendingExpert]) -> None:
             """A read expert's bookkeeping once its last segment is packed; ready collects those to yield."""
@@ -347,7 +378,7 @@ class ExpertCache:
                     for fut in p.futures:
                         inflight[fut] = p
                         fut.add_done_callback(completed.put)
-            if pending and not inflight and not hitq:
+            if pending and not inflight and not hitq and not held:
                 raise BudgetError(
                     f"all {self.n_slots} expert slots are pinned; raise --ram-budget-mb so at least "
                     f"{len(ids)} experts fit"
@@ -367,10 +398,15 @@ class ExpertCache:
                 )
             ):
                 self._start_ahead(layer + 1)
+            if hitq and self.trace is not None:
+                for e, _slot in hitq:
+                    self.trace(layer, e, ids.index(e), "ram", 0, 0.0)
+            if ordered:
+                while hitq:
+                    e, slot = hitq.popleft()
+                    held[position[e]] = (e, slot, False)
+                yield from self._yield_held(in_order())
             if hitq:
-                if self.trace is not None:
-                    for e, _slot in hitq:
-                        self.trace(layer, e, ids.index(e), "ram", 0, 0.0)
                 group = [(e, self._experts[slot]) for e, slot in hitq]
                 try:
                     yield group  # type: ignore[misc]
@@ -378,7 +414,12 @@ class ExpertCache:
                     while hitq:
                         self._unpin(hitq.popleft()[1])
             launch()
-            while inflight:
+            while inflight or (ordered and (held or pending)):
+                if ordered and not inflight:
+                    # the next id waits for a slot that what is held pins: yield it early, out of order
+                    yield from self._yield_held(in_order(all_held=True))
+                    launch()
+                    continue
                 # A completion queue, not concurrent.futures.wait: that re-registers a waiter on every future
                 # in flight per call, O(n^2) over a prompt layer's ~250 segment reads (3 s of a 15 s prefill).
                 t_wait = time.perf_counter()
@@ -420,11 +461,17 @@ class ExpertCache:
                         raise
                     for p, _, _ in lanes:
                         complete(p, p.lane_done(), ready)
-                    if ready:
+                    if ordered:
+                        for p in ready:
+                            held[position[p.expert]] = (p.expert, p.slot, True)
+                        ready = []
+                    elif ready:
                         yield [(p.expert, self._experts[p.slot]) for p in ready]  # type: ignore[misc]
                 finally:
                     for p in ready:
                         self._unpin(p.slot, release=True)  # frees it only if it was not admitted
+                if ordered:
+                    yield from self._yield_held(in_order())
                 launch()
         finally:
             # On an exception or an abandoned generator, drain reads that still hold buffers and slots.
@@ -432,9 +479,22 @@ class ExpertCache:
                 self._abandon(p, inflight)
             for _e, slot in hitq:
                 self._unpin(slot)
+            for _e, slot, read in held.values():
+                self._unpin(slot, release=read)
             if self.min_hits > 0:
                 for e in ids:
                     self._access_counts[(layer, e)] = self._access_counts.get((layer, e), 0) + 1
+
+    def _yield_held(self, run: list[tuple[int, int, bool]]) -> Iterator[list[tuple[int, Expert]]]:
+        """Yield `run` (expert id, slot, whether it was read) as one group, then unpin it (a read's slot freed
+        if it was not admitted), whatever the consumer does."""
+        if not run:
+            return
+        try:
+            yield [(e, self._experts[slot]) for e, slot, _read in run]  # type: ignore[misc]
+        finally:
+            for _e, slot, read in run:
+                self._unpin(slot, release=read)
 
     def _start_ahead(self, layer: int) -> None:
         """Start reading the first experts of `layer` that are not cached (ahead_experts of them, in expert
