@@ -127,7 +127,8 @@ def test_pack_into_rejects_bad_arguments():
 def _int4_native(raw, ggml_type, n, k, lib):
     packed = np.zeros(n * k // 2, np.uint8)
     sz = np.zeros(k // 32 * n * 2, np.uint16)
-    assert lib.ms_pack_int4(int(ggml_type), raw.ctypes.data, n, k, packed.ctypes.data, sz.ctypes.data) == 0
+    rows = native.int4_block()
+    assert lib.ms_pack_int4(int(ggml_type), raw.ctypes.data, n, k, packed.ctypes.data, sz.ctypes.data, rows) == 0
     return packed, sz
 
 
@@ -164,6 +165,27 @@ def test_int4_pack_native_equals_torch(ggml_type, n_blocks, k_units, seed, scala
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [32, 64])
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K], ids=lambda t: t.name)
+def test_int4_either_layout_expands_to_its_weights(ggml_type, scalar, rows):
+    # torch packs blocks of 64 rows where its kernels run AVX-512 and of 32 with AVX2: both round-trip here,
+    # whichever this machine's torch uses (test_int4_pack_native_equals_torch checks that one against torch)
+    n, k = 128, 512
+    raw = random_gguf(ggml_type, n * k, np.random.default_rng(7))
+    lib = native.lib(("-DMS_SCALAR",) if scalar else ())
+    packed, sz = np.zeros(n * k // 2, np.uint8), np.zeros(k // 32 * n * 2, np.uint16)
+    assert lib.ms_pack_int4(int(ggml_type), raw.ctypes.data, n, k, packed.ctypes.data, sz.ctypes.data, rows) == 0
+    out = np.zeros(n * k, np.uint16)
+    assert lib.ms_int4_to_bf16(packed.ctypes.data, sz.ctypes.data, n, k, 0, n, out.ctypes.data, rows) == 0
+    q, _ = linear.int4_parts_numpy(raw, ggml_type, n, k)
+    scale_zero = torch.from_numpy(sz.view(np.int16)).view(torch.bfloat16).float().view(k // 32, n, 2)
+    scale, zero = scale_zero[..., 0].T[:, :, None], scale_zero[..., 1].T[:, :, None]  # [n, k/32, 1]
+    ref = ((torch.from_numpy(q).float() - 8).view(n, k // 32, 32) * scale + zero).view(n, k).bfloat16()
+    assert torch.equal(torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).view(n, k), ref)
+
+
+@needs_native
 @pytest.mark.parametrize("scalar", [False, True])
 @pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
 def test_dequant_native_equals_numpy(ggml_type, scalar):
@@ -194,11 +216,13 @@ def test_dequant_rejects_bad_input():
     with pytest.raises(ComputeError, match="null or misaligned"):
         lib.ms_dequant(int(T.F32), p + 1, 4, p, 0)
     with pytest.raises(ComputeError, match="sizes or counts"):
-        lib.ms_pack_int4(int(T.Q4_0), p, 32, 32, p, p)
+        lib.ms_pack_int4(int(T.Q4_0), p, 32, 32, p, p, 64)
     with pytest.raises(ComputeError, match="unsupported weight type"):
-        lib.ms_pack_int4(int(T.Q8_0), p, 64, 32, p, p)
+        lib.ms_pack_int4(int(T.Q8_0), p, 64, 32, p, p, 64)
     with pytest.raises(ComputeError, match="null or misaligned"):
-        lib.ms_pack_int4(int(T.Q4_0), None, 64, 32, p, p)
+        lib.ms_pack_int4(int(T.Q4_0), None, 64, 32, p, p, 64)
+    with pytest.raises(ComputeError, match="sizes or counts"):
+        lib.ms_pack_int4(int(T.Q4_0), p, 64, 32, p, p, 48)
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K, T.BF16], ids=lambda t: t.name)
@@ -253,9 +277,9 @@ def test_int4_expansion_equals_kernel(no_lane, scalar):
     lin._expand(lib, 64, 128, part)
     assert torch.equal(part, full[64:128])
     with pytest.raises(ComputeError, match="ms_int4_to_bf16"):
-        lib.ms_int4_to_bf16(lin.weight.data_ptr(), lin.scales_zeros.data_ptr(), n, k, 32, 96, part.data_ptr())
+        lib.ms_int4_to_bf16(lin.weight.data_ptr(), lin.scales_zeros.data_ptr(), n, k, 32, 96, part.data_ptr(), 64)
     with pytest.raises(ComputeError, match="ms_int4_to_bf16"):
-        lib.ms_int4_to_bf16(lin.weight.data_ptr(), lin.scales_zeros.data_ptr(), n, k, 64, 256, part.data_ptr())
+        lib.ms_int4_to_bf16(lin.weight.data_ptr(), lin.scales_zeros.data_ptr(), n, k, 64, 256, part.data_ptr(), 64)
 
 
 @needs_native

@@ -131,16 +131,18 @@ for t, (block, size) in BLOCKS.items():
 call(lib.ms_dequant, 99, ptr(raw), 256, ptr(f32), 0, want=native.BAD_TYPE)
 
 # int4 packing and its expansion
-for t in (2, 12):
+for t, rows in ((2, 64), (12, 64), (2, 32), (12, 32)):
     n, k = 128, 512
     raw = garbage(t, n * k)
     packed, sz, wb = np.zeros(n * k // 2, np.uint8), np.zeros(k // 32 * n * 2, np.uint16), np.zeros(n * k, np.uint16)
-    call(lib.ms_pack_int4, t, ptr(raw), n, k, ptr(packed), ptr(sz))
-    call(lib.ms_int4_to_bf16, ptr(packed), ptr(sz), n, k, 0, n, ptr(wb))
+    call(lib.ms_pack_int4, t, ptr(raw), n, k, ptr(packed), ptr(sz), rows)
+    call(lib.ms_int4_to_bf16, ptr(packed), ptr(sz), n, k, 0, n, ptr(wb), rows)
     for nn, kk in ((0, k), (-64, k), (n, 0), (n, -32), (65, k)):
-        call(lib.ms_pack_int4, t, ptr(raw), nn, kk, ptr(packed), ptr(sz), want=native.BAD_SHAPE)
+        call(lib.ms_pack_int4, t, ptr(raw), nn, kk, ptr(packed), ptr(sz), rows, want=native.BAD_SHAPE)
     for r0, r1 in ((0, n + 64), (-64, 64), (64, 0), (32, 64)):
-        call(lib.ms_int4_to_bf16, ptr(packed), ptr(sz), n, k, r0, r1, ptr(wb), want=native.BAD_SHAPE)
+        call(lib.ms_int4_to_bf16, ptr(packed), ptr(sz), n, k, r0, r1, ptr(wb), rows, want=native.BAD_SHAPE)
+    call(lib.ms_pack_int4, t, ptr(raw), n, k, ptr(packed), ptr(sz), 16, want=native.BAD_SHAPE)
+    call(lib.ms_int4_to_bf16, ptr(packed), ptr(sz), n, k, 0, n, ptr(wb), 128, want=native.BAD_SHAPE)
 
 # the lane layout: garbage blocks of every type (odd rows, a half group at the end of each row)
 if lib.ms_lane_supported():
@@ -342,7 +344,7 @@ def test_hostile_calls_under_sanitizers(sanitized):
     assert not _reports(proc), proc.stderr[-6000:]
     assert proc.returncode == 0 and "HOSTILE-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
     refused, done = map(int, proc.stdout.split("HOSTILE-OK")[1].split())
-    assert refused > 60 and done > 40
+    assert refused > 60 and done > 30  # the lane layout's calls run only where its kernels do (AVX-512 VNNI)
 
 
 def test_the_sanitizer_catches_an_overflow(sanitized):

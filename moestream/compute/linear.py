@@ -9,7 +9,8 @@ Four forms, picked per tensor by `compute_kind`:
   int4  Q4_0 / Q4_K kept at 4 bits in torch's CPU int4pack layout and multiplied with
         `_weight_int4pack_mm_for_cpu` (the fastest CPU matvec we measured; both formats map onto it
         exactly up to bf16 rounding of each group's scale and zero).
-  bf16  every other quantized type (and BF16): decoded once, F.linear in bf16. The types the C library
+  bf16  every other quantized type (and BF16): decoded once, F.linear in bf16 (in float32 on exact copies, a
+        slice at a time, where the CPU has no bf16 GEMM: `linear_bf16`). The types the C library
         cannot decode (the 1-3 bit K/IQ/ternary types, IQ4: `DECODED_TYPES`) are decoded by numpy,
         once per cache fill for an expert and once at load for a resident weight: correct, but slower.
   f32   F32/F16 weights, and everything when exact=True (logits checked against a float reference).
@@ -21,6 +22,7 @@ it; the conversion runs in C with the GIL released so reader threads convert in 
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +37,7 @@ from moestream.errors import ComputeError
 from moestream.formats import lowbit, quants
 
 GROUP = 32  # int4 group size along K: one Q4_0 block or one Q4_K sub-block
-INT4_BLOCK_N = 64  # rows per block of torch's CPU int4 layout
+INT4_BLOCK_N = 64  # rows an int4 weight is a multiple of: the larger of torch's CPU layouts (native.int4_block)
 ALIGN = 64
 
 # From this many rows of activations on, expanding the int4 form to bf16 and running a bf16 GEMM beats
@@ -43,6 +45,8 @@ ALIGN = 64
 # ~13 us per row of GEMM (crossover ~30 rows); with two threads the crossover moves to ~45.
 INT4_GEMM_MIN_ROWS = 48
 EXPAND_SCRATCH_BYTES = 8 << 20  # bf16 scratch for one slice of an expanded weight
+# fewer rows than this: a bf16 GEMM even where it is emulated, as converting the weight would cost more
+F32_GEMM_MIN_ROWS = 16
 # Up to this many rows of activations a bf16 weight is multiplied by the C library's gemv on the lane pool
 # rather than by torch: a decode step then runs no heavy torch op, and torch can keep one thread.
 GEMV_MAX_ROWS = 4
@@ -88,7 +92,7 @@ class QLinear:
             x2 = x.reshape(-1, self.in_features)
             if x2.shape[0] <= GEMV_MAX_ROWS and (lib := native.lib()) is not None and self.weight.is_contiguous():
                 return self._gemv_bf16(lib, x2.to(torch.bfloat16).float()).reshape(*lead, self.out_features)
-            return F.linear(x.to(torch.bfloat16), self.weight).float()
+            return linear_bf16(x2.to(torch.bfloat16), self.weight).float().reshape(*lead, self.out_features)
         return F.linear(x, self.weight)
 
     def _gemv_bf16(self, lib: Any, x2: torch.Tensor) -> torch.Tensor:
@@ -109,14 +113,15 @@ class QLinear:
             r1 = min(n, r0 + step)
             w = scratch[: r1 - r0]
             self._expand(lib, r0, r1, w)
-            parts.append(F.linear(x2, w))
+            parts.append(linear_bf16(x2, w))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _expand(self, lib: Any, r0: int, r1: int, out: torch.Tensor) -> None:
         """Rows [r0, r1) of the int4 form -> bf16 `out` [r1 - r0, K] (contiguous)."""
         n, k = self.out_features, self.in_features
         assert out.is_contiguous() and out.dtype == torch.bfloat16 and out.shape == (r1 - r0, k)
-        lib.ms_int4_to_bf16(self.weight.data_ptr(), self.scales_zeros.data_ptr(), n, k, r0, r1, out.data_ptr())
+        lib.ms_int4_to_bf16(self.weight.data_ptr(), self.scales_zeros.data_ptr(), n, k, r0, r1, out.data_ptr(),
+                            native.int4_block())  # fmt: skip
 
     @property
     def dtype(self) -> torch.dtype:
@@ -142,6 +147,8 @@ class QLinear:
         if self.kind == "bf16" and x2.shape[0] <= GEMV_MAX_ROWS and (lib := native.lib()) is not None:
             if self.weight.is_contiguous():
                 return self._gemv_bf16(lib, x2.float()).to(torch.bfloat16)
+        if self.kind == "bf16":
+            return linear_bf16(x2, self.weight)
         return F.linear(x2, self.weight)
 
     @property
@@ -281,6 +288,30 @@ def _int4_expander():
     return lib if lib is not None and native.int4_layout_ok() else None
 
 
+@functools.cache
+def bf16_gemm_native() -> bool:
+    """Whether oneDNN runs bf16 GEMMs on this CPU's own bf16 instructions. Where it does not (AVX2), it
+    emulates them several times slower than a float32 GEMM (bench/RESULTS.md, "CPUs without AVX-512")."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def linear_bf16(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """bf16 x2 [M, K] @ bf16 w [N, K].T -> bf16 [M, N], as F.linear gives it. Where bf16 GEMMs are emulated
+    the product runs in float32 on exact copies of both (the same sums up to their order), a slice of w's
+    rows and of x2's rows at a time, so that the copies stay within 2 x EXPAND_SCRATCH_BYTES."""
+    M, K = x2.shape
+    if M < F32_GEMM_MIN_ROWS or bf16_gemm_native():
+        return F.linear(x2, w)
+    N = w.shape[0]
+    step = max(1, EXPAND_SCRATCH_BYTES // (4 * K))
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    for c0 in range(0, N, step):
+        wf = w[c0 : c0 + step].float()
+        for r0 in range(0, M, step):
+            out[r0 : r0 + step, c0 : c0 + step] = F.linear(x2[r0 : r0 + step].float(), wf)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------
 # torch/numpy fallbacks: same results as the C path, used when it is unavailable (and by the tests)
 
@@ -399,7 +430,7 @@ def _pack_int4(src: np.ndarray, ggml_type: int, n: int, k: int, packed: torch.Te
     """GGUF Q4_0/Q4_K bytes -> torch's int4 layout in `packed` and bf16 scales/zeros in `sz` (C, else torch)."""
     lib = native.lib()
     if lib is not None and native.int4_layout_ok():
-        lib.ms_pack_int4(ggml_type, src.ctypes.data, n, k, packed.data_ptr(), sz.data_ptr())
+        lib.ms_pack_int4(ggml_type, src.ctypes.data, n, k, packed.data_ptr(), sz.data_ptr(), native.int4_block())
     else:
         _pack_int4_torch(src, ggml_type, n, k, packed, sz)
 
@@ -430,6 +461,8 @@ def kernel_scratch_bytes(ubatch: int, top_k: int, hidden: int, ffn: int, max_in:
     per calling thread in qmm.c, sized by its largest use: a lane_swiglu call of up to SWIGLU_MAX_ROWS rows
     or a dense matmul of `ubatch` rows of up to `max_in` inputs)."""
     expand = EXPAND_SCRATCH_BYTES if ubatch >= INT4_GEMM_MIN_ROWS else 0
+    if ubatch >= F32_GEMM_MIN_ROWS and not bf16_gemm_native():  # linear_bf16's float32 copies
+        expand += 2 * EXPAND_SCRATCH_BYTES
     if not native.lane_ok():
         return expand
     lib = native.lib()

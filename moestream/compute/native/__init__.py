@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 _SOURCE_NAMES = ("pack.c", "lane_pack.c", "pool.c", "qmm.c", "qmm_vnni.c", "ops.c", "mla.c")
 SOURCES = tuple(Path(__file__).with_name(n) for n in _SOURCE_NAMES)
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("blocks.h", "internal.h"))
-ABI_VERSION = 1
+ABI_VERSION = 2
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing")
 # tried in order: a CPU-tuned build, then a generic one (some compilers reject -march=native)
 FLAG_SETS = (("-march=native",), ())
@@ -48,6 +48,7 @@ _lock = threading.RLock()  # int4_layout_ok() holds it while calling lib()
 _libs: dict[tuple[str, ...], ctypes.CDLL | None] = {}
 _warned = False
 _int4_ok: bool | None = None
+_int4_rows: int | None = None
 _lane_ok: bool | None = None
 
 
@@ -135,8 +136,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     vp, i64, c_int, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     checked = {  # these return 0 (or a size) and a negative code on error: ctypes raises through _check
         "ms_dequant": ([c_int, vp, i64, vp, c_int], c_int),
-        "ms_pack_int4": ([c_int, vp, i64, i64, vp, vp], c_int),
-        "ms_int4_to_bf16": ([vp, vp, i64, i64, i64, i64, vp], c_int),
+        "ms_pack_int4": ([c_int, vp, i64, i64, vp, vp, c_int], c_int),
+        "ms_int4_to_bf16": ([vp, vp, i64, i64, i64, i64, vp, c_int], c_int),
         "ms_lane_row_bytes": ([c_int, i64], i64),
         "ms_lane_pack": ([c_int, vp, i64, i64, vp], c_int),
         "ms_lane_pack_many": ([c_int, vp, vp, vp, vp, vp], c_int),
@@ -264,22 +265,29 @@ def _ptr(a: np.ndarray) -> int:
 def int4_layout_ok() -> bool:
     """True when our int4 packing matches torch's own packer on this machine (checked once).
 
-    torch's CPU int4 layout depends on its build and the CPU (block of 64 rows with AVX-512; it may
-    differ elsewhere), so the C packer is only trusted after it agrees byte for byte here.
+    torch's CPU int4 layout depends on the kernels it runs here: blocks of 64 rows with AVX-512, of 32 with
+    AVX2 (int4_block), so the C packer is only trusted after it agrees byte for byte at that block.
     """
-    global _int4_ok
+    return int4_block() is not None
+
+
+def int4_block() -> int | None:
+    """Rows per block of torch's CPU int4 layout here (64 or 32), which ms_pack_int4 and ms_int4_to_bf16
+    take; None when the C packer matches neither (the torch packing path is used then)."""
+    global _int4_ok, _int4_rows
     if _int4_ok is not None:
-        return _int4_ok
+        return _int4_rows
     with _lock:
         if _int4_ok is None:
-            _int4_ok = _check_int4_layout()
-        return _int4_ok
+            _int4_rows = _check_int4_layout()
+            _int4_ok = _int4_rows is not None
+        return _int4_rows
 
 
-def _check_int4_layout() -> bool:
+def _check_int4_layout() -> int | None:
     library = lib()
     if library is None:
-        return False
+        return None
     import torch
 
     n, k = 128, 64
@@ -290,12 +298,18 @@ def _check_int4_layout() -> bool:
     blocks[:, :, 0:2] = np.array([1.0], np.float16).view(np.uint8)
     qb = q.reshape(n, k // 32, 32)
     blocks[:, :, 2:] = qb[:, :, :16] | (qb[:, :, 16:] << 4)
-    packed = np.zeros(n * k // 2, np.uint8)
-    sz = np.zeros(k // 32 * n * 2, np.uint16)
-    rc = library.ms_pack_int4(2, _ptr(blocks), n, k, _ptr(packed), _ptr(sz))
     try:
-        ref = torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
-        ok = rc == 0 and np.array_equal(ref.numpy().reshape(-1), packed)
+        ref = torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1).numpy()
+    except Exception as exc:  # a torch without this op: the int4 path is not usable at all
+        log.warning("torch int4 packer unavailable: %s", exc)
+        return None
+    for rows in (64, 32):
+        packed = np.zeros(n * k // 2, np.uint8)
+        sz = np.zeros(k // 32 * n * 2, np.uint16)
+        if library.ms_pack_int4(2, _ptr(blocks), n, k, _ptr(packed), _ptr(sz), rows) != 0:
+            continue
+        if not np.array_equal(ref.reshape(-1), packed):
+            continue
         # and the kernel reads it back as w = (q - 8) * scale + zero (here scale 1, zero 0)
         w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(
             torch.eye(k, dtype=torch.bfloat16),
@@ -303,15 +317,12 @@ def _check_int4_layout() -> bool:
             32,
             torch.from_numpy(sz).view(torch.bfloat16).view(k // 32, n, 2),
         )
-        ok = ok and torch.equal(w_t.float().T, torch.from_numpy(q).float() - 8)
-    except Exception as exc:  # a torch without this op: the int4 path is not usable at all
-        log.warning("torch int4 packer unavailable: %s", exc)
-        ok = False
-    if not ok:
-        warnings.warn(
-            "moestream: this torch's int4 weight layout differs from the native packer; "
-            "using the slower torch packing path",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return ok
+        if torch.equal(w_t.float().T, torch.from_numpy(q).float() - 8):
+            return rows
+    warnings.warn(
+        "moestream: this torch's int4 weight layout differs from the native packer's (blocks of 64 or 32 "
+        "rows); using the slower torch packing path",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return None

@@ -17,7 +17,7 @@
 
 #include "blocks.h"
 
-#define MS_ABI_VERSION 1
+#define MS_ABI_VERSION 2
 
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, T_MXFP4 = 39,
@@ -236,18 +236,20 @@ int ms_dequant(int type, const uint8_t *src, int64_t n_elems, void *dst, int out
 }
 
 /* ---------------------------------------------------------------------------------------------------- */
-/* int4 packing for torch.ops.aten._weight_int4pack_mm_for_cpu (probed on torch 2.13, x86 AVX-512):
- * rows go in blocks of 64; for block nb and column k there are 32 bytes, byte d holding
- * q[64nb + d][k] in the low nibble and q[64nb + d + 32][k] in the high one, at ((nb*K + k)*32 + d).
- * The loader checks this against torch._convert_weight_to_int4pack_for_cpu before trusting it.
+/* int4 packing for torch.ops.aten._weight_int4pack_mm_for_cpu (probed on torch 2.13): rows go in blocks
+ * of B (64 where torch's kernels run AVX-512, 32 where they run AVX2), H = B/2; for block nb and column k
+ * there are H bytes, byte d holding q[B*nb + d][k] in the low nibble and q[B*nb + d + H][k] in the high
+ * one, at ((nb*K + k)*H + d). The loader finds B by checking against torch._convert_weight_to_int4pack_for_cpu
+ * (native.int4_block) and passes it in.
  *
- * One tile = 64 rows x one group of 32 columns = 1024 output bytes. Its 32 nibbles per row come from
+ * One tile = B rows x one group of 32 columns = 16*B output bytes. Its 32 nibbles per row come from
  * two 16-byte runs ("halves": columns 0-15 and 16-31) of the GGUF block, each run holding its
  * columns in the low (sel 0) or high (sel 1) nibble of consecutive bytes:
  *   Q4_0 block: half h = nibble h of qs[0..15]
  *   Q4_K sub-block j: half h = nibble (j & 1) of qs[32*(j/2) + 16h .. +15]
- * Combining rows d and d+32 into one byte per column gives a 32x32 byte matrix [d][k]; the tile is
+ * Combining rows d and d+H into one byte per column gives an H x 32 byte matrix [d][k]; the tile is
  * its transpose. */
+
 
 #ifdef MS_AVX2
 /* rows d (lane 0) and d+16 (lane 1) of the combined matrix for one half: 16 columns each */
@@ -260,6 +262,18 @@ static inline __m256i combine_pair(const uint8_t *p0, const uint8_t *p1, const u
     if (sel)
         return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), lo4), _mm256_and_si256(b, hi4));
     return _mm256_or_si256(_mm256_and_si256(a, lo4), _mm256_and_si256(_mm256_slli_epi16(b, 4), hi4));
+}
+
+/* blocks of 32 rows: row d of the combined matrix (rows d and d+16) for half 0 in lane 0, half 1 in lane 1 */
+static inline __m256i combine_halves(const uint8_t *a0, const uint8_t *b0, const uint8_t *a1, const uint8_t *b1,
+                                     const int sel[2]) {
+    const __m256i a = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)a1), _mm_loadu_si128((const __m128i *)a0));
+    const __m256i b = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)b1), _mm_loadu_si128((const __m128i *)b0));
+    const __m256i lo4 = _mm256_set1_epi8(0x0f), hi4 = _mm256_set1_epi8((char)0xf0);
+    const __m256i low = _mm256_or_si256(_mm256_and_si256(a, lo4), _mm256_and_si256(_mm256_slli_epi16(b, 4), hi4));
+    const __m256i high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), lo4), _mm256_and_si256(b, hi4));
+    /* each lane takes the nibble its half's sel names */
+    return _mm256_blend_epi32(sel[0] ? high : low, sel[1] ? high : low, 0xF0);
 }
 
 /* Transpose, in each 128-bit lane independently, a 16x16 byte matrix held as 16 rows.
@@ -277,11 +291,11 @@ static inline void transpose16x16_lanes(__m256i r[16]) {
 }
 #endif
 
-/* base: first of 64 rows (at this group's block), stride: bytes per row, off[h]/sel[h]: source run of
- * half h, dst: 1024 bytes */
-static void pack_tile(const uint8_t *base, int64_t stride, const int off[2], const int sel[2], uint8_t *dst) {
+/* base: first of 2*H rows (at this group's block), stride: bytes per row, off[h]/sel[h]: source run of
+ * half h, dst: 32*H bytes */
+static void pack_tile(const uint8_t *base, int64_t stride, const int off[2], const int sel[2], int H, uint8_t *dst) {
 #ifdef MS_AVX2
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < 2 && H == 32; h++) {
         __m256i r[16];
         const uint8_t *p = base + off[h];
         for (int i = 0; i < 16; i++)
@@ -291,33 +305,46 @@ static void pack_tile(const uint8_t *base, int64_t stride, const int off[2], con
         /* row ii of lane 0 = bytes d 0..15 of column 16h+ii; lane 1 = bytes d 16..31 */
         for (int ii = 0; ii < 16; ii++) _mm256_storeu_si256((__m256i *)(dst + (16 * h + ii) * 32), r[ii]);
     }
-#else
-    for (int h = 0; h < 2; h++) {
-        const int shift = 4 * sel[h];
-        for (int d = 0; d < 32; d++) {
-            const uint8_t *a = base + d * stride + off[h], *b = base + (d + 32) * stride + off[h];
-            for (int ii = 0; ii < 16; ii++)
-                dst[(16 * h + ii) * 32 + d] =
-                    (uint8_t)(((a[ii] >> shift) & 0x0f) | (((b[ii] >> shift) & 0x0f) << 4));
+    if (H == 16) {
+        __m256i r[16];
+        for (int d = 0; d < 16; d++)
+            r[d] = combine_halves(base + d * stride + off[0], base + (d + 16) * stride + off[0],
+                                  base + d * stride + off[1], base + (d + 16) * stride + off[1], sel);
+        transpose16x16_lanes(r);
+        /* row ii: lane 0 = bytes d 0..15 of column ii, lane 1 = those of column 16 + ii */
+        for (int ii = 0; ii < 16; ii++) {
+            _mm_storeu_si128((__m128i *)(dst + ii * 16), _mm256_castsi256_si128(r[ii]));
+            _mm_storeu_si128((__m128i *)(dst + (16 + ii) * 16), _mm256_extracti128_si256(r[ii], 1));
         }
     }
+    if (H == 32 || H == 16) return;
 #endif
+    for (int h = 0; h < 2; h++) {
+        const int shift = 4 * sel[h];
+        for (int d = 0; d < H; d++) {
+            const uint8_t *a = base + d * stride + off[h], *b = base + (d + H) * stride + off[h];
+            for (int ii = 0; ii < 16; ii++)
+                dst[(16 * h + ii) * H + d] = (uint8_t)(((a[ii] >> shift) & 0x0f) | (((b[ii] >> shift) & 0x0f) << 4));
+        }
+    }
 }
 
 /* W [n, k] as GGUF Q4_0 or Q4_K rows -> packed [n, k/2] uint8 and scales_and_zeros [k/32, n, 2] bf16
- * such that w = (q - 8) * scale + zero. n must be a multiple of 64, k of the block size. */
-int ms_pack_int4(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *packed, uint16_t *sz) {
+ * such that w = (q - 8) * scale + zero, in blocks of B rows (32 or 64). n must be a multiple of 64, k of the
+ * block size. */
+int ms_pack_int4(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *packed, uint16_t *sz, int B) {
     if (!src || !packed || !sz || (uintptr_t)sz % 2) return MS_BAD_PTR;
-    if (!dims_ok(n, k) || n % 64 || k % 32) return MS_BAD_SHAPE;
+    if (!dims_ok(n, k) || n % 64 || k % 32 || (B != 32 && B != 64)) return MS_BAD_SHAPE;
+    const int H = B / 2;
     if (type == T_Q4_0) {
         const int64_t stride = k / 32 * 18, ng = k / 32;
         const int off[2] = {2, 2}, sel[2] = {0, 1};
-        for (int64_t nb = 0; nb < n / 64; nb++) {
+        for (int64_t nb = 0; nb < n / B; nb++) {
             for (int64_t g = 0; g < ng; g++) {
-                const uint8_t *base = src + nb * 64 * stride + g * 18;
-                pack_tile(base, stride, off, sel, packed + (nb * k + g * 32) * 32);
-                uint16_t *s = sz + (g * n + nb * 64) * 2;
-                for (int r = 0; r < 64; r++) {
+                const uint8_t *base = src + nb * B * stride + g * 18;
+                pack_tile(base, stride, off, sel, H, packed + (nb * k + g * 32) * H);
+                uint16_t *s = sz + (g * n + nb * B) * 2;
+                for (int r = 0; r < B; r++) {
                     s[2 * r] = fp32_to_bf16(rd_fp16(base + r * stride));
                     s[2 * r + 1] = 0;
                 }
@@ -328,15 +355,15 @@ int ms_pack_int4(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *pa
     if (type == T_Q4_K) {
         if (k % QK_K) return MS_BAD_SHAPE;
         const int64_t stride = k / QK_K * 144, nsb = k / QK_K;
-        for (int64_t nb = 0; nb < n / 64; nb++) {
+        for (int64_t nb = 0; nb < n / B; nb++) {
             for (int64_t sb = 0; sb < nsb; sb++) {
-                const uint8_t *base = src + nb * 64 * stride + sb * 144;
+                const uint8_t *base = src + nb * B * stride + sb * 144;
                 for (int j = 0; j < 8; j++) {
                     const int o = 16 + 32 * (j / 2);
                     const int off[2] = {o, o + 16}, sel[2] = {j & 1, j & 1};
-                    pack_tile(base, stride, off, sel, packed + (nb * k + (sb * 8 + j) * 32) * 32);
+                    pack_tile(base, stride, off, sel, H, packed + (nb * k + (sb * 8 + j) * 32) * H);
                 }
-                for (int r = 0; r < 64; r++) {
+                for (int r = 0; r < B; r++) {
                     const uint8_t *b = base + r * stride;
                     const float d = rd_fp16(b), dmin = rd_fp16(b + 2);
                     uint8_t sc[8], mn[8];
@@ -345,7 +372,7 @@ int ms_pack_int4(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *pa
                         /* d*sc*q - dmin*m = (q - 8)*scale + (8*scale - dmin*m) */
                         const float scale = d * (float)sc[j];
                         const float zero = 8.0f * scale - dmin * (float)mn[j];
-                        uint16_t *s = sz + ((sb * 8 + j) * n + nb * 64 + r) * 2;
+                        uint16_t *s = sz + ((sb * 8 + j) * n + nb * B + r) * 2;
                         s[0] = fp32_to_bf16(scale);
                         s[1] = fp32_to_bf16(zero);
                     }
@@ -361,16 +388,18 @@ int ms_pack_int4(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *pa
  * For many rows of activations (prefill) a bf16 GEMM beats the int4 kernel by more than this costs;
  * the row range lets callers expand a big matrix a slice at a time. row0, row1: multiples of 64. */
 int ms_int4_to_bf16(const uint8_t *packed, const uint16_t *sz, int64_t n, int64_t k, int64_t row0,
-                    int64_t row1, uint16_t *out) {
+                    int64_t row1, uint16_t *out, int B) {
     if (!packed || !sz || !out || (uintptr_t)sz % 2 || (uintptr_t)out % 2) return MS_BAD_PTR;
-    if (!dims_ok(n, k) || n % 64 || k % 32 || row0 % 64 || row1 % 64 || row0 < 0 || row1 > n || row0 > row1)
+    if (!dims_ok(n, k) || n % 64 || k % 32 || row0 % 64 || row1 % 64 || row0 < 0 || row1 > n || row0 > row1 ||
+        (B != 32 && B != 64))
         return MS_BAD_SHAPE;
-    uint8_t c[32][32]; /* [d][column]: low nibble row d, high nibble row d + 32 */
-    for (int64_t nb = row0 / 64; nb < row1 / 64; nb++) {
+    const int H = B / 2;
+    uint8_t c[32][32]; /* [d][column]: low nibble row d, high nibble row d + H */
+    for (int64_t nb = row0 / B; nb < row1 / B; nb++) {
         for (int64_t g = 0; g < k / 32; g++) {
-            const uint8_t *tile = packed + (nb * k + g * 32) * 32; /* [column][d] */
+            const uint8_t *tile = packed + (nb * k + g * 32) * H; /* [column][d] */
 #ifdef MS_AVX2
-            for (int h = 0; h < 2; h++) {
+            for (int h = 0; h < 2 && H == 32; h++) {
                 __m256i r[16];
                 for (int i = 0; i < 16; i++) r[i] = _mm256_loadu_si256((const __m256i *)(tile + (16 * h + i) * 32));
                 transpose16x16_lanes(r);
@@ -379,14 +408,14 @@ int ms_int4_to_bf16(const uint8_t *packed, const uint16_t *sz, int64_t n, int64_
                     _mm_storeu_si128((__m128i *)(&c[16 + ii][16 * h]), _mm256_extracti128_si256(r[ii], 1));
                 }
             }
-#else
-            for (int kk = 0; kk < 32; kk++)
-                for (int d = 0; d < 32; d++) c[d][kk] = tile[kk * 32 + d];
+            if (H != 32)
 #endif
+                for (int kk = 0; kk < 32; kk++)
+                    for (int d = 0; d < H; d++) c[d][kk] = tile[kk * H + d];
             for (int half = 0; half < 2; half++) {
                 const int shift = 4 * half;
-                for (int d = 0; d < 32; d++) {
-                    const int64_t row = nb * 64 + 32 * half + d;
+                for (int d = 0; d < H; d++) {
+                    const int64_t row = nb * B + H * half + d;
                     const uint16_t *s = sz + (g * n + row) * 2;
                     uint32_t sb = (uint32_t)s[0] << 16, zb = (uint32_t)s[1] << 16;
                     float scale, zero;
