@@ -165,6 +165,25 @@ def test_int4_pack_native_equals_torch(ggml_type, n_blocks, k_units, seed, scala
 
 
 @needs_native
+@pytest.mark.parametrize("scalar", [False, True])
+def test_native_gemvs_equal_a_float64_product(scalar):
+    # the decode step's gemvs (routers in float32, weights without a lane form in bf16), SIMD (AVX-512 or
+    # AVX2) and scalar, with a row length off every vector width
+    lib = native.lib(("-DMS_SCALAR",) if scalar else ())
+    rng = np.random.default_rng(11)
+    for n, k, m in ((40, 2056, 3), (7, 17, 1)):
+        w = torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32))
+        x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
+        wb = w.bfloat16()
+        y32, y16 = torch.empty(m, n), torch.empty(m, n)
+        assert lib.ms_gemv_f32(w.data_ptr(), n, k, x.data_ptr(), m, y32.data_ptr()) == 0
+        assert lib.ms_gemv_bf16(wb.data_ptr(), n, k, x.data_ptr(), m, y16.data_ptr()) == 0
+        tol = 1e-5 * k**0.5 * 4
+        torch.testing.assert_close(y32.double(), x.double() @ w.double().T, rtol=0, atol=tol)
+        torch.testing.assert_close(y16.double(), x.double() @ wb.double().T, rtol=0, atol=tol)
+
+
+@needs_native
 @pytest.mark.parametrize("rows", [32, 64])
 @pytest.mark.parametrize("scalar", [False, True])
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K], ids=lambda t: t.name)

@@ -53,6 +53,10 @@ static void gemv_task(void *vctx, int64_t t) {
                 acc = _mm512_fmadd_ps(_mm512_loadu_ps(wr + j), _mm512_loadu_ps(xr + j), acc);
             }
             s = _mm512_reduce_add_ps(acc);
+#elif defined(MS_AVX2_FMA)
+            __m256 acc = _mm256_setzero_ps();
+            for (; j + 8 <= c->k; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(wr + j), _mm256_loadu_ps(xr + j), acc);
+            s = hsum256(acc);
 #endif
             for (; j < c->k; j++) s += wr[j] * xr[j];
             c->y[i * c->n + r] = s;
@@ -95,6 +99,14 @@ static void gemv_bf16_task(void *vctx, int64_t t) {
                 acc = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xr + j), acc);
             }
             s = _mm512_reduce_add_ps(acc);
+#elif defined(MS_AVX2_FMA)
+            __m256 acc = _mm256_setzero_ps();
+            for (; j + 8 <= c->k; j += 8) {
+                __m256 wv = _mm256_castsi256_ps(
+                    _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wr + j))), 16));
+                acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr + j), acc);
+            }
+            s = hsum256(acc);
 #endif
             for (; j < c->k; j++) {
                 uint32_t b = (uint32_t)wr[j] << 16;
