@@ -160,6 +160,17 @@ def read_ahead_kb(path: str) -> int | None:
     return None
 
 
+def cpu_simd() -> list[str]:
+    """The CPU's vector extensions that decide moestream's kernels (the same model name may have or lack them)."""
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [w for w in wanted if w in have]
+    return []
+
+
 def host_info(model: str) -> dict[str, Any]:
     cpu = "unknown"
     with open("/proc/cpuinfo") as f:
@@ -170,6 +181,7 @@ def host_info(model: str) -> dict[str, Any]:
     mi = meminfo()
     return {
         "cpu": cpu,
+        "simd": cpu_simd(),
         "cores": os.cpu_count(),
         "mem_total_bytes": mi["MemTotal"],
         "mem_available_bytes": mi["MemAvailable"],

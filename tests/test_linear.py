@@ -184,6 +184,27 @@ def test_native_gemvs_equal_a_float64_product(scalar):
 
 
 @needs_native
+@pytest.mark.parametrize("scalar", [False, True])
+def test_native_decode_attention_equals_sdpa(scalar):
+    # one query token over a bf16 or float32 cache, head sizes that take the SIMD loops (AVX-512 or AVX2) or not
+    lib = native.lib(("-DMS_SCALAR",) if scalar else ())
+    rng = np.random.default_rng(12)
+    for s, h, hkv, d, bf16 in ((37, 8, 2, 128, 1), (37, 8, 2, 128, 0), (5, 4, 4, 64, 1), (9, 6, 3, 24, 0)):
+        q = torch.from_numpy(rng.standard_normal((h, d), dtype=np.float32))
+        k = torch.from_numpy(rng.standard_normal((s, hkv, d), dtype=np.float32))
+        v = torch.from_numpy(rng.standard_normal((s, hkv, d), dtype=np.float32))
+        if bf16:
+            k, v = k.bfloat16(), v.bfloat16()
+        out = torch.empty(h, d)
+        rc = lib.ms_attn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), s, h, hkv, d, bf16, d**-0.5, out.data_ptr())
+        assert rc == 0
+        kh = k.float().transpose(0, 1).repeat_interleave(h // hkv, 0)  # [h, s, d]
+        vh = v.float().transpose(0, 1).repeat_interleave(h // hkv, 0)
+        ref = torch.nn.functional.scaled_dot_product_attention(q[:, None].double(), kh.double(), vh.double())[:, 0]
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+
+
+@needs_native
 @pytest.mark.parametrize("rows", [32, 64])
 @pytest.mark.parametrize("scalar", [False, True])
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K], ids=lambda t: t.name)

@@ -219,11 +219,62 @@ static void attn_task_simd(attn_ctx *c, int64_t g) {
 }
 #endif
 
+#ifdef MS_AVX2_FMA
+static inline __m256 kv8(const void *p, int bf16, int64_t i) {
+    if (bf16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* attn_task_simd's loops 8 lanes at a time, for CPUs with AVX2 and no AVX-512 (d a multiple of 8, at most 256) */
+static void attn_task_avx2(attn_ctx *c, int64_t g) {
+    const int64_t rep = c->h / c->hkv, d = c->d, s = c->s, stride = c->hkv * d, nv = d / 8;
+    float *sc = malloc(sizeof(float) * (size_t)(rep * s));
+    if (!sc) {
+        atomic_store(&c->rc, MS_NO_MEM);
+        return;
+    }
+    __m256 row[32];
+    for (int64_t t = 0; t < s; t++) {
+        for (int64_t e = 0; e < nv; e++) row[e] = kv8(c->k, c->bf16, t * stride + g * d + 8 * e);
+        for (int64_t r = 0; r < rep; r++) {
+            const float *q = c->q + (g * rep + r) * d;
+            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), row[0]);
+            for (int64_t e = 1; e < nv; e++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * e), row[e], acc);
+            sc[r * s + t] = hsum256(acc) * c->scale;
+        }
+    }
+    for (int64_t r = 0; r < rep; r++) {
+        float *p = sc + r * s, mx = -INFINITY, sum = 0;
+        for (int64_t t = 0; t < s; t++) mx = fmaxf(mx, p[t]);
+        for (int64_t t = 0; t < s; t++) sum += (p[t] = expf(p[t] - mx));
+        for (int64_t t = 0; t < s; t++) p[t] /= sum;
+    }
+    for (int64_t r = 0; r < rep; r++) {
+        __m256 o[32];
+        for (int64_t e = 0; e < nv; e++) o[e] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < s; t++) {
+            __m256 p = _mm256_set1_ps(sc[r * s + t]);
+            for (int64_t e = 0; e < nv; e++) o[e] = _mm256_fmadd_ps(p, kv8(c->v, c->bf16, t * stride + g * d + 8 * e), o[e]);
+        }
+        float *out = c->out + (g * rep + r) * d;
+        for (int64_t e = 0; e < nv; e++) _mm256_storeu_ps(out + 8 * e, o[e]);
+    }
+    free(sc);
+}
+#endif
+
 static void attn_task(void *vctx, int64_t g) {
     attn_ctx *c = vctx;
 #ifdef MS_VNNI
     if (c->d % 16 == 0 && c->d <= 256) {
         attn_task_simd(c, g);
+        return;
+    }
+#elif defined(MS_AVX2_FMA)
+    if (c->d % 8 == 0 && c->d <= 256) {
+        attn_task_avx2(c, g);
         return;
     }
 #endif
