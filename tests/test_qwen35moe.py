@@ -179,3 +179,35 @@ def test_state_memory_is_allocated_up_front(tiny):
         assert ptrs == [t.data_ptr() for t in (*kv.conv.values(), *kv.ssm.values())]
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("chunk", [16, 24, 200])
+def test_a_span_mixes_its_deltanet_by_chunks_as_one_call(tiny, chunk):
+    """A DeltaNet layer over a span `chunk` tokens at a time carries its states between chunks: the output,
+    the final states and the checkpoints cut inside and at the edges of chunks equal those of one call."""
+    path, toks, _, _ = tiny
+    eng = _engine(path, ubatch=16)
+    try:
+        layer = next(i for i, r in enumerate(eng.cfg.recurrent) if r)
+        mixer = eng.model.layers[layer][1]
+        T = 70
+        x = torch.randn(T, eng.cfg.hidden, generator=torch.Generator().manual_seed(3))
+        conv0 = torch.randn_like(eng.kv.conv[layer])
+        S0 = torch.randn_like(eng.kv.ssm[layer]) * 0.1
+
+        def run(c):
+            conv, S = conv0.clone(), S0.clone()
+            cuts = [(off, torch.empty_like(conv), torch.empty_like(S)) for off in (16, 37, 48)]
+            out = mixer(x, conv, S, cuts, c)
+            return out, conv, S, cuts
+
+        out1, conv1, S1, cuts1 = run(None)
+        out2, conv2, S2, cuts2 = run(chunk)
+        torch.testing.assert_close(out2, out1, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(conv2, conv1, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(S2, S1, rtol=1e-4, atol=1e-5)
+        for (_, c1, s1), (_, c2, s2) in zip(cuts1, cuts2, strict=True):
+            torch.testing.assert_close(c2, c1, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(s2, s1, rtol=1e-4, atol=1e-5)
+    finally:
+        eng.close()

@@ -119,12 +119,32 @@ class GatedDeltaNet:
         self.qk_scale[: cfg.n_k_heads] = cfg.k_head_dim**-0.5
 
     def __call__(
-        self, x: torch.Tensor, conv: torch.Tensor, S: torch.Tensor, cuts: list[tuple[int, torch.Tensor, torch.Tensor]]
+        self,
+        x: torch.Tensor,
+        conv: torch.Tensor,
+        S: torch.Tensor,
+        cuts: list[tuple[int, torch.Tensor, torch.Tensor]],
+        chunk: int | None = None,
     ) -> torch.Tensor:
         """x [T, hidden]; conv [K-1, conv_dim] and S [Hv, dk, dv]: this layer's live state, updated in place.
 
         cuts: (offset, conv_into, S_into): copy the states as they are after `offset` of the T tokens.
+        chunk: tokens mixed at a time (a prompt span's DeltaNet buffers are then chunk x its widths, not T x
+        them; the states carry from one chunk to the next, so the result is the one call's).
         """
+        T = x.shape[0]
+        if not chunk or T <= chunk:
+            return self._mix(x, conv, S, cuts)
+        out = torch.empty(T, self.out.out_features)
+        for a in range(0, T, chunk):
+            b = min(T, a + chunk)
+            mine = [(off - a, c, s) for off, c, s in cuts if a < off <= b or off == a == 0]
+            out[a:b] = self._mix(x[a:b], conv, S, mine)
+        return out
+
+    def _mix(
+        self, x: torch.Tensor, conv: torch.Tensor, S: torch.Tensor, cuts: list[tuple[int, torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
         cfg = self.cfg
         T, K = x.shape[0], cfg.conv_kernel
         Hk, Hv, dk, dv = cfg.n_k_heads, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim

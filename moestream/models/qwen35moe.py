@@ -199,10 +199,12 @@ class Qwen35Moe(MoEModel):
         # X and Y of the routed experts (moe.run_experts), the router, one expert's and the shared
         # expert's intermediates
         moe = 2 * cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2 + 3 * cfg.shared_ffn
-        # the gated attention runs by query chunks (by_query_chunks), the DeltaNet layers over the whole span
+        # the gated attention runs by query chunks (by_query_chunks), the DeltaNet layers by chunks of as many
+        # tokens, the span holding their output
+        mixed = min(ubatch, chunk or ubatch)
         mixing = max(transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
                                       hidden=cfg.hidden, chunk=chunk, ordered=ordered),
-                     4 * ubatch * (residual + deltanet) * 3 // 2)  # fmt: skip
+                     4 * (ubatch * (residual + cfg.hidden) + mixed * deltanet) * 3 // 2)  # fmt: skip
         runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
         return keys + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
 
@@ -225,7 +227,8 @@ class Qwen35Moe(MoEModel):
             for i, (attn_norm, mixer, ffn_norm, moe) in enumerate(self.layers):
                 h = rms_norm(x, attn_norm, eps)
                 if isinstance(mixer, GatedDeltaNet):
-                    h = mixer(h, kv.conv[i], kv.ssm[i], [(c.offset, c.into.conv[i], c.into.ssm[i]) for c in cuts])
+                    h = mixer(h, kv.conv[i], kv.ssm[i], [(c.offset, c.into.conv[i], c.into.ssm[i]) for c in cuts],
+                              kv.query_chunk)  # fmt: skip
                 else:
                     h = mixer(h, i, kv, pos, self.rope)
                 x = x + h
@@ -255,7 +258,8 @@ class Qwen35Moe(MoEModel):
         norm, mixer = self.layers[i][0], self.layers[i][1]
         h = rms_norm(x, norm, self.cfg.rms_eps)
         if isinstance(mixer, GatedDeltaNet):
-            return mixer(h, kv.conv[i], kv.ssm[i], [(c.offset, c.into.conv[i], c.into.ssm[i]) for c in cuts])
+            return mixer(h, kv.conv[i], kv.ssm[i], [(c.offset, c.into.conv[i], c.into.ssm[i]) for c in cuts],
+                         kv.query_chunk)  # fmt: skip
         return mixer(h, i, kv, pos, self.rope)
 
     def begin_rows(self, kvs: list, positions: list[int], lengths: list[int]) -> list:
