@@ -160,28 +160,29 @@ def read_ahead_kb(path: str) -> int | None:
     return None
 
 
-def cpu_simd() -> list[str]:
-    """The CPU's vector extensions that decide moestream's kernels (the same model name may have or lack them)."""
-    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def cpu_model_and_simd() -> tuple[str, list[str]]:
+    """The CPU's model name and the vector extensions that decide moestream's kernels (the same model name may
+    have or lack them), from the first processor of /proc/cpuinfo."""
+    fields: dict[str, str] = {}
     with open("/proc/cpuinfo") as f:
         for line in f:
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return [w for w in wanted if w in have]
-    return []
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+            if "model name" in fields and "flags" in fields:
+                break
+    have = set(fields.get("flags", "").split())
+    return fields.get("model name", "unknown"), [w for w in SIMD_FLAGS if w in have]
 
 
 def host_info(model: str) -> dict[str, Any]:
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    cpu, simd = cpu_model_and_simd()
     mi = meminfo()
     return {
         "cpu": cpu,
-        "simd": cpu_simd(),
+        "simd": simd,
         "cores": os.cpu_count(),
         "mem_total_bytes": mi["MemTotal"],
         "mem_available_bytes": mi["MemAvailable"],

@@ -344,7 +344,8 @@ def test_hostile_calls_under_sanitizers(sanitized):
     assert not _reports(proc), proc.stderr[-6000:]
     assert proc.returncode == 0 and "HOSTILE-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
     refused, done = map(int, proc.stdout.split("HOSTILE-OK")[1].split())
-    assert refused > 60 and done > 30  # the lane layout's calls run only where its kernels do (AVX-512 VNNI)
+    # the lane layout's calls run only where its kernels do (AVX-512 VNNI)
+    assert refused > 60 and done > (40 if native.lane_ok() else 30)
 
 
 def test_the_sanitizer_catches_an_overflow(sanitized):

@@ -44,11 +44,11 @@ BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-
 # tried in order: a CPU-tuned build, then a generic one (some compilers reject -march=native)
 FLAG_SETS = (("-march=native",), ())
 
-_lock = threading.RLock()  # int4_layout_ok() holds it while calling lib()
+_lock = threading.RLock()  # int4_block() holds it while calling lib()
 _libs: dict[tuple[str, ...], ctypes.CDLL | None] = {}
 _warned = False
-_int4_ok: bool | None = None
-_int4_rows: int | None = None
+_int4_checked = False
+_int4_rows: int | None = None  # int4_block(), once checked
 _lane_ok: bool | None = None
 
 
@@ -274,13 +274,13 @@ def int4_layout_ok() -> bool:
 def int4_block() -> int | None:
     """Rows per block of torch's CPU int4 layout here (64 or 32), which ms_pack_int4 and ms_int4_to_bf16
     take; None when the C packer matches neither (the torch packing path is used then)."""
-    global _int4_ok, _int4_rows
-    if _int4_ok is not None:
+    global _int4_checked, _int4_rows
+    if _int4_checked:
         return _int4_rows
     with _lock:
-        if _int4_ok is None:
+        if not _int4_checked:
             _int4_rows = _check_int4_layout()
-            _int4_ok = _int4_rows is not None
+            _int4_checked = True
         return _int4_rows
 
 

@@ -81,17 +81,11 @@
 #define MS_VNNI 1
 #endif
 
-/* CPUs with AVX2 and FMA but no AVX-512 VNNI: 8-wide float paths for the decode step's gemvs (the lane
- * kernels are not built there; weights without them are int4 or bf16) */
+/* CPUs with AVX2 and FMA but no AVX-512 VNNI: 8-wide float paths for the decode step's small ops (ops.c; the
+ * lane kernels are not built there, weights without them are int4 or bf16) */
 #if !defined(MS_VNNI) && defined(__AVX2__) && defined(__FMA__) && !defined(MS_SCALAR)
 #include <immintrin.h>
 #define MS_AVX2_FMA 1
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 #endif
 
 /* Software prefetch into L2, 16 KiB ahead: with only the hardware prefetcher a core streamed weights from RAM

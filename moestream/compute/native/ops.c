@@ -2,6 +2,41 @@
  * fused attention block. */
 #include "internal.h"
 
+/* The float vector the decode step's loops run on: 16 lanes with AVX-512, 8 with AVX2 + FMA; MS_VF unset
+ * (scalar loops only) otherwise. */
+#if defined(MS_VNNI)
+#define MS_VF 16
+typedef __m512 vf;
+#define vf_zero _mm512_setzero_ps
+#define vf_load _mm512_loadu_ps
+#define vf_store _mm512_storeu_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_mul _mm512_mul_ps
+#define vf_fmadd _mm512_fmadd_ps
+#define vf_sum _mm512_reduce_add_ps
+static inline vf vf_load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#elif defined(MS_AVX2_FMA)
+#define MS_VF 8
+typedef __m256 vf;
+#define vf_zero _mm256_setzero_ps
+#define vf_load _mm256_loadu_ps
+#define vf_store _mm256_storeu_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_mul _mm256_mul_ps
+#define vf_fmadd _mm256_fmadd_ps
+static inline float vf_sum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline vf vf_load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
 /* ---------------------------------------------------------------------------------------------------- */
 /* float32 helpers for the decode step's small ops (torch spends ~25 us of dispatch on a 2048-float norm) */
 
@@ -46,17 +81,13 @@ static void gemv_task(void *vctx, int64_t t) {
             const float *xr = c->x + i * c->k;
             int64_t j = 0;
             float s = 0;
-#ifdef MS_VNNI
-            __m512 acc = _mm512_setzero_ps();
-            for (; j + 16 <= c->k; j += 16) {
+#ifdef MS_VF
+            vf acc = vf_zero();
+            for (; j + MS_VF <= c->k; j += MS_VF) {
                 if (i == 0) _mm_prefetch((const char *)(wr + j) + PF_DIST, PF_HINT);
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(wr + j), _mm512_loadu_ps(xr + j), acc);
+                acc = vf_fmadd(vf_load(wr + j), vf_load(xr + j), acc);
             }
-            s = _mm512_reduce_add_ps(acc);
-#elif defined(MS_AVX2_FMA)
-            __m256 acc = _mm256_setzero_ps();
-            for (; j + 8 <= c->k; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(wr + j), _mm256_loadu_ps(xr + j), acc);
-            s = hsum256(acc);
+            s = vf_sum(acc);
 #endif
             for (; j < c->k; j++) s += wr[j] * xr[j];
             c->y[i * c->n + r] = s;
@@ -90,23 +121,13 @@ static void gemv_bf16_task(void *vctx, int64_t t) {
             const float *xr = c->x + i * c->k;
             int64_t j = 0;
             float s = 0;
-#ifdef MS_VNNI
-            __m512 acc = _mm512_setzero_ps();
-            for (; j + 16 <= c->k; j += 16) {
+#ifdef MS_VF
+            vf acc = vf_zero();
+            for (; j + MS_VF <= c->k; j += MS_VF) {
                 if (i == 0) _mm_prefetch((const char *)(wr + j) + PF_DIST, PF_HINT);
-                __m512 wv = _mm512_castsi512_ps(
-                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wr + j))), 16));
-                acc = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xr + j), acc);
+                acc = vf_fmadd(vf_load_bf16(wr + j), vf_load(xr + j), acc);
             }
-            s = _mm512_reduce_add_ps(acc);
-#elif defined(MS_AVX2_FMA)
-            __m256 acc = _mm256_setzero_ps();
-            for (; j + 8 <= c->k; j += 8) {
-                __m256 wv = _mm256_castsi256_ps(
-                    _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wr + j))), 16));
-                acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr + j), acc);
-            }
-            s = hsum256(acc);
+            s = vf_sum(acc);
 #endif
             for (; j < c->k; j++) {
                 uint32_t b = (uint32_t)wr[j] << 16;
@@ -173,30 +194,27 @@ static inline float kv_at(const void *p, int bf16, int64_t i) {
     return ((const float *)p)[i];
 }
 
-#ifdef MS_VNNI
-static inline __m512 kv16(const void *p, int bf16, int64_t i) {
-    if (bf16)
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
-    return _mm512_loadu_ps((const float *)p + i);
+#ifdef MS_VF
+static inline vf kv_vec(const void *p, int bf16, int64_t i) {
+    return bf16 ? vf_load_bf16((const uint16_t *)p + i) : vf_load((const float *)p + i);
 }
 
-/* the same loops, 16 lanes at a time (d a multiple of 16, at most 256) */
+/* the same loops, MS_VF lanes at a time (d a multiple of MS_VF, at most 256) */
 static void attn_task_simd(attn_ctx *c, int64_t g) {
-    const int64_t rep = c->h / c->hkv, d = c->d, s = c->s, stride = c->hkv * d, nv = d / 16;
+    const int64_t rep = c->h / c->hkv, d = c->d, s = c->s, stride = c->hkv * d, nv = d / MS_VF;
     float *sc = malloc(sizeof(float) * (size_t)(rep * s));
     if (!sc) {
         atomic_store(&c->rc, MS_NO_MEM);
         return;
     }
-    __m512 row[16];
+    vf row[256 / MS_VF];
     for (int64_t t = 0; t < s; t++) {
-        for (int64_t e = 0; e < nv; e++) row[e] = kv16(c->k, c->bf16, t * stride + g * d + 16 * e);
+        for (int64_t e = 0; e < nv; e++) row[e] = kv_vec(c->k, c->bf16, t * stride + g * d + MS_VF * e);
         for (int64_t r = 0; r < rep; r++) {
             const float *q = c->q + (g * rep + r) * d;
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), row[0]);
-            for (int64_t e = 1; e < nv; e++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * e), row[e], acc);
-            sc[r * s + t] = _mm512_reduce_add_ps(acc) * c->scale;
+            vf acc = vf_mul(vf_load(q), row[0]);
+            for (int64_t e = 1; e < nv; e++) acc = vf_fmadd(vf_load(q + MS_VF * e), row[e], acc);
+            sc[r * s + t] = vf_sum(acc) * c->scale;
         }
     }
     for (int64_t r = 0; r < rep; r++) {
@@ -206,60 +224,14 @@ static void attn_task_simd(attn_ctx *c, int64_t g) {
         for (int64_t t = 0; t < s; t++) p[t] /= sum;
     }
     for (int64_t r = 0; r < rep; r++) {
-        __m512 o[16];
-        for (int64_t e = 0; e < nv; e++) o[e] = _mm512_setzero_ps();
+        vf o[256 / MS_VF];
+        for (int64_t e = 0; e < nv; e++) o[e] = vf_zero();
         for (int64_t t = 0; t < s; t++) {
-            __m512 p = _mm512_set1_ps(sc[r * s + t]);
-            for (int64_t e = 0; e < nv; e++) o[e] = _mm512_fmadd_ps(p, kv16(c->v, c->bf16, t * stride + g * d + 16 * e), o[e]);
+            vf p = vf_set1(sc[r * s + t]);
+            for (int64_t e = 0; e < nv; e++) o[e] = vf_fmadd(p, kv_vec(c->v, c->bf16, t * stride + g * d + MS_VF * e), o[e]);
         }
         float *out = c->out + (g * rep + r) * d;
-        for (int64_t e = 0; e < nv; e++) _mm512_storeu_ps(out + 16 * e, o[e]);
-    }
-    free(sc);
-}
-#endif
-
-#ifdef MS_AVX2_FMA
-static inline __m256 kv8(const void *p, int bf16, int64_t i) {
-    if (bf16)
-        return _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
-    return _mm256_loadu_ps((const float *)p + i);
-}
-
-/* attn_task_simd's loops 8 lanes at a time, for CPUs with AVX2 and no AVX-512 (d a multiple of 8, at most 256) */
-static void attn_task_avx2(attn_ctx *c, int64_t g) {
-    const int64_t rep = c->h / c->hkv, d = c->d, s = c->s, stride = c->hkv * d, nv = d / 8;
-    float *sc = malloc(sizeof(float) * (size_t)(rep * s));
-    if (!sc) {
-        atomic_store(&c->rc, MS_NO_MEM);
-        return;
-    }
-    __m256 row[32];
-    for (int64_t t = 0; t < s; t++) {
-        for (int64_t e = 0; e < nv; e++) row[e] = kv8(c->k, c->bf16, t * stride + g * d + 8 * e);
-        for (int64_t r = 0; r < rep; r++) {
-            const float *q = c->q + (g * rep + r) * d;
-            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), row[0]);
-            for (int64_t e = 1; e < nv; e++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * e), row[e], acc);
-            sc[r * s + t] = hsum256(acc) * c->scale;
-        }
-    }
-    for (int64_t r = 0; r < rep; r++) {
-        float *p = sc + r * s, mx = -INFINITY, sum = 0;
-        for (int64_t t = 0; t < s; t++) mx = fmaxf(mx, p[t]);
-        for (int64_t t = 0; t < s; t++) sum += (p[t] = expf(p[t] - mx));
-        for (int64_t t = 0; t < s; t++) p[t] /= sum;
-    }
-    for (int64_t r = 0; r < rep; r++) {
-        __m256 o[32];
-        for (int64_t e = 0; e < nv; e++) o[e] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < s; t++) {
-            __m256 p = _mm256_set1_ps(sc[r * s + t]);
-            for (int64_t e = 0; e < nv; e++) o[e] = _mm256_fmadd_ps(p, kv8(c->v, c->bf16, t * stride + g * d + 8 * e), o[e]);
-        }
-        float *out = c->out + (g * rep + r) * d;
-        for (int64_t e = 0; e < nv; e++) _mm256_storeu_ps(out + 8 * e, o[e]);
+        for (int64_t e = 0; e < nv; e++) vf_store(out + MS_VF * e, o[e]);
     }
     free(sc);
 }
@@ -267,14 +239,9 @@ static void attn_task_avx2(attn_ctx *c, int64_t g) {
 
 static void attn_task(void *vctx, int64_t g) {
     attn_ctx *c = vctx;
-#ifdef MS_VNNI
-    if (c->d % 16 == 0 && c->d <= 256) {
+#ifdef MS_VF
+    if (c->d % MS_VF == 0 && c->d <= 256) {
         attn_task_simd(c, g);
-        return;
-    }
-#elif defined(MS_AVX2_FMA)
-    if (c->d % 8 == 0 && c->d <= 256) {
-        attn_task_avx2(c, g);
         return;
     }
 #endif

@@ -295,30 +295,30 @@ static inline void transpose16x16_lanes(__m256i r[16]) {
  * half h, dst: 32*H bytes */
 static void pack_tile(const uint8_t *base, int64_t stride, const int off[2], const int sel[2], int H, uint8_t *dst) {
 #ifdef MS_AVX2
-    for (int h = 0; h < 2 && H == 32; h++) {
-        __m256i r[16];
-        const uint8_t *p = base + off[h];
-        for (int i = 0; i < 16; i++)
-            r[i] = combine_pair(p + i * stride, p + (i + 32) * stride, p + (i + 16) * stride,
-                                p + (i + 48) * stride, sel[h]);
-        transpose16x16_lanes(r);
-        /* row ii of lane 0 = bytes d 0..15 of column 16h+ii; lane 1 = bytes d 16..31 */
-        for (int ii = 0; ii < 16; ii++) _mm256_storeu_si256((__m256i *)(dst + (16 * h + ii) * 32), r[ii]);
-    }
-    if (H == 16) {
-        __m256i r[16];
-        for (int d = 0; d < 16; d++)
-            r[d] = combine_halves(base + d * stride + off[0], base + (d + 16) * stride + off[0],
-                                  base + d * stride + off[1], base + (d + 16) * stride + off[1], sel);
-        transpose16x16_lanes(r);
-        /* row ii: lane 0 = bytes d 0..15 of column ii, lane 1 = those of column 16 + ii */
-        for (int ii = 0; ii < 16; ii++) {
-            _mm_storeu_si128((__m128i *)(dst + ii * 16), _mm256_castsi256_si128(r[ii]));
-            _mm_storeu_si128((__m128i *)(dst + (16 + ii) * 16), _mm256_extracti128_si256(r[ii], 1));
+    __m256i r[16];
+    if (H == 32) {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *p = base + off[h];
+            for (int i = 0; i < 16; i++)
+                r[i] = combine_pair(p + i * stride, p + (i + 32) * stride, p + (i + 16) * stride,
+                                    p + (i + 48) * stride, sel[h]);
+            transpose16x16_lanes(r);
+            /* row ii of lane 0 = bytes d 0..15 of column 16h+ii; lane 1 = bytes d 16..31 */
+            for (int ii = 0; ii < 16; ii++) _mm256_storeu_si256((__m256i *)(dst + (16 * h + ii) * 32), r[ii]);
         }
+        return;
     }
-    if (H == 32 || H == 16) return;
-#endif
+    /* H == 16: both halves at once, one a lane */
+    for (int d = 0; d < 16; d++)
+        r[d] = combine_halves(base + d * stride + off[0], base + (d + 16) * stride + off[0],
+                              base + d * stride + off[1], base + (d + 16) * stride + off[1], sel);
+    transpose16x16_lanes(r);
+    /* row ii: lane 0 = bytes d 0..15 of column ii, lane 1 = those of column 16 + ii */
+    for (int ii = 0; ii < 16; ii++) {
+        _mm_storeu_si128((__m128i *)(dst + ii * 16), _mm256_castsi256_si128(r[ii]));
+        _mm_storeu_si128((__m128i *)(dst + (16 + ii) * 16), _mm256_extracti128_si256(r[ii], 1));
+    }
+#else
     for (int h = 0; h < 2; h++) {
         const int shift = 4 * sel[h];
         for (int d = 0; d < H; d++) {
@@ -327,6 +327,27 @@ static void pack_tile(const uint8_t *base, int64_t stride, const int off[2], con
                 dst[(16 * h + ii) * H + d] = (uint8_t)(((a[ii] >> shift) & 0x0f) | (((b[ii] >> shift) & 0x0f) << 4));
         }
     }
+#endif
+}
+
+/* pack_tile backwards: a tile [column][d] of H bytes a column -> c[d][column] */
+static void untile(const uint8_t *tile, int H, uint8_t c[32][32]) {
+#ifdef MS_AVX2
+    if (H == 32) {
+        for (int h = 0; h < 2; h++) {
+            __m256i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm256_loadu_si256((const __m256i *)(tile + (16 * h + i) * 32));
+            transpose16x16_lanes(r);
+            for (int ii = 0; ii < 16; ii++) {
+                _mm_storeu_si128((__m128i *)(&c[ii][16 * h]), _mm256_castsi256_si128(r[ii]));
+                _mm_storeu_si128((__m128i *)(&c[16 + ii][16 * h]), _mm256_extracti128_si256(r[ii], 1));
+            }
+        }
+        return;
+    }
+#endif
+    for (int kk = 0; kk < 32; kk++)
+        for (int d = 0; d < H; d++) c[d][kk] = tile[kk * H + d];
 }
 
 /* W [n, k] as GGUF Q4_0 or Q4_K rows -> packed [n, k/2] uint8 and scales_and_zeros [k/32, n, 2] bf16
@@ -397,21 +418,7 @@ int ms_int4_to_bf16(const uint8_t *packed, const uint16_t *sz, int64_t n, int64_
     uint8_t c[32][32]; /* [d][column]: low nibble row d, high nibble row d + H */
     for (int64_t nb = row0 / B; nb < row1 / B; nb++) {
         for (int64_t g = 0; g < k / 32; g++) {
-            const uint8_t *tile = packed + (nb * k + g * 32) * H; /* [column][d] */
-#ifdef MS_AVX2
-            for (int h = 0; h < 2 && H == 32; h++) {
-                __m256i r[16];
-                for (int i = 0; i < 16; i++) r[i] = _mm256_loadu_si256((const __m256i *)(tile + (16 * h + i) * 32));
-                transpose16x16_lanes(r);
-                for (int ii = 0; ii < 16; ii++) {
-                    _mm_storeu_si128((__m128i *)(&c[ii][16 * h]), _mm256_castsi256_si128(r[ii]));
-                    _mm_storeu_si128((__m128i *)(&c[16 + ii][16 * h]), _mm256_extracti128_si256(r[ii], 1));
-                }
-            }
-            if (H != 32)
-#endif
-                for (int kk = 0; kk < 32; kk++)
-                    for (int d = 0; d < H; d++) c[d][kk] = tile[kk * H + d];
+            untile(packed + (nb * k + g * 32) * H, H, c);
             for (int half = 0; half < 2; half++) {
                 const int shift = 4 * half;
                 for (int d = 0; d < H; d++) {
