@@ -1,4 +1,4 @@
-"""The lane-layout VNNI kernels (native/qmm_vnni.c, packed by lane_pack.c) against the gguf reference decoder
+"""The lane-layout kernels (native/qmm_vnni.c or qmm_avx2.c, packed by lane_pack.c) against the gguf reference decoder
 and a numpy model of the int8 activation quantization they apply."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import ctypes
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
@@ -15,8 +16,9 @@ from moestream.compute import linear, native
 from moestream.errors import ComputeError
 from moestream.formats import quants
 from moestream.models.moe import ClampedSwiGLU
+from moestream.paths import cache_dir
 
-pytestmark = pytest.mark.skipif(not native.lane_ok(), reason="needs AVX-512 VNNI and the native library")
+pytestmark = pytest.mark.skipif(not native.lane_ok(), reason="needs the lane kernels (AVX-512 VNNI or AVX2)")
 PER32_TYPES = [T.Q4_0, T.Q8_0, T.Q5_0, T.Q5_1, T.MXFP4]  # scales per 32 weights: rows of any multiple of 32
 LANE_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q3_K, T.Q2_K, *PER32_TYPES]
 
@@ -276,7 +278,7 @@ def test_scalar_build_reports_no_lane_kernels():
     y = np.zeros(4, np.float32)
     x = np.zeros(256, np.float32)
     w = np.zeros(4 * 144, np.uint8)
-    with pytest.raises(ComputeError, match="no AVX-512 VNNI"):  # callers check lane_ok() first
+    with pytest.raises(ComputeError, match="no lane kernels"):  # callers check lane_ok() first
         lib.ms_qmm(2, w.ctypes.data, 4, 256, x.ctypes.data, 1, 256, y.ctypes.data, 4)
 
 
@@ -392,3 +394,59 @@ def test_v2_lite_style_model_computes_its_q5_0_downs_in_lane_form(tmp_path, monk
     h, f = 256, 128
     # slots are sized for the largest expert: a Q8_0 down's
     assert slot_lane == -(-(2 * f * h * 148 // 256 + h * f * 34 // 32 + 3 * 64) // 4096) * 4096 < slot_wide
+
+
+def extreme_blocks(ggml_type: int, n_blocks: int) -> np.ndarray:
+    """GGUF blocks whose weights all take the code farthest from zero that the kernels multiply unsigned (or
+    |w| = 128 for the types they multiply as |w| x sign(w) x), scales 1: the int16 pair sums of AVX2's vpmaddubsw
+    are then at their largest."""
+    one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    if ggml_type == T.Q8_0:  # d, then 32 codes -128
+        block = np.concatenate([one, np.full(32, 0x80, np.uint8)])
+    elif ggml_type == T.Q4_0:  # d, then nibbles 15
+        block = np.concatenate([one, np.full(16, 0xFF, np.uint8)])
+    elif ggml_type == T.Q4_K:  # d, dmin 0, scales and mins 63, nibbles 15
+        block = np.concatenate([one, np.zeros(2, np.uint8), np.full(12, 0xFF, np.uint8), np.full(128, 0xFF, np.uint8)])
+    elif ggml_type == T.IQ4_XS:  # d, scales -32, nibbles 0 (value -127)
+        block = np.concatenate([one, np.zeros(2 + 4 + 128, np.uint8)])
+    else:  # MXFP4: exponent 2^0, nibbles 7 (value 6, doubled 12)
+        block = np.concatenate([np.array([127], np.uint8), np.full(16, 0x77, np.uint8)])
+    return np.tile(block, n_blocks)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_0, T.Q4_K, T.IQ4_XS, T.MXFP4], ids=lambda t: t.name)
+def test_the_largest_products_do_not_saturate(ggml_type):
+    n, k = 8, 1024
+    raw = extreme_blocks(ggml_type, n * k // GGML_QUANT_SIZES[ggml_type][0])
+    w = reference(raw, ggml_type, (n, k))
+    lin = linear.from_gguf(raw, ggml_type, n, k, False)
+    assert lin.kind == "lane"
+    x = np.stack([np.ones(k), -np.ones(k), np.where(np.arange(k) % 2, 1.0, -1.0)]).astype(np.float32)
+    want = q8_activations(x).astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(lin(torch.from_numpy(x)).numpy(), want, rtol=1e-6)
+    for i in range(len(x)):  # the one-token kernel
+        np.testing.assert_allclose(lin(torch.from_numpy(x[i : i + 1])).numpy()[0], want[i], rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def avx2_build():
+    """This CPU's library built without AVX-512: the AVX2 lane kernels."""
+    flags = (*native.BASE_FLAGS, "-march=native", "-mno-avx512f")
+    library = native.load_library(native.build_library(flags, cache_dir()))
+    assert native.lane_isa(library) == "avx2"
+    return library
+
+
+@pytest.mark.skipif(native.lane_isa() != "avx512-vnni", reason="compares the AVX2 kernels with the VNNI ones")
+@pytest.mark.parametrize("ggml_type", LANE_TYPES, ids=lambda t: t.name)
+def test_avx2_kernels_give_the_vnni_bits(ggml_type, avx2_build):
+    """qmm_avx2.c takes qmm_vnni.c's steps on half groups: on one CPU both builds give every product the same bits."""
+    rng = np.random.default_rng(int(ggml_type))
+    shapes = [(33, 2048, 1), (40, 768, 9), (17, 256, 5)] + ([(24, 352, 6)] if ggml_type in PER32_TYPES else [])
+    for n, k, m in shapes:
+        lin = linear.from_gguf(quants.random_gguf(ggml_type, n * k, rng), ggml_type, n, k, False)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        want = lin(torch.from_numpy(x)).numpy()
+        got = np.empty((m, n), np.float32)
+        avx2_build.ms_qmm(int(ggml_type), lin.weight.data_ptr(), n, k, x.ctypes.data, m, k, got.ctypes.data, n)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -36,7 +36,7 @@ from moestream.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-_SOURCE_NAMES = ("pack.c", "lane_pack.c", "pool.c", "qmm.c", "qmm_vnni.c", "ops.c", "mla.c")
+_SOURCE_NAMES = ("pack.c", "lane_pack.c", "pool.c", "qmm.c", "qmm_vnni.c", "qmm_avx2.c", "ops.c", "mla.c")
 SOURCES = tuple(Path(__file__).with_name(n) for n in _SOURCE_NAMES)
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("blocks.h", "internal.h"))
 ABI_VERSION = 2
@@ -116,7 +116,7 @@ BAD_TYPE, BAD_SHAPE, NO_SIMD, NO_MEM, BAD_PTR, NOT_FINITE = -1, -2, -3, -4, -5, 
 _REASONS = {
     BAD_TYPE: "unsupported weight type",
     BAD_SHAPE: "sizes or counts out of range or inconsistent",
-    NO_SIMD: "this build has no AVX-512 VNNI kernels",
+    NO_SIMD: "this build has no lane kernels (they need AVX-512 VNNI, or AVX2 + FMA + F16C)",
     NO_MEM: "out of memory",
     BAD_PTR: "a null or misaligned buffer",
     NOT_FINITE: "non-finite values (NaN/inf) in its input",
@@ -234,7 +234,7 @@ def lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
 
 def lane_ok() -> bool:
-    """True when the lane-layout VNNI kernels (qmm_vnni.c) run here; MOESTREAM_NO_LANE=1 turns them off (A/B)."""
+    """True when the lane-layout kernels run here (see lane_isa); MOESTREAM_NO_LANE=1 turns them off (A/B)."""
     global _lane_ok
     library = lib()
     if library is None:
@@ -243,6 +243,15 @@ def lane_ok() -> bool:
         off = os.environ.get("MOESTREAM_NO_LANE", "") not in ("", "0")
         _lane_ok = not off and bool(library.ms_lane_supported())
     return _lane_ok
+
+
+def lane_isa(library: ctypes.CDLL | None = None) -> str | None:
+    """Which lane kernels a library (default: lib()) holds: "avx512-vnni" (qmm_vnni.c), "avx2" (qmm_avx2.c,
+    the same results on CPUs without AVX-512) or None."""
+    library = library if library is not None else lib()
+    if library is None:
+        return None
+    return {2: "avx512-vnni", 1: "avx2"}.get(library.ms_lane_supported())
 
 
 def set_threads(n: int) -> int:

@@ -83,9 +83,14 @@
 
 /* CPUs with AVX2 and FMA but no AVX-512 VNNI: 8-wide float paths for the decode step's small ops (ops.c; the
  * lane kernels are not built there, weights without them are int4 or bf16) */
-#if !defined(MS_VNNI) && defined(__AVX2__) && defined(__FMA__) && !defined(MS_SCALAR)
+#if !defined(MS_VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(MS_SCALAR)
 #include <immintrin.h>
 #define MS_AVX2_FMA 1
+#endif
+
+/* the lane kernels: qmm_vnni.c with AVX-512 VNNI, qmm_avx2.c with AVX2 + FMA (the same results) */
+#if defined(MS_VNNI) || defined(MS_AVX2_FMA)
+#define MS_LANE 1
 #endif
 
 /* Software prefetch into L2, 16 KiB ahead: with only the hardware prefetcher a core streamed weights from RAM
@@ -182,7 +187,7 @@ typedef struct {
     int64_t ldy;
 } qmm_job;
 
-#ifdef MS_VNNI
+#ifdef MS_LANE
 /* rows [r0, r1) of one job: one token (qmv), any number of tokens (qmm) */
 MS_INTERNAL void ms_internal_qmv_rows(const qmm_job *J, int64_t r0, int64_t r1);
 MS_INTERNAL void ms_internal_qmm_rows(const qmm_job *J, int64_t r0, int64_t r1);

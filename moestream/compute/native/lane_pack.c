@@ -19,7 +19,7 @@ int64_t ms_lane_row_bytes(int type, int64_t k) {
 }
 
 int ms_lane_supported(void) {
-#ifdef MS_VNNI
+#ifdef MS_LANE
     return 1;
 #else
     return 0;
@@ -34,7 +34,7 @@ static inline void put_nibble_lane(const uint8_t qs[16], uint8_t *nib, int L, in
     for (int c = 0; c < 4; c++) memcpy(nib + (c * L + j) * 4, qs + 4 * c, 4);
 }
 
-#ifdef MS_VNNI
+#ifdef MS_LANE
 /* Four lanes j..j+3 at once: their 16-byte rows transposed as 4x4 dwords, so each chunk gets one 16-byte
  * store (the miss path packs every expert read from disk: this runs at memory speed, the scalar loop did
  * ~5 GB/s). */
@@ -54,7 +54,7 @@ static void pack_row_q4_0(const uint8_t *src, int64_t k, uint8_t *dst) {
         int L = group_lanes(nsub, s0);
         uint8_t *nib = dst, *d = dst + 16 * L;
         int j = 0;
-#ifdef MS_VNNI
+#ifdef MS_LANE
         for (; j + 4 <= L; j += 4) {
             const uint8_t *b = src + (s0 + j) * 18;
             put_nibble_lanes4(_mm_loadu_si128((const __m128i *)(b + 2)), _mm_loadu_si128((const __m128i *)(b + 20)),
@@ -96,7 +96,7 @@ static void pack_row_q8_0(const uint8_t *src, int64_t k, uint8_t *dst) {
 /* One K-quant super-block's 128 bytes of nibbles (q[32p..32p+32): sub-block 2p in the low nibbles, 2p+1 in
  * the high ones) -> lanes lane0..lane0+7 of a group's nibble chunks. */
 static void k_nibble_lanes(const uint8_t *q, uint8_t *nib, int L, int lane0) {
-#ifdef MS_VNNI
+#ifdef MS_LANE
     const __m128i m4 = _mm_set1_epi8(0x0F), m4h = _mm_set1_epi8((char)0xF0);
     __m128i lo[4], hi[4];
     for (int p = 0; p < 4; p++) {
@@ -136,7 +136,7 @@ static void pack_row_k(const uint8_t *src, int64_t k, uint8_t *dst, int five) {
             k_nibble_lanes(b + qs, nib, L, 8 * bi);
             if (!five) continue;
             const uint8_t *qh = b + 16; /* bit js of qh[l]: the fifth bit of weight l of sub-block js */
-#ifdef MS_VNNI
+#ifdef MS_LANE
             {
                 const __m128i one = _mm_set1_epi8(1), lo = _mm_loadu_si128((const __m128i *)qh);
                 const __m128i hi = _mm_loadu_si128((const __m128i *)(qh + 16));
@@ -178,7 +178,7 @@ static void pack_row_q6_k(const uint8_t *src, int64_t k, uint8_t *dst) {
                 sc[8 * bi + js] = scales[2 * js];
                 sc[L + 8 * bi + js] = scales[2 * js + 1];
             }
-#ifdef MS_VNNI
+#ifdef MS_LANE
             { /* as the loops below, 32 bytes at a time (this runs on the cache-miss path) */
                 uint8_t q[256] __attribute__((aligned(32)));
                 const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
@@ -362,7 +362,7 @@ static void pack_row_mxfp4(const uint8_t *src, int64_t k, uint8_t *dst) {
         int L = group_lanes(nsub, s0);
         uint8_t *nib = dst, *e = dst + 16 * L;
         int j = 0;
-#ifdef MS_VNNI
+#ifdef MS_LANE
         for (; j + 4 <= L; j += 4) {
             const uint8_t *b = src + (s0 + j) * 17;
             put_nibble_lanes4(_mm_loadu_si128((const __m128i *)(b + 1)), _mm_loadu_si128((const __m128i *)(b + 18)),

@@ -1,6 +1,6 @@
 /* moestream quantized matmul: y = x @ W.T with W kept at 4 or 8 bits (the lane layout, see internal.h), x
  * quantized to int8 per 32 values. Here: the activations, the entry points, the MoE FFN; the kernels are in
- * qmm_vnni.c. */
+ * qmm_vnni.c and qmm_avx2.c. */
 #include "internal.h"
 
 /* ---------------------------------------------------------------------------------------------------- */
@@ -133,7 +133,7 @@ typedef struct {
 } multi_ctx;
 
 static void multi_task(void *vctx, int64_t t) {
-#ifdef MS_VNNI
+#ifdef MS_LANE
     multi_ctx *c = vctx;
     int j = 0;
     while (c->first_task[j + 1] <= t) j++;
@@ -191,7 +191,7 @@ int64_t ms_qmm_scratch_bytes(int64_t m, int64_t k) {
 /* y[m, n] = x[m, k] @ W.T for W in the lane layout. x rows are ldx floats apart, y rows ldy. */
 int ms_qmm(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, int64_t ldx, float *y,
            int64_t ldy) {
-#ifndef MS_VNNI
+#ifndef MS_LANE
     (void)type; (void)w; (void)n; (void)k; (void)x; (void)m; (void)ldx; (void)y; (void)ldy;
     return MS_NO_SIMD;
 #else
@@ -282,7 +282,7 @@ static void moe_quant_task(void *vctx, int64_t t) {
 static int moe_ffn_run(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const int *type_d,
                        const uint8_t *const *w_d, int64_t h, int64_t f, const float *const *x, const int64_t *m,
                        float *const *out, const clamp_act *clamp) {
-#ifndef MS_VNNI
+#ifndef MS_LANE
     (void)n_exp; (void)type_gu; (void)w_gu; (void)type_d; (void)w_d; (void)h; (void)f; (void)x; (void)m; (void)out;
     (void)clamp;
     return MS_NO_SIMD;
