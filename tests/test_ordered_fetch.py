@@ -53,7 +53,10 @@ def test_ordered_groups_come_in_request_order_and_decide_what_unordered_decides(
                 assert flat == list(range(EXPERTS))
             if not ordered:
                 assert groups[0] == [e for e in warm if e in groups[0]]  # the hits first
-            stats.append((cache.stats.hits, cache.stats.misses, sorted(cache.cached_keys())))
+            # a cache smaller than twice the request fetches unordered, admitting reads as they complete:
+            # which ones it then keeps depends on the disk's timing, run to run, ordered asked for or not
+            kept = sorted(cache.cached_keys()) if n_slots >= 2 * EXPERTS else None
+            stats.append((cache.stats.hits, cache.stats.misses, kept))
             assert not any(cache._pins)
         finally:
             cache.close()
