@@ -77,6 +77,64 @@ static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row)
         q += 32 * L;
     }
 }
+#elif defined(MS_AVX2_FMA)
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+/* as the VNNI version, 8 floats a register */
+static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row) {
+    const xprep r = xprep_from(p, row, k);
+    int8_t *q = r.q;
+    int64_t nsub = k / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i nan_i = _mm256_set1_epi32(INT32_MIN);
+    /* the packed dwords (weights 8i..8i+3 at i, 8i+4..8i+7 at 4 + i) into step order (weights
+     * 16 (s & 1) + 4 (s >> 1) .. + 3 at s) */
+    const __m256i steps = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
+        int L = group_lanes(nsub, s0);
+        for (int j = 0; j < L; j++) {
+            const float *v = x + (s0 + j) * 32;
+            __m256 a[4];
+            __m256 m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                a[i] = _mm256_loadu_ps(v + 8 * i);
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, a[i]));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+            float d, id;
+            block_scale(amax, &d, &id);
+            const __m256 idv = _mm256_set1_ps(id);
+            __m256i qi[4], bad = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], idv));
+                bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(qi[i], nan_i));
+            }
+            if (!_mm256_testz_si256(bad, bad)) { /* NaN/inf: zeros with a NaN scale */
+                for (int i = 0; i < 4; i++) qi[i] = _mm256_setzero_si256();
+                d = NAN;
+            }
+            int lo_sum = hsum_i32(_mm256_add_epi32(qi[0], qi[1])), hi_sum = hsum_i32(_mm256_add_epi32(qi[2], qi[3]));
+            int sum = lo_sum + hi_sum;
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+            int32_t dw[8];
+            _mm256_storeu_si256((__m256i *)dw, _mm256_permutevar8x32_epi32(bytes, steps));
+            int32_t *o = (int32_t *)q;
+            for (int s = 0; s < 8; s++) o[s * L + j] = dw[s];
+            r.dx[s0 + j] = d;
+            r.dxsx[s0 + j] = d * (float)sum;
+            r.n8sx[s0 + j] = -8 * sum;
+            r.n32lo[s0 + j] = -32 * lo_sum;
+            r.n32hi[s0 + j] = -32 * hi_sum;
+        }
+        q += 32 * L;
+    }
+}
 #else
 static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row) {
     const xprep r = xprep_from(p, row, k);

@@ -245,8 +245,9 @@ static inline AI void tile_half(int T, int R, int M, int L, int h, int n, const 
                                 __m256 *acc) {
     const int cb = 4 * L, o = 32 * h;
     const int64_t xo = xi + 8 * h;
-    /* int16 sums (SUM16) or int32 sums from their start */
-    __m256i a0[R * M], a1[R * M];
+    /* int16 sums (SUM16) or int32 sums from their start; fixed sizes (R * M <= 8), not variable-length arrays,
+     * so that the compiler keeps them in registers */
+    __m256i a0[8], a1[8];
 #pragma GCC unroll 16
     for (int i = 0; i < R * M; i++) {
         if (SUM16(T)) a0[i] = a1[i] = _mm256_setzero_si256();
@@ -254,7 +255,7 @@ static inline AI void tile_half(int T, int R, int M, int L, int h, int n, const 
     }
 #pragma GCC unroll 4
     for (int c = 0; c < 4; c++) {
-        __m256i w0[R], w1[R], wa0[R], wa1[R];
+        __m256i w0[2], w1[2], wa0[2], wa1[2];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             chunk_weights(T, L, h, n, g + r * rb, c, &w0[r], &w1[r]);
@@ -317,7 +318,7 @@ static inline AI void tile_rows(int T, int R, int M, const qmm_job *J, int64_t r
                                 int pf) {
     const int64_t k = J->k, nsub = k / 32, rb = ms_lane_row_bytes(T, k);
     const int64_t rs = nr > 1 ? rb : 0, tk = nt > 1 ? k : 0, tn = nt > 1 ? nsub : 0;
-    __m256 acc[2 * R * M];
+    __m256 acc[16];
     for (int i = 0; i < 2 * R * M; i++) acc[i] = _mm256_setzero_ps();
     const uint8_t *g = J->w + r * rb;
     const int8_t *xq = J->x->q + t0 * k;
