@@ -3,8 +3,9 @@
 Four forms, picked per tensor by `compute_kind`:
   lane  Q4_0 / Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS / Q3_K / Q2_K / Q5_0 / Q5_1 / MXFP4 kept at their own bits in
         the lane layout of native/internal.h (a reshuffle of the GGUF blocks, about the same size, by
-        lane_pack.c) and multiplied by the VNNI kernels of qmm_vnni.c against int8-quantized activations, as
-        llama.cpp does. Needs AVX-512 VNNI and rows of a multiple of 256 (of 32 for Q4_0 / Q8_0 / Q5_0 / Q5_1 /
+        lane_pack.c) and multiplied by the kernels of qmm_vnni.c (AVX-512 VNNI) or qmm_avx2.c (AVX2 + FMA +
+        F16C, the same results) against int8-quantized activations, as llama.cpp does. Needs one of those
+        and rows of a multiple of 256 (of 32 for Q4_0 / Q8_0 / Q5_0 / Q5_1 /
         MXFP4, whose scales are per 32 weights); else one of:
   int4  Q4_0 / Q4_K kept at 4 bits in torch's CPU int4pack layout and multiplied with
         `_weight_int4pack_mm_for_cpu` (the fastest CPU matvec we measured; both formats map onto it

@@ -63,7 +63,7 @@
  */
 
 /* What the lane-layout files share (lane_pack.c: the layout and packing, pool.c: the worker pool, qmm.c: the
- * activations and entry points, qmm_vnni.c: the dot-product kernels, ops.c: the decode step's small ops).
+ * activations and entry points, qmm_vnni.c / qmm_avx2.c: the dot-product kernels, ops.c: the decode step's small ops).
  * Functions declared MS_INTERNAL are hidden: the library exports only the ms_* entry points. */
 
 #define _GNU_SOURCE
@@ -81,8 +81,8 @@
 #define MS_VNNI 1
 #endif
 
-/* CPUs with AVX2 and FMA but no AVX-512 VNNI: 8-wide float paths for the decode step's small ops (ops.c; the
- * lane kernels are not built there, weights without them are int4 or bf16) */
+/* CPUs with AVX2, FMA and F16C but no AVX-512 VNNI: the lane kernels in qmm_avx2.c, and 8-wide float paths
+ * for the decode step's small ops (ops.c) */
 #if !defined(MS_VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(MS_SCALAR)
 #include <immintrin.h>
 #define MS_AVX2_FMA 1
@@ -167,7 +167,7 @@ MS_INTERNAL void ms_internal_dispatch(task_fn fn, void *ctx, int64_t ntasks);
 MS_INTERNAL int ms_internal_threads(void);
 
 /* ---------------------------------------------------------------------------------------------------- */
-/* quantized activations and matmul jobs (qmm.c prepares them, qmm_vnni.c computes them) */
+/* quantized activations and matmul jobs (qmm.c prepares them, qmm_vnni.c or qmm_avx2.c computes them) */
 
 typedef struct {
     int8_t *q;    /* [M][K] in step order per group */
