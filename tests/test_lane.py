@@ -282,6 +282,13 @@ def test_scalar_build_reports_no_lane_kernels():
         lib.ms_qmm(2, w.ctypes.data, 4, 256, x.ctypes.data, 1, 256, y.ctypes.data, 4)
 
 
+def test_the_library_reports_the_kernels_this_cpu_builds():
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split() for line in f if line.startswith("flags")), [])
+    vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags)
+    assert native.lane_isa() == ("avx512-vnni" if vnni else "avx2")
+
+
 def test_bad_shapes_are_refused():
     lib = native.lib()
     for t, k in ((T.Q4_0, 80), (T.Q4_1, 256), (T.Q4_K, 1408), (T.Q5_0, 48), (T.Q6_K, 384), (T.Q4_K, 0), (T.Q4_K, -256)):

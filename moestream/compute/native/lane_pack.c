@@ -18,8 +18,11 @@ int64_t ms_lane_row_bytes(int type, int64_t k) {
     return super_bytes(type) * k / 256; /* exact: a per-32 type's block bytes are a multiple of 8 */
 }
 
+/* 2: the AVX-512 VNNI kernels, 1: the AVX2 ones, 0: none */
 int ms_lane_supported(void) {
-#ifdef MS_LANE
+#if defined(MS_VNNI)
+    return 2;
+#elif defined(MS_AVX2_FMA)
     return 1;
 #else
     return 0;
