@@ -188,6 +188,22 @@ typedef struct {
 } qmm_job;
 
 #ifdef MS_LANE
+/* F(T, J, r0, r1) with the job's type as a constant T: each type gets its own copy of the kernel */
+#define EACH_TYPE(F, J, r0, r1)                                     \
+    do {                                                            \
+        if ((J)->type == QT_Q4_0) F(QT_Q4_0, J, r0, r1);            \
+        else if ((J)->type == QT_Q4_K) F(QT_Q4_K, J, r0, r1);       \
+        else if ((J)->type == QT_Q5_K) F(QT_Q5_K, J, r0, r1);       \
+        else if ((J)->type == QT_Q6_K) F(QT_Q6_K, J, r0, r1);       \
+        else if ((J)->type == QT_IQ4_XS) F(QT_IQ4_XS, J, r0, r1);   \
+        else if ((J)->type == QT_Q3_K) F(QT_Q3_K, J, r0, r1);       \
+        else if ((J)->type == QT_Q2_K) F(QT_Q2_K, J, r0, r1);       \
+        else if ((J)->type == QT_Q5_0) F(QT_Q5_0, J, r0, r1);       \
+        else if ((J)->type == QT_Q5_1) F(QT_Q5_1, J, r0, r1);       \
+        else if ((J)->type == QT_MXFP4) F(QT_MXFP4, J, r0, r1);     \
+        else F(QT_Q8_0, J, r0, r1);                                 \
+    } while (0)
+
 /* rows [r0, r1) of one job: one token (qmv), any number of tokens (qmm) */
 MS_INTERNAL void ms_internal_qmv_rows(const qmm_job *J, int64_t r0, int64_t r1);
 MS_INTERNAL void ms_internal_qmm_rows(const qmm_job *J, int64_t r0, int64_t r1);

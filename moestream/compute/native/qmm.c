@@ -34,6 +34,16 @@ static inline void block_scale(float amax, float *d, float *id) {
     if (*id > FLT_MAX) *d = *id = 0.0f;
 }
 
+/* block i's scale d and the sums of its quantized halves, in the forms the kernels' offset terms take */
+static inline void put_block_sums(const xprep *r, int64_t i, float d, int lo_sum, int hi_sum) {
+    const int sum = lo_sum + hi_sum;
+    r->dx[i] = d;
+    r->dxsx[i] = d * (float)sum;
+    r->n8sx[i] = -8 * sum;
+    r->n32lo[i] = -32 * lo_sum;
+    r->n32hi[i] = -32 * hi_sum;
+}
+
 /* one row of x (K floats) -> int8 in lane step order */
 #ifdef MS_VNNI
 static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row) {
@@ -57,7 +67,7 @@ static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row)
                 i0 = i1 = _mm512_setzero_si512();
                 d = NAN;
             }
-            int lo_sum = _mm512_reduce_add_epi32(i0), hi_sum = _mm512_reduce_add_epi32(i1), sum = lo_sum + hi_sum;
+            int lo_sum = _mm512_reduce_add_epi32(i0), hi_sum = _mm512_reduce_add_epi32(i1);
             __m128i lo = _mm512_cvtepi32_epi8(i0), hi = _mm512_cvtepi32_epi8(i1);
             int32_t *o = (int32_t *)q;
             o[0 * L + j] = _mm_extract_epi32(lo, 0);
@@ -68,11 +78,7 @@ static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row)
             o[5 * L + j] = _mm_extract_epi32(hi, 2);
             o[6 * L + j] = _mm_extract_epi32(lo, 3);
             o[7 * L + j] = _mm_extract_epi32(hi, 3);
-            r.dx[s0 + j] = d;
-            r.dxsx[s0 + j] = d * (float)sum;
-            r.n8sx[s0 + j] = -8 * sum;
-            r.n32lo[s0 + j] = -32 * lo_sum;
-            r.n32hi[s0 + j] = -32 * hi_sum;
+            put_block_sums(&r, s0 + j, d, lo_sum, hi_sum);
         }
         q += 32 * L;
     }
@@ -120,17 +126,12 @@ static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row)
                 d = NAN;
             }
             int lo_sum = hsum_i32(_mm256_add_epi32(qi[0], qi[1])), hi_sum = hsum_i32(_mm256_add_epi32(qi[2], qi[3]));
-            int sum = lo_sum + hi_sum;
             const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
             int32_t dw[8];
             _mm256_storeu_si256((__m256i *)dw, _mm256_permutevar8x32_epi32(bytes, steps));
             int32_t *o = (int32_t *)q;
             for (int s = 0; s < 8; s++) o[s * L + j] = dw[s];
-            r.dx[s0 + j] = d;
-            r.dxsx[s0 + j] = d * (float)sum;
-            r.n8sx[s0 + j] = -8 * sum;
-            r.n32lo[s0 + j] = -32 * lo_sum;
-            r.n32hi[s0 + j] = -32 * hi_sum;
+            put_block_sums(&r, s0 + j, d, lo_sum, hi_sum);
         }
         q += 32 * L;
     }
@@ -160,13 +161,8 @@ static void quantize_row(const float *x, int64_t k, const xprep *p, int64_t row)
                 qq[i] = (int8_t)v8;
                 half[i >= 16] += v8;
             }
-            int sum = half[0] + half[1];
             for (int s = 0; s < 8; s++) memcpy(q + (s * L + j) * 4, qq + 16 * (s & 1) + 4 * (s >> 1), 4);
-            r.dx[s0 + j] = d;
-            r.dxsx[s0 + j] = d * (float)sum;
-            r.n8sx[s0 + j] = -8 * sum;
-            r.n32lo[s0 + j] = -32 * half[0];
-            r.n32hi[s0 + j] = -32 * half[1];
+            put_block_sums(&r, s0 + j, d, half[0], half[1]);
         }
         q += 32 * L;
     }

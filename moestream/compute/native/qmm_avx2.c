@@ -297,7 +297,7 @@ static inline AI void tile_half(int T, int R, int M, int L, int h, int n, const 
                 __m256i i0, i1;
                 sum_init(T, n, x, xo + t * nsub, &i0, &i1);
                 s0 = _mm256_add_epi32(i0, widen(s0));
-                s1 = _mm256_add_epi32(i1, widen(s1));
+                if (TWO_HALF(T)) s1 = _mm256_add_epi32(i1, widen(s1));
             }
             group_sum(T, n, s0, s1, sc, mn, lo, hi, x, xo + t * nsub, &acc[2 * i + h]);
         }
@@ -370,21 +370,6 @@ static inline AI void qmm_tiles(int T, const qmm_job *J, int64_t r0, int64_t r1)
         }
     }
 }
-
-#define EACH_TYPE(F, J, r0, r1)                                     \
-    do {                                                            \
-        if ((J)->type == QT_Q4_0) F(QT_Q4_0, J, r0, r1);            \
-        else if ((J)->type == QT_Q4_K) F(QT_Q4_K, J, r0, r1);       \
-        else if ((J)->type == QT_Q5_K) F(QT_Q5_K, J, r0, r1);       \
-        else if ((J)->type == QT_Q6_K) F(QT_Q6_K, J, r0, r1);       \
-        else if ((J)->type == QT_IQ4_XS) F(QT_IQ4_XS, J, r0, r1);   \
-        else if ((J)->type == QT_Q3_K) F(QT_Q3_K, J, r0, r1);       \
-        else if ((J)->type == QT_Q2_K) F(QT_Q2_K, J, r0, r1);       \
-        else if ((J)->type == QT_Q5_0) F(QT_Q5_0, J, r0, r1);       \
-        else if ((J)->type == QT_Q5_1) F(QT_Q5_1, J, r0, r1);       \
-        else if ((J)->type == QT_MXFP4) F(QT_MXFP4, J, r0, r1);     \
-        else F(QT_Q8_0, J, r0, r1);                                 \
-    } while (0)
 
 void ms_internal_qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) { EACH_TYPE(qmv_tiles, J, r0, r1); }
 

@@ -319,19 +319,7 @@ static inline __attribute__((always_inline)) void qmv2(int T, const qmm_job *J, 
     if (r < r1) ms_internal_qmm_rows(J, r, r1);
 }
 
-void ms_internal_qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) {
-    if (J->type == QT_Q4_0) qmv2(QT_Q4_0, J, r0, r1);
-    else if (J->type == QT_Q4_K) qmv2(QT_Q4_K, J, r0, r1);
-    else if (J->type == QT_Q5_K) qmv2(QT_Q5_K, J, r0, r1);
-    else if (J->type == QT_Q6_K) qmv2(QT_Q6_K, J, r0, r1);
-    else if (J->type == QT_IQ4_XS) qmv2(QT_IQ4_XS, J, r0, r1);
-    else if (J->type == QT_Q3_K) qmv2(QT_Q3_K, J, r0, r1);
-    else if (J->type == QT_Q2_K) qmv2(QT_Q2_K, J, r0, r1);
-    else if (J->type == QT_Q5_0) qmv2(QT_Q5_0, J, r0, r1);
-    else if (J->type == QT_Q5_1) qmv2(QT_Q5_1, J, r0, r1);
-    else if (J->type == QT_MXFP4) qmv2(QT_MXFP4, J, r0, r1);
-    else qmv2(QT_Q8_0, J, r0, r1);
-}
+void ms_internal_qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) { EACH_TYPE(qmv2, J, r0, r1); }
 
 /* The many-token kernel: tiles of R weight rows x M tokens. A group's weights are unpacked once per tile and
  * used by its M tokens while in registers; each token's activation bytes by its R rows. Per (row, token) the
@@ -555,17 +543,5 @@ static inline __attribute__((always_inline)) void qmm_tiles(int T, const qmm_job
 }
 
 /* rows [r0, r1) of one job, all its tokens */
-void ms_internal_qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) {
-    if (J->type == QT_Q4_0) qmm_tiles(QT_Q4_0, J, r0, r1);
-    else if (J->type == QT_Q4_K) qmm_tiles(QT_Q4_K, J, r0, r1);
-    else if (J->type == QT_Q5_K) qmm_tiles(QT_Q5_K, J, r0, r1);
-    else if (J->type == QT_Q6_K) qmm_tiles(QT_Q6_K, J, r0, r1);
-    else if (J->type == QT_IQ4_XS) qmm_tiles(QT_IQ4_XS, J, r0, r1);
-    else if (J->type == QT_Q3_K) qmm_tiles(QT_Q3_K, J, r0, r1);
-    else if (J->type == QT_Q2_K) qmm_tiles(QT_Q2_K, J, r0, r1);
-    else if (J->type == QT_Q5_0) qmm_tiles(QT_Q5_0, J, r0, r1);
-    else if (J->type == QT_Q5_1) qmm_tiles(QT_Q5_1, J, r0, r1);
-    else if (J->type == QT_MXFP4) qmm_tiles(QT_MXFP4, J, r0, r1);
-    else qmm_tiles(QT_Q8_0, J, r0, r1);
-}
+void ms_internal_qmm_rows(const qmm_job *J, int64_t r0, int64_t r1) { EACH_TYPE(qmm_tiles, J, r0, r1); }
 #endif
