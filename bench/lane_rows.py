@@ -1,12 +1,13 @@
-"""The lane matmul (native qmm_vnni.c) at m activation rows, one thread, two source trees side by side.
+"""The lane matmul (native qmm_vnni.c or qmm_avx2.c) at m activation rows, one thread, two source trees side by side.
 
     python bench/lane_rows.py --before /tmp/main-tree --after . --repeat 5
 
 Each repeat runs one fresh process per tree (arms alternate); a process builds the tree's native library
 (imported from the tree), packs random weights of each type and shape, and times lin(x) (activation quantization and
-the matmul) per m: a warm-up call, then calls for at least --min-s, the mean per call. Shapes are an expert's
-gate/up (n=768 outputs of k=2048) and down (n=2048 of k=768) at the Qwen3-30B size. Reports the median
-(min-max) over repeats of ms per call and GMAC/s, and the load average each process saw.
+the matmul) per m: a warm-up call, then calls for at least --min-s, the mean per call. Shapes (--shapes) are by
+default an expert's gate/up (n=768 outputs of k=2048) and down (n=2048 of k=768) at the Qwen3-30B size. Reports
+the median (min-max) over repeats of ms per call and GMAC/s, the after/before speedup of each repeat's pair, and
+the load average each process saw.
 
 Writes bench/results/<date>-<name>.json and prints a markdown table.
 """
@@ -28,6 +29,14 @@ TYPES = ("Q4_0", "Q4_K")
 MS = (1, 2, 4, 8, 16, 64, 256)
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'8192x2048,2048x4096' -> [(8192, 2048), (2048, 4096)]"""
+    try:
+        return [(int(n), int(k)) for n, k in (part.lower().split("x") for part in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shapes: expected NxK,... (e.g. 8192x2048), got {text!r}") from None
+
+
 def timed(fn, min_s: float) -> tuple[float, float]:
     """ms per call of fn (after a warm-up call), wall and CPU time, over calls for at least min_s."""
     fn()
@@ -40,7 +49,7 @@ def timed(fn, min_s: float) -> tuple[float, float]:
             return 1e3 * spent / calls, 1e3 * (time.process_time() - c0) / calls
 
 
-def one(types: list[str], ms: list[int], min_s: float, experts: int) -> dict:
+def one(types: list[str], shapes: list[tuple[int, int]], ms: list[int], min_s: float, experts: int) -> dict:
     sys.path.insert(0, os.environ["LANE_ROWS_TREE"])  # ahead of the repository harness puts on the path
     import numpy as np
     import torch
@@ -60,7 +69,7 @@ def one(types: list[str], ms: list[int], min_s: float, experts: int) -> dict:
 
     for name in types:
         t = GGMLQuantizationType[name]
-        for n, k in SHAPES:
+        for n, k in shapes:
             lin = linear.from_gguf(quants.random_gguf(t, n * k, rng), t, n, k, False)
             assert lin.kind == "lane"
             for m in ms:
@@ -87,6 +96,7 @@ def one(types: list[str], ms: list[int], min_s: float, experts: int) -> dict:
 def run_tree(tree: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, LANE_ROWS_TREE=os.path.abspath(tree))
     cmd = [sys.executable, __file__, "--one", "--types", ",".join(args.types), "--ms", ",".join(map(str, args.ms)),
+           "--shapes", ",".join(f"{n}x{k}" for n, k in args.shapes),
            "--min-s", str(args.min_s), "--experts", str(args.experts)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if res.returncode != 0:
@@ -101,13 +111,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--min-s", type=float, default=0.05, help="timed seconds per (shape, m) per process")
     ap.add_argument("--types", type=lambda s: s.split(","), default=list(TYPES))
+    ap.add_argument("--shapes", type=parse_shapes, default=list(SHAPES),
+                    help="NxK,... (n outputs of k inputs); default: a Qwen3-30B expert's gate/up and down")
     ap.add_argument("--ms", type=lambda s: [int(v) for v in s.split(",")], default=list(MS))
     ap.add_argument("--experts", type=int, default=8, help="experts per lane_swiglu call (0: no swiglu rows)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     add_results_args(ap, "lane-rows")
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.types, args.ms, args.min_s, args.experts)))
+        print(json.dumps(one(args.types, args.shapes, args.ms, args.min_s, args.experts)))
         return
     if not args.before:
         raise SystemExit("lane_rows: --before is required (a source tree holding moestream/)")
@@ -117,7 +129,8 @@ def main() -> None:
             runs[arm].append(run_tree(getattr(args, arm), args))
             log(f"repeat {i + 1}/{args.repeat} {arm}: load {runs[arm][-1]['load_avg']:.2f} {runs[arm][-1]['library']}")
     rows, lines = [], []
-    lines.append("| case | before ms | after ms | before GMAC/s | after GMAC/s | speedup | CPU GMAC/s before / after |")
+    lines.append("| case | before ms | after ms | before GMAC/s | after GMAC/s | speedup (pair by pair) | "
+                 "CPU GMAC/s before / after |")
     lines.append("|---|---|---|---|---|---|---|")
     for key in runs["before"][0]["ms"]:
         m = int(key.split(" m=")[1])
@@ -126,13 +139,14 @@ def main() -> None:
         a = [r["ms"][key] for r in runs["after"]]
         gb = [macs / (v * 1e6) for v in b]
         ga = [macs / (v * 1e6) for v in a]
+        pairs = [vb / va for vb, va in zip(b, a, strict=True)]
         cb = [macs / (r["cpu_ms"][key] * 1e6) for r in runs["before"]]
         ca = [macs / (r["cpu_ms"][key] * 1e6) for r in runs["after"]]
         rows.append({"case": key, "macs": macs, "m": m, "before_ms": b, "after_ms": a,
                      "before_cpu_ms": [r["cpu_ms"][key] for r in runs["before"]],
                      "after_cpu_ms": [r["cpu_ms"][key] for r in runs["after"]]})
         lines.append(f"| {key} | {median_range(b, 3)} | {median_range(a, 3)} | {median_range(gb, 1)} | "
-                     f"{median_range(ga, 1)} | {statistics.median(b) / statistics.median(a):.2f}x | "
+                     f"{median_range(ga, 1)} | {median_range(pairs, 2)}x | "
                      f"{statistics.median(cb):.1f} / {statistics.median(ca):.1f} |")
     loads = [r["load_avg"] for arm in runs.values() for r in arm]
     lines.append("")

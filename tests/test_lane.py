@@ -405,8 +405,8 @@ def test_v2_lite_style_model_computes_its_q5_0_downs_in_lane_form(tmp_path, monk
 
 def extreme_blocks(ggml_type: int, n_blocks: int) -> np.ndarray:
     """GGUF blocks whose weights all take the code farthest from zero that the kernels multiply unsigned (or
-    |w| = 128 for the types they multiply as |w| x sign(w) x), scales 1: the int16 pair sums of AVX2's vpmaddubsw
-    are then at their largest."""
+    |w| = 128 for the types they multiply as |w| x sign(w) x), scales 1: the int16 pair sums of AVX2's vpmaddubsw,
+    and the int16 sums of two chunks' pairs (Q5, Q6_K), are then at their largest."""
     one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
     if ggml_type == T.Q8_0:  # d, then 32 codes -128
         block = np.concatenate([one, np.full(32, 0x80, np.uint8)])
@@ -414,6 +414,12 @@ def extreme_blocks(ggml_type: int, n_blocks: int) -> np.ndarray:
         block = np.concatenate([one, np.full(16, 0xFF, np.uint8)])
     elif ggml_type == T.Q4_K:  # d, dmin 0, scales and mins 63, nibbles 15
         block = np.concatenate([one, np.zeros(2, np.uint8), np.full(12, 0xFF, np.uint8), np.full(128, 0xFF, np.uint8)])
+    elif ggml_type == T.Q5_0:  # d, high bits and nibbles all set (code 31)
+        block = np.concatenate([one, np.full(4 + 16, 0xFF, np.uint8)])
+    elif ggml_type == T.Q5_K:  # d, dmin 0, scales and mins 63, codes 31
+        block = np.concatenate([one, np.zeros(2, np.uint8), np.full(12 + 32 + 128, 0xFF, np.uint8)])
+    elif ggml_type == T.Q6_K:  # codes 63, scales 1, d
+        block = np.concatenate([np.full(128 + 64, 0xFF, np.uint8), np.ones(16, np.uint8), one])
     elif ggml_type == T.IQ4_XS:  # d, scales -32, nibbles 0 (value -127)
         block = np.concatenate([one, np.zeros(2 + 4 + 128, np.uint8)])
     else:  # MXFP4: exponent 2^0, nibbles 7 (value 6, doubled 12)
@@ -421,7 +427,9 @@ def extreme_blocks(ggml_type: int, n_blocks: int) -> np.ndarray:
     return np.tile(block, n_blocks)
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_0, T.Q4_K, T.IQ4_XS, T.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "ggml_type", [T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_0, T.Q5_K, T.Q6_K, T.IQ4_XS, T.MXFP4], ids=lambda t: t.name
+)
 def test_the_largest_products_do_not_saturate(ggml_type):
     n, k = 8, 1024
     raw = extreme_blocks(ggml_type, n * k // GGML_QUANT_SIZES[ggml_type][0])

@@ -77,6 +77,9 @@ static inline AI __m256 per8(const uint8_t *dd, int h) { return _mm256_set1_ps(r
 /* a half group's products add up in int16 without overflow: 8 pairs of at most 2 * 15 * 127 (nibbles,
  * MXFP4's |w| <= 12) or 4 per sum of at most 2 * 7 * 127 (Q2_K, Q3_K) */
 #define SUM16(T) ((T) == QT_Q4_0 || (T) == QT_Q4_K || (T) == QT_MXFP4 || (T) == QT_Q2_K || (T) == QT_Q3_K)
+/* the int32 types whose products of two chunks add up in int16 before they widen: Q5's 4 pairs of at most
+ * 2 * 31 * 127 a sum, Q6_K's 2 pairs of at most 2 * 63 * 127 (one a half of 16) */
+#define PAIRED(T) ((T) == QT_Q5_K || (T) == QT_Q5_0 || (T) == QT_Q5_1 || (T) == QT_Q6_K)
 /* the types whose two halves of 16 take separate scales: two int32 sums per (row, token) */
 #define TWO_HALF(T) ((T) == QT_Q6_K || (T) == QT_Q3_K || (T) == QT_Q2_K)
 
@@ -253,22 +256,32 @@ static inline AI void tile_half(int T, int R, int M, int L, int h, int n, const 
         if (SUM16(T)) a0[i] = a1[i] = _mm256_setzero_si256();
         else sum_init(T, n, x, xo + (i % M) * nsub, &a0[i], &a1[i]);
     }
+    const int P = PAIRED(T) ? 2 : 1;
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; c++) {
-        __m256i w0[2], w1[2], wa0[2], wa1[2];
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            chunk_weights(T, L, h, n, g + r * rb, c, &w0[r], &w1[r]);
-            wa0[r] = SIGNED_W(T) ? _mm256_abs_epi8(w0[r]) : w0[r];
-            wa1[r] = SIGNED_W(T) ? _mm256_abs_epi8(w1[r]) : w1[r];
+    for (int c = 0; c < 4; c += P) {
+        __m256i w0[4], w1[4], wa0[4], wa1[4]; /* [p * R + r] */
+#pragma GCC unroll 4
+        for (int j = 0; j < P * R; j++) {
+            chunk_weights(T, L, h, n, g + (j % R) * rb, c + j / R, &w0[j], &w1[j]);
+            wa0[j] = SIGNED_W(T) ? _mm256_abs_epi8(w0[j]) : w0[j];
+            wa1[j] = SIGNED_W(T) ? _mm256_abs_epi8(w1[j]) : w1[j];
         }
 #pragma GCC unroll 8
         for (int t = 0; t < M; t++) {
-            const __m256i xl = ld_b(n, xq + t * k + 2 * c * cb + o), xh = ld_b(n, xq + t * k + (2 * c + 1) * cb + o);
+            __m256i xl[2], xh[2];
+#pragma GCC unroll 2
+            for (int p = 0; p < P; p++) {
+                xl[p] = ld_b(n, xq + t * k + 2 * (c + p) * cb + o);
+                xh[p] = ld_b(n, xq + t * k + (2 * (c + p) + 1) * cb + o);
+            }
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const int i = r * M + t;
-                const __m256i p0 = products(T, w0[r], wa0[r], xl), p1 = products(T, w1[r], wa1[r], xh);
+                __m256i p0 = products(T, w0[r], wa0[r], xl[0]), p1 = products(T, w1[r], wa1[r], xh[0]);
+                if (P == 2) {
+                    p0 = _mm256_add_epi16(p0, products(T, w0[R + r], wa0[R + r], xl[1]));
+                    p1 = _mm256_add_epi16(p1, products(T, w1[R + r], wa1[R + r], xh[1]));
+                }
                 if (SUM16(T) && TWO_HALF(T)) {
                     a0[i] = _mm256_add_epi16(a0[i], p0);
                     a1[i] = _mm256_add_epi16(a1[i], p1);
@@ -277,6 +290,8 @@ static inline AI void tile_half(int T, int R, int M, int L, int h, int n, const 
                 } else if (TWO_HALF(T)) {
                     a0[i] = _mm256_add_epi32(a0[i], widen(p0));
                     a1[i] = _mm256_add_epi32(a1[i], widen(p1));
+                } else if (P == 2) {
+                    a0[i] = _mm256_add_epi32(a0[i], widen(_mm256_add_epi16(p0, p1)));
                 } else {
                     a0[i] = _mm256_add_epi32(a0[i], _mm256_add_epi32(widen(p0), widen(p1)));
                 }
