@@ -357,9 +357,9 @@ static inline AI void tile_rows(int T, int R, int M, const qmm_job *J, int64_t r
             J->y[(t0 + t) * J->ldy + r + rr] = hsum2(acc[2 * (rr * M + t)], acc[2 * (rr * M + t) + 1]);
 }
 
-/* Tiles: R rows x M tokens, so that the sums, the unpacked weights and an activation pair fit the 16
- * registers; nibble types have the cheapest unpacking and take two rows. */
-#define TILE_R(T) ((T) == QT_Q4_0 || (T) == QT_Q4_K ? 2 : 1)
+/* Tiles: one row x 4 tokens, so that the sums, two chunks' unpacked weights and the activations fit the 16
+ * registers (two rows of nibbles spill their int16 sums, and lose to one row). */
+#define TILE_R(T) 1
 #define TILE_M(T) 4
 
 /* rows [r0, r1) of one token: two rows at a time (independent chains; decode streams the rows from RAM) */
