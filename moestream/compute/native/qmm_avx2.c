@@ -200,6 +200,10 @@ static inline AI __m256i products(int T, __m256i w, __m256i wa, __m256i x) {
     return SIGNED_W(T) ? _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x, w)) : _mm256_maddubs_epi16(w, x);
 }
 
+/* The sum as of this step, in a register: without it GCC reassociates the integer adds, computes every chunk's
+ * products first and adds them at the end, spilling the products of all tokens but one to the stack. */
+static inline AI void settle(__m256i *sum) { __asm__("" : "+x"(*sum)); }
+
 static inline AI __m256i widen(__m256i s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
 
 /* ---------------------------------------------------------------------------------------------------- */
@@ -295,6 +299,8 @@ static inline AI void tile_half(int T, int R, int M, int L, int h, int n, const 
                 } else {
                     a0[i] = _mm256_add_epi32(a0[i], _mm256_add_epi32(widen(p0), widen(p1)));
                 }
+                settle(&a0[i]);
+                if (TWO_HALF(T)) settle(&a1[i]);
             }
         }
     }
