@@ -12,7 +12,7 @@
  *   - weights the layout stores with +128 (Q8_0, IQ4_XS, MXFP4) are taken back to signed w and multiplied as
  *     |w| x (sign(w) x); the sum then needs no -128 sum(x) term, and is the same integer.
  * Where a half group's products cannot leave int16 (nibble weights, Q2_K, Q3_K, MXFP4), they add up in int16
- * and widen once per half group; the others widen every product. */
+ * and widen once per half group; the Q5 types and Q6_K widen every two chunks, Q8_0 and IQ4_XS every product. */
 #include "internal.h"
 
 #ifdef MS_AVX2_FMA
@@ -364,7 +364,7 @@ static inline AI void tile_rows(int T, int R, int M, const qmm_job *J, int64_t r
 }
 
 /* Tiles: one row x 4 tokens, so that the sums, two chunks' unpacked weights and the activations fit the 16
- * registers (two rows of nibbles spill their int16 sums, and lose to one row). */
+ * registers (two-row tiles were no faster for any type; bench/RESULTS.md, "The AVX2 kernels, second round"). */
 #define TILE_R(T) 1
 #define TILE_M(T) 4
 
