@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as T
 from moestream.compute import linear, native
 from moestream.errors import ComputeError, ModelFileError
 from moestream.formats import quants
-from moestream.models.common import rms_norm, route_topk
+from moestream.models.common import add_weighted_rows, rms_norm, route_topk
 from tests.fuzz.gguf_cases import load_seeds, make_case, materialize, write_seeds
 
 needs_native = pytest.mark.skipif(native.lib() is None, reason="needs the native library (a C compiler)")
@@ -86,6 +86,13 @@ call(lib.ms_rms_norm, ptr(x), ptr(x), 4, 0, 1e-6, ptr(out), want=native.BAD_SHAP
 call(lib.ms_rms_norm, ptr(x), ptr(x), -1, 16, 1e-6, ptr(out), want=native.BAD_SHAPE)
 call(lib.ms_rms_norm, ptr(x), None, 1, 16, 1e-6, ptr(out), want=native.BAD_PTR)
 call(lib.ms_rms_norm, ptr(x), ptr(x), 2, 16, float("nan"), ptr(out))
+rows = np.array([0, 3, 1, 1 << 40, -1], np.int64)
+for n_rows, first in ((4, 3), (4, 4), (4, 0)):  # rows out of range (1 << 40, -1), then none read past n_out
+    call(lib.ms_add_weighted_rows, ptr(out), n_rows, 16, ptr(rows[first:]), ptr(x), ptr(x), 2,
+         want=native.BAD_SHAPE if first else None)
+call(lib.ms_add_weighted_rows, ptr(out), 4, 0, ptr(rows), ptr(x), ptr(x), 2, want=native.BAD_SHAPE)
+call(lib.ms_add_weighted_rows, ptr(out), 4, 16, ptr(rows), ptr(x), ptr(x), -1, want=native.BAD_SHAPE)
+call(lib.ms_add_weighted_rows, ptr(out), 4, 16, None, ptr(x), ptr(x), 2, want=native.BAD_PTR)
 call(lib.ms_gemv_f32, ptr(x), 0, 16, ptr(x), 1, ptr(out), want=native.BAD_SHAPE)
 call(lib.ms_gemv_f32, ptr(x), 16, 16, ptr(x), -1, ptr(out), want=native.BAD_SHAPE)
 call(lib.ms_rope_neox, ptr(out), 1, 2, 16, 18, ptr(x), ptr(x), want=native.BAD_SHAPE)
@@ -395,6 +402,23 @@ def test_router_agrees_on_both_paths(monkeypatch):
     want = route_topk(logits, 8, True)
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[0], want[0])
+
+
+def test_weighted_rows_agree_on_both_paths(monkeypatch):
+    """The native add of an expert's weighted rows gives index_add_'s bits, expert after expert."""
+    gen = torch.Generator().manual_seed(0)
+    experts = [
+        (torch.randperm(40, generator=gen)[:n], torch.randn(n, 96, generator=gen), torch.rand(n, 1, generator=gen))
+        for n in (7, 40, 1, 13)
+    ]
+    got = torch.randn(40, 96, generator=gen)
+    want = got.clone()
+    for rows, y, w in experts:
+        add_weighted_rows(got, rows, y, w)
+    monkeypatch.setattr(native, "lib", lambda extra_flags=(): None)
+    for rows, y, w in experts:
+        add_weighted_rows(want, rows, y, w)
+    assert torch.equal(got, want)
 
 
 def test_router_refuses_more_experts_than_it_has(path):

@@ -80,6 +80,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
+def add_weighted_rows(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> None:
+    """out[rows[i]] += y[i] * w[i] for each i in order (rows: int64 [n], y [n, h], w [n, 1]); the same bits as
+    out.index_add_(0, rows, y * w). The native loop runs on the caller's thread: torch's index_add_ wakes its
+    thread pool for each call, and a prompt span makes one call per expert of every layer."""
+    lib = native.lib()
+    if (
+        lib is not None
+        and out.dtype == y.dtype == w.dtype == torch.float32
+        and out.is_contiguous()
+        and out.dim() == y.dim() == 2
+        and y.shape[1] == out.shape[1]
+        and rows.shape == (y.shape[0],)
+        and w.numel() == y.shape[0]
+    ):
+        rows, y, w = rows.to(torch.int64).contiguous(), y.contiguous(), w.contiguous()
+        lib.ms_add_weighted_rows(
+            out.data_ptr(), out.shape[0], out.shape[1], rows.data_ptr(), y.data_ptr(), w.data_ptr(), y.shape[0]
+        )
+        return
+    out.index_add_(0, rows, y * w)
+
+
 def route_topk(
     logits: torch.Tensor, k: int, norm: bool, layer: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from moestream.compute import linear
 from moestream.errors import ModelFileError
-from moestream.models.common import ExpertProvider, Fused, f32_matmul, route_topk
+from moestream.models.common import ExpertProvider, Fused, add_weighted_rows, f32_matmul, route_topk
 from moestream.models.loader import Weights
 
 # (token, expert) pairs past which a call's experts are fetched in id order and summed as they come: a
@@ -265,14 +265,12 @@ class InOrderSum:
         self.next = 0
 
     def add(self, e: int, y: torch.Tensor) -> None:
-        """Expert e's outputs for its rows of the sorted pairs (consumed: scaled in place)."""
-        a = self.starts[e]
-        y.mul_(self.weights[a : a + self.count[e]])
+        """Expert e's outputs for its rows of the sorted pairs (held until the earlier ids are in)."""
         self.waiting[e] = y
         while self.next < len(self.needed) and self.needed[self.next] in self.waiting:
             e = self.needed[self.next]
-            a = self.starts[e]
-            self.out.index_add_(0, self.rows[a : a + self.count[e]], self.waiting.pop(e))
+            a, b = self.starts[e], self.starts[e] + self.count[e]
+            add_weighted_rows(self.out, self.rows[a:b], self.waiting.pop(e), self.weights[a:b])
             self.next += 1
 
     def result(self) -> torch.Tensor:

@@ -64,6 +64,28 @@ int ms_rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, float
     return MS_OK;
 }
 
+/* out[rows[i]] += y[i] * w[i] for i = 0 .. n - 1 in that order, rows of h floats, out having n_out rows: an
+ * expert's weighted outputs added into its tokens' rows. The product is rounded before the add, as y * w and
+ * then torch's index_add_ round it. One thread: torch's index_add_ wakes its thread pool for every call, which
+ * costs more than the adds for the small row counts of a prompt's thousands of experts. */
+int ms_add_weighted_rows(float *out, int64_t n_out, int64_t h, const int64_t *rows, const float *y, const float *w,
+                         int64_t n) {
+    if (!dim_ok(h) || !count_ok(n) || !count_ok(n_out) || !prod_ok(n_out, h) || !prod_ok(n, h)) return MS_BAD_SHAPE;
+    if (n == 0) return MS_OK;
+    if (!out || !rows || !y || !w) return MS_BAD_PTR;
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= n_out) return MS_BAD_SHAPE;
+    for (int64_t i = 0; i < n; i++) {
+        float *o = out + rows[i] * h;
+        const float *yi = y + i * h, wi = w[i];
+        for (int64_t j = 0; j < h; j++) {
+            const float p = yi[j] * wi;
+            o[j] += p;
+        }
+    }
+    return MS_OK;
+}
+
 typedef struct {
     const float *w, *x;
     int64_t n, k, m;
