@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -196,11 +197,14 @@ def run_experts(
     starts = dict(zip(needed, itertools.accumulate([0, *counts[:-1]]), strict=True))
     count = dict(zip(needed, counts, strict=True))
     rows = order // k
+    rows_np = rows.numpy()
     total = InOrderSum(torch.zeros_like(x), needed, rows, weights.reshape(-1)[order, None], starts, count)
     for group in experts.fetch_groups(layer, needed, ordered=summed_as_they_come(rows.shape[0])):
         for part in row_batches(group, count):
             spans = [(starts[e], starts[e] + count[e]) for e, _ in part]
-            xs = [x[rows[a:b]] for a, b in spans]
+            # one gather for the batch (each torch op wakes its thread pool), then a view per expert
+            gathered = x[torch.from_numpy(np.concatenate([rows_np[a:b] for a, b in spans]))]
+            xs = list(gathered.split([b - a for a, b in spans]))
             if all(linear.lane_swiglu_ok(w) for _, w in part):
                 ys = [torch.empty(b - a, x.shape[1], dtype=x.dtype) for a, b in spans]
                 linear.lane_swiglu([w for _, w in part], xs, ys, lane_act(ffn, [e for e, _ in part]))
