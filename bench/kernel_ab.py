@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import shutil
 import statistics
 import subprocess
 import tempfile
@@ -37,20 +36,16 @@ from moestream.formats import quants
 SOURCE_DIR = Path("moestream/compute/native")
 
 
-def build_tree(tree: str, out: Path) -> ctypes.CDLL:
-    """The tree's native library, compiled from its own sources with this checkout's flags."""
+def build_tree(tree: str, out_dir: Path) -> ctypes.CDLL:
+    """The tree's native library, compiled from its own C sources with this checkout's flags."""
     src = Path(tree) / SOURCE_DIR
-    sources = sorted(src.glob("*.c"))
-    if not sources:
+    if not any(src.glob("*.c")):
         raise SystemExit(f"kernel_ab: {src} holds no C sources (is {tree} a moestream source tree?)")
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        raise SystemExit("kernel_ab: no C compiler found (set CC or install gcc/clang)")
-    cmd = [cc, *native.BASE_FLAGS, "-march=native", "-o", str(out), *map(str, sources), "-lm"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        raise SystemExit(f"kernel_ab: building {src} failed: {proc.stderr.strip()[-500:]}")
-    library = native.load_library(out)
+    try:
+        path = native.build_library((*native.BASE_FLAGS, "-march=native"), out_dir, source_dir=src)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        raise SystemExit(f"kernel_ab: building {src} failed: {str(exc)[-500:]}") from None
+    library = native.load_library(path, only=("ms_qmm", "ms_set_threads"))  # all an older tree needs to have
     library.ms_set_threads(1)
     return library
 
@@ -91,7 +86,7 @@ def main() -> None:
     if native.lane_isa() is None:
         raise SystemExit("kernel_ab: this CPU runs no lane kernels (they need AVX-512 VNNI, or AVX2 + FMA + F16C)")
     out_dir = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
-    libs = {arm: build_tree(getattr(args, arm), out_dir / f"{arm}.so") for arm in ("before", "after")}
+    libs = {arm: build_tree(getattr(args, arm), out_dir) for arm in ("before", "after")}
     rng = np.random.default_rng(0)
     rows = []
     lines = [

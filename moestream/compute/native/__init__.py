@@ -69,17 +69,20 @@ def _compiler() -> str | None:
     return shutil.which(cc)
 
 
-def build_library(flags: Sequence[str], out_dir: Path, cc: str | None = None) -> Path:
+def build_library(flags: Sequence[str], out_dir: Path, cc: str | None = None, source_dir: Path | None = None) -> Path:
     """Compile the C sources with exactly `flags` into out_dir and return the shared library's path.
 
     The file name is a hash of the sources, flags, compiler and CPU, so an existing build is reused. Tests
-    use this for variant builds (a sanitized one). Raises RuntimeError without a compiler or on a failed build.
+    use this for variant builds (a sanitized one); source_dir compiles another checkout's C files instead of
+    this package's (bench/kernel_ab.py). Raises RuntimeError without a compiler or on a failed build.
     """
     cc = cc or _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC or install gcc/clang)")
     flags = tuple(flags)
-    src = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+    sources = SOURCES if source_dir is None else tuple(sorted(source_dir.glob("*.c")))
+    headers = HEADERS if source_dir is None else tuple(sorted(source_dir.glob("*.h")))
+    src = b"\0".join(p.read_bytes() for p in (*sources, *headers))
     key = hashlib.sha256(
         b"\0".join([src, " ".join(flags).encode(), cc.encode(), _cpu_fingerprint().encode(), sys.platform.encode()])
     ).hexdigest()[:20]
@@ -91,7 +94,7 @@ def build_library(flags: Sequence[str], out_dir: Path, cc: str | None = None) ->
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=out_dir)
     os.close(fd)
     try:
-        cmd = [cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"]
+        cmd = [cc, *flags, "-o", tmp, *map(str, sources), "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
@@ -102,10 +105,11 @@ def build_library(flags: Sequence[str], out_dir: Path, cc: str | None = None) ->
     return target
 
 
-def load_library(path: Path) -> ctypes.CDLL:
-    """Load a library made by build_library, its entry points declared (every return code checked)."""
+def load_library(path: Path, only: Sequence[str] | None = None) -> ctypes.CDLL:
+    """Load a library made by build_library, its entry points declared (every return code checked). only:
+    declare just these entry points (and ms_abi_version), for an older checkout's build that lacks later ones."""
     library = ctypes.CDLL(str(path))
-    _declare(library)
+    _declare(library, None if only is None else {"ms_abi_version", *only})
     if library.ms_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path}: ABI {library.ms_abi_version()} != {ABI_VERSION}")
     return library
@@ -132,7 +136,7 @@ def _check(result: int, func: Any, args: tuple) -> int:
     raise ComputeError(f"native kernel {func.__name__}({shown}) refused: {reason} (code {result})", result)
 
 
-def _declare(lib: ctypes.CDLL) -> None:
+def _declare(lib: ctypes.CDLL, only: set[str] | None = None) -> None:
     vp, i64, c_int, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     checked = {  # these return 0 (or a size) and a negative code on error: ctypes raises through _check
         "ms_dequant": ([c_int, vp, i64, vp, c_int], c_int),
@@ -173,6 +177,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     }
     for table, errcheck in ((checked, _check), (plain, None)):
         for name, (argtypes, restype) in table.items():
+            if only is not None and name not in only:
+                continue
             fn = getattr(lib, name)
             fn.argtypes = argtypes
             fn.restype = restype
