@@ -93,6 +93,18 @@ for n_rows, first in ((4, 3), (4, 4), (4, 0)):  # rows out of range (1 << 40, -1
 call(lib.ms_add_weighted_rows, ptr(out), 4, 0, ptr(rows), ptr(x), ptr(x), 2, want=native.BAD_SHAPE)
 call(lib.ms_add_weighted_rows, ptr(out), 4, 16, ptr(rows), ptr(x), ptr(x), -1, want=native.BAD_SHAPE)
 call(lib.ms_add_weighted_rows, ptr(out), 4, 16, None, ptr(x), ptr(x), 2, want=native.BAD_PTR)
+# the delta rule: 70 tokens (a chunk and a part), 2 value heads on 1 key head, arrays of exactly their size
+dq, dv_ = rng.standard_normal(70 * 2 * 8).astype(np.float32), rng.standard_normal(70 * 2 * 16).astype(np.float32)
+dg, dS = -rng.random(70 * 2).astype(np.float32), np.zeros(2 * 8 * 16, np.float32)
+dout = np.zeros(70 * 2 * 16, np.float32)
+call(lib.ms_delta_rule, 70, 1, 2, 8, 16, ptr(dq), ptr(dq[8:]), 16, ptr(dv_), ptr(dg), ptr(dg), ptr(dS), ptr(dout))
+for T_, hk, hv, dk_, dv2, ld in ((70, 1, 2, 12, 16, 24), (70, 2, 3, 8, 16, 16), (70, 1, 2, 8, 16, 7),
+                                 (-1, 1, 2, 8, 16, 16), (70, 0, 2, 8, 16, 16), (70, 1, 2, 8, 0, 16),
+                                 (1 << 40, 1, 2, 8, 16, 16)):
+    call(lib.ms_delta_rule, T_, hk, hv, dk_, dv2, ptr(dq), ptr(dq), ld, ptr(dv_), ptr(dg), ptr(dg), ptr(dS),
+         ptr(dout), want=native.BAD_SHAPE)
+call(lib.ms_delta_rule, 70, 1, 2, 8, 16, ptr(dq), None, 16, ptr(dv_), ptr(dg), ptr(dg), ptr(dS), ptr(dout),
+     want=native.BAD_PTR)
 call(lib.ms_gemv_f32, ptr(x), 0, 16, ptr(x), 1, ptr(out), want=native.BAD_SHAPE)
 call(lib.ms_gemv_f32, ptr(x), 16, 16, ptr(x), -1, ptr(out), want=native.BAD_SHAPE)
 call(lib.ms_rope_neox, ptr(out), 1, 2, 16, 18, ptr(x), ptr(x), want=native.BAD_SHAPE)

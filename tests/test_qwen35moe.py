@@ -12,7 +12,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
-from moestream.models.deltanet import CHUNK, chunk_delta_rule, delta_rule_step
+from moestream.models.deltanet import CHUNK, chunk_delta_rule, delta_rule_span, delta_rule_step
 from moestream.models.loader import GGUFWeights
 from moestream.models.qwen35moe import Qwen35MoeConfig
 from tests.hf_gguf import QWEN35MOE, one_torch_thread, random_tokens, rel_error, write_qwen35moe_from_hf
@@ -75,6 +75,29 @@ def test_delta_rule_chunked_equals_recurrent_and_transformers():
     )
     assert rel_error(o_chunk, o_step) < 1e-5 and rel_error(S_chunk, S_step) < 1e-5
     assert rel_error(o_step, ref[0].transpose(0, 1)) < 1e-5 and rel_error(S_step, S_ref[0]) < 1e-5
+
+
+@pytest.mark.parametrize("flags", [(), ("-DMS_SCALAR",)], ids=["simd", "scalar"])
+@pytest.mark.parametrize("L,Hk,Hv,dk,dv", [(1, 2, 4, 16, 8), (CHUNK, 1, 1, 8, 8), (CHUNK + 37, 2, 4, 16, 8),
+                                          (3 * CHUNK + 5, 2, 6, 24, 40), (130, 4, 8, 128, 128)])  # fmt: skip
+def test_native_delta_rule_equals_torch(monkeypatch, flags, L, Hk, Hv, dk, dv):
+    """deltanet.c's prompt path agrees with chunk_delta_rule in torch: every head (value heads sharing key heads),
+    the partial last chunk, a state carried in, and the state left behind."""
+    lib = native.lib(flags)
+    if lib is None:
+        pytest.skip("needs the native library (a C compiler)")
+    g = torch.Generator().manual_seed(L)
+    qk = torch.nn.functional.normalize(torch.randn(L, 2 * Hk, dk, generator=g), dim=-1)
+    v = torch.randn(L, Hv, dv, generator=g)
+    decay, beta = -torch.rand(L, Hv, generator=g) * 4, torch.rand(L, Hv, generator=g)
+    S0 = torch.randn(Hv, dk, dv, generator=g)
+    S_native, S_torch = S0.clone(), S0.clone()
+    monkeypatch.setattr(native, "lib", lambda extra_flags=(): lib)
+    o_native = delta_rule_span(qk, v, decay, beta, S_native, Hk)
+    monkeypatch.setattr(native, "lib", lambda extra_flags=(): None)
+    o_torch = delta_rule_span(qk, v, decay, beta, S_torch, Hk)
+    assert o_native.shape == o_torch.shape == (L, Hv, dv)
+    assert rel_error(o_native, o_torch) < 1e-5 and rel_error(S_native, S_torch) < 1e-5
 
 
 def test_mtp_block_and_interval_only_metadata(tiny, tmp_path):

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from moestream.compute import native
 from moestream.models.common import KVCache, KVSnapshot, rms_norm
 from moestream.models.loader import Weights
 
@@ -101,6 +102,39 @@ def chunk_delta_rule(
     return out.reshape(H, n * C, -1)[:, :L]
 
 
+def value_heads(qk: torch.Tensor, n_k: int, n_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [T, n_v, dk] of the query and key heads qk [T, 2 n_k, dk]: value head h reads key head h % n_k
+    (the converter reorders value heads to this tiled layout)."""
+    q, k = qk[:, :n_k], qk[:, n_k:]
+    return q.repeat(1, n_v // n_k, 1), k.repeat(1, n_v // n_k, 1)
+
+
+def delta_rule_span(
+    qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, S: torch.Tensor, n_k: int
+) -> torch.Tensor:
+    """T tokens, token-major: qk [T, 2 n_k, dk] (query heads, then key heads), v [T, Hv, dv], g, beta [T, Hv];
+    S [Hv, dk, dv] updated in place; o [T, Hv, dv]. The native loop (compute/native/deltanet.c: the cores of
+    the pool, a head's chunk in cache) where it runs, else chunk_delta_rule in torch."""
+    T, _, dk = qk.shape
+    Hv, dv = v.shape[1:]
+    lib = native.lib()
+    if (
+        lib is not None
+        and dk % 8 == 0
+        and dv % 8 == 0
+        and all(t.dtype == torch.float32 for t in (qk, v, g, beta, S))
+        and S.is_contiguous()
+    ):
+        qk, v, g, beta = (t.contiguous() for t in (qk, v, g, beta))
+        out = torch.empty(T, Hv, dv)
+        lib.ms_delta_rule(T, n_k, Hv, dk, dv, qk.data_ptr(), qk[:, n_k:].data_ptr(), qk.shape[1] * dk,
+                          v.data_ptr(), g.data_ptr(), beta.data_ptr(), S.data_ptr(), out.data_ptr())  # fmt: skip
+        return out
+    q, k = value_heads(qk, n_k, Hv)
+    o = chunk_delta_rule(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), S)
+    return o.transpose(0, 1)
+
+
 class GatedDeltaNet:
     def __init__(self, w: Weights, i: int, cfg: DeltaNetConfig):
         p = f"blk.{i}."
@@ -154,27 +188,22 @@ class GatedDeltaNet:
         mixed = F.silu((buf.unfold(0, K, 1) * self.conv).sum(-1))
         qk, v = mixed.split(self.split, dim=-1)
         qk = l2_normalize(qk.reshape(T, 2 * Hk, dk)) * self.qk_scale  # q heads also take 1/sqrt(dk)
-        q, k = qk[:, :Hk], qk[:, Hk:]
-        # value head h reads key head h % Hk: the converter reorders value heads to this tiled layout
-        q, k = q.repeat(1, Hv // Hk, 1), k.repeat(1, Hv // Hk, 1)
         v = v.reshape(T, Hv, dv)
         beta = torch.sigmoid(b)
         g = self.a * F.softplus(a + self.dt_bias)
         if T == 1:
+            q, k = value_heads(qk, Hk, Hv)
             o = delta_rule_step(q, k, v, g, beta, S)
         else:
-            q, k, v, g, beta = (t.transpose(0, 1) for t in (q, k, v, g, beta))
             parts, start = [], 0
             for off, conv_into, S_into in cuts:  # run up to each checkpoint, copy the states there, go on
-                sl = slice(start, off)
-                parts.append(chunk_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], S))
+                parts.append(delta_rule_span(qk[start:off], v[start:off], g[start:off], beta[start:off], S, Hk))
                 S_into.copy_(S)
                 conv_into.copy_(buf[off : off + K - 1])
                 start = off
             if start < T:
-                sl = slice(start, T)
-                parts.append(chunk_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], S))
-            o = torch.cat(parts, dim=1).transpose(0, 1)
+                parts.append(delta_rule_span(qk[start:], v[start:], g[start:], beta[start:], S, Hk))
+            o = torch.cat(parts)
         conv.copy_(buf[T:])
         o = rms_norm(o, self.norm, cfg.rms_eps) * F.silu(z.reshape(T, Hv, dv))
         return self.out(o.reshape(T, Hv * dv))

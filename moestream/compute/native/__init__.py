@@ -36,7 +36,7 @@ from moestream.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-_SOURCE_NAMES = ("pack.c", "lane_pack.c", "pool.c", "qmm.c", "qmm_vnni.c", "qmm_avx2.c", "ops.c", "mla.c")
+_SOURCE_NAMES = ("pack.c", "lane_pack.c", "pool.c", "qmm.c", "qmm_vnni.c", "qmm_avx2.c", "ops.c", "mla.c", "deltanet.c")
 SOURCES = tuple(Path(__file__).with_name(n) for n in _SOURCE_NAMES)
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("blocks.h", "internal.h"))
 ABI_VERSION = 2
@@ -154,6 +154,7 @@ def _declare(lib: ctypes.CDLL, only: set[str] | None = None) -> None:
         "ms_rms_norm": ([vp, vp, i64, i64, f32, vp], c_int),
         "ms_add_weighted_rows": ([vp, i64, i64, vp, vp, vp, i64], c_int),
         "ms_gemv_f32": ([vp, i64, i64, vp, i64, vp], c_int),
+        "ms_delta_rule": ([i64, i64, i64, i64, i64, vp, vp, i64, vp, vp, vp, vp, vp], c_int),
         "ms_gemv_bf16": ([vp, i64, i64, vp, i64, vp], c_int),
         "ms_rope_neox": ([vp, i64, i64, i64, i64, vp, vp], c_int),
         "ms_attn_decode": ([vp, vp, vp, i64, i64, i64, i64, c_int, f32, vp], c_int),
