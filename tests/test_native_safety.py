@@ -105,6 +105,10 @@ for T_, hk, hv, dk_, dv2, ld in ((70, 1, 2, 12, 16, 24), (70, 2, 3, 8, 16, 16), 
          ptr(dout), want=native.BAD_SHAPE)
 call(lib.ms_delta_rule, 70, 1, 2, 8, 16, ptr(dq), None, 16, ptr(dv_), ptr(dg), ptr(dg), ptr(dS), ptr(dout),
      want=native.BAD_PTR)
+call(lib.ms_causal_conv, ptr(dout), 70, 16, 4, ptr(dq), ptr(dv_))  # buf [73][16] in dout, out [70][16] in dv_
+for T_, c_, k_ in ((-1, 16, 4), (70, 0, 4), (70, 16, 0), (70, 16, 65)):
+    call(lib.ms_causal_conv, ptr(dout), T_, c_, k_, ptr(dq), ptr(dv_), want=native.BAD_SHAPE)
+call(lib.ms_causal_conv, None, 70, 16, 4, ptr(dq), ptr(dv_), want=native.BAD_PTR)
 call(lib.ms_gemv_f32, ptr(x), 0, 16, ptr(x), 1, ptr(out), want=native.BAD_SHAPE)
 call(lib.ms_gemv_f32, ptr(x), 16, 16, ptr(x), -1, ptr(out), want=native.BAD_SHAPE)
 call(lib.ms_rope_neox, ptr(out), 1, 2, 16, 18, ptr(x), ptr(x), want=native.BAD_SHAPE)

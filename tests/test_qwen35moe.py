@@ -12,7 +12,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
-from moestream.models.deltanet import CHUNK, chunk_delta_rule, delta_rule_span, delta_rule_step
+from moestream.models.deltanet import CHUNK, causal_conv, chunk_delta_rule, delta_rule_span, delta_rule_step
 from moestream.models.loader import GGUFWeights
 from moestream.models.qwen35moe import Qwen35MoeConfig
 from tests.hf_gguf import QWEN35MOE, one_torch_thread, random_tokens, rel_error, write_qwen35moe_from_hf
@@ -98,6 +98,21 @@ def test_native_delta_rule_equals_torch(monkeypatch, flags, L, Hk, Hv, dk, dv):
     o_torch = delta_rule_span(qk, v, decay, beta, S_torch, Hk)
     assert o_native.shape == o_torch.shape == (L, Hv, dv)
     assert rel_error(o_native, o_torch) < 1e-5 and rel_error(S_native, S_torch) < 1e-5
+
+
+@pytest.mark.parametrize("flags", [(), ("-DMS_SCALAR",)], ids=["simd", "scalar"])
+@pytest.mark.parametrize("T,C,K", [(1, 24, 4), (130, 2056, 4), (5, 13, 3)])
+def test_native_causal_conv_equals_torch(monkeypatch, flags, T, C, K):
+    lib = native.lib(flags)
+    if lib is None:
+        pytest.skip("needs the native library (a C compiler)")
+    g = torch.Generator().manual_seed(C)
+    buf, w_t = torch.randn(T + K - 1, C, generator=g), torch.randn(K, C, generator=g)
+    monkeypatch.setattr(native, "lib", lambda extra_flags=(): lib)
+    got = causal_conv(buf, w_t)
+    monkeypatch.setattr(native, "lib", lambda extra_flags=(): None)
+    want = causal_conv(buf, w_t)
+    assert got.shape == want.shape == (T, C) and rel_error(got, want) < 1e-6
 
 
 def test_mtp_block_and_interval_only_metadata(tiny, tmp_path):

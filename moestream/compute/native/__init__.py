@@ -154,6 +154,7 @@ def _declare(lib: ctypes.CDLL, only: set[str] | None = None) -> None:
         "ms_rms_norm": ([vp, vp, i64, i64, f32, vp], c_int),
         "ms_add_weighted_rows": ([vp, i64, i64, vp, vp, vp, i64], c_int),
         "ms_gemv_f32": ([vp, i64, i64, vp, i64, vp], c_int),
+        "ms_causal_conv": ([vp, i64, i64, i64, vp, vp], c_int),
         "ms_delta_rule": ([i64, i64, i64, i64, i64, vp, vp, i64, vp, vp, vp, vp, vp], c_int),
         "ms_gemv_bf16": ([vp, i64, i64, vp, i64, vp], c_int),
         "ms_rope_neox": ([vp, i64, i64, i64, i64, vp, vp], c_int),

@@ -30,6 +30,14 @@ static inline v8 fma8(v8 a, v8 b, v8 c) {
 #endif
 }
 
+static inline float fma1(float a, float b, float c) {
+#if (defined(MS_VNNI) || defined(MS_AVX2_FMA)) && defined(__FMA__)
+    return fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
 /* c[M][N] += a[M][K] b[K][N] (row-major, leading dimensions lda, ldb, ldc): M a multiple of 4, N of 8. Tiles
  * of 4 rows x 16 columns (8 independent sums, a broadcast of a per row and step, two loads of b), all the row
  * tiles of a column strip in turn, so that the strip of b stays in L1. */
@@ -194,5 +202,46 @@ int ms_delta_rule(int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, con
     if (!c.scratch) return MS_NO_MEM;
     ms_internal_dispatch(dr_task, &c, tasks);
     free(c.scratch);
+    return MS_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* the causal depthwise convolution before it */
+
+typedef struct {
+    const float *buf, *wt;
+    float *out;
+    int64_t T, C, K, per;
+} conv_ctx;
+
+static void conv_task(void *vctx, int64_t task) {
+    const conv_ctx *c = vctx;
+    const int64_t c0 = task * c->per, c1 = c0 + c->per < c->C ? c0 + c->per : c->C;
+    for (int64_t t = 0; t < c->T; t++) {
+        float *o = c->out + t * c->C;
+        int64_t ch = c0;
+        for (; ch + 8 <= c1; ch += 8) {
+            v8 s = ld8(c->buf + t * c->C + ch) * ld8(c->wt + ch);
+            for (int64_t j = 1; j < c->K; j++)
+                s = fma8(ld8(c->buf + (t + j) * c->C + ch), ld8(c->wt + j * c->C + ch), s);
+            st8(o + ch, s);
+        }
+        for (; ch < c1; ch++) {
+            float s = c->buf[t * c->C + ch] * c->wt[ch];
+            for (int64_t j = 1; j < c->K; j++) s = fma1(c->buf[(t + j) * c->C + ch], c->wt[j * c->C + ch], s);
+            o[ch] = s;
+        }
+    }
+}
+
+/* out[t][c] = sum_j buf[t + j][c] wt[j][c] for t < T: buf [T + K - 1][C] (the K - 1 kept inputs, then the new
+ * ones), wt [K][C] (the filter, transposed). Channels spread over the pool. */
+int ms_causal_conv(const float *buf, int64_t T, int64_t C, int64_t K, const float *wt, float *out) {
+    if (!count_ok(T) || !dim_ok(C) || K < 1 || K > 64 || !prod_ok(T + K, C)) return MS_BAD_SHAPE;
+    if (T == 0) return MS_OK;
+    if (!buf || !wt || !out) return MS_BAD_PTR;
+    const int64_t tasks = T * C < 65536 ? 1 : 4 * ms_internal_threads();
+    conv_ctx c = {buf, wt, out, T, C, K, ((C + tasks - 1) / tasks + 7) / 8 * 8};
+    ms_internal_dispatch(conv_task, &c, (C + c.per - 1) / c.per);
     return MS_OK;
 }
