@@ -355,7 +355,7 @@ class Engine:
     def _torch_threads_for(self, n_tokens: int) -> int:
         """torch's thread count for a step. A decode step whose heavy matmuls all run in the lane kernels gives
         torch one thread: its idle OpenMP threads spin for a while after each op and take the cores the lane
-        pool needs. Prompt steps keep every thread: qwen35moe's chunked DeltaNet runs in torch."""
+        pool needs. Prompt steps keep every thread for their big torch ops (attention, norms, elementwise)."""
         if n_tokens == 1 and native.lane_ok() and getattr(self.model, "lane_decode", False):
             return 1
         return self.threads

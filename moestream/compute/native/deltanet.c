@@ -1,13 +1,14 @@
 /* The Gated DeltaNet's delta rule over a prompt: models/deltanet.py's chunk_delta_rule (the same algebra, the
- * same chunks of 64 tokens), one value head after another on each of the pool's threads.
+ * same chunks of 64 tokens), key heads spread over the pool's threads: the value heads that read a key head
+ * share its chunk's K K^T and Q K^T.
  *
  * Per head and chunk of C tokens (cum: the chunk's running sum of the log gates g):
  *   A[i][j] = beta_i (k_i . k_j) exp(cum_i - cum_j), j < i            (strictly lower)
  *   [U | W] = (I + A)^-1 [beta v | beta exp(cum) k]                   (forward substitution, 4 rows a block)
  *   V' = U - W S;   O = exp(cum) q S + tril((q k^T) exp(cum_i - cum_j)) V'
  *   S  = exp(cum_C) S + (k exp(cum_C - cum))^T V'
- * torch runs these as ~30 small ops a chunk on one thread (the engine leaves the cores to the pool); here a
- * head's chunk stays in L2 and every product is one register-blocked loop.
+ * torch runs these as ~30 small ops a chunk, each a pass over memory with its own dispatch; here a head's chunk
+ * stays in L2 and every product is one register-blocked loop.
  *
  * The vectors are GCC vector extensions of 8 floats: the same code, and the same bits, with AVX2 and with
  * AVX-512 (which compiles them to 256-bit instructions); without FMA a product and a sum round apart. */
@@ -40,11 +41,13 @@ static inline float fma1(float a, float b, float c) {
 
 /* c[M][N] += a[M][K] b[K][N] (row-major, leading dimensions lda, ldb, ldc): M a multiple of 4, N of 8. Tiles
  * of 4 rows x 16 columns (8 independent sums, a broadcast of a per row and step, two loads of b), all the row
- * tiles of a column strip in turn, so that the strip of b stays in L1. */
-static void gemm_acc(int M, int N, int K, const float *a, int lda, const float *b, int ldb, float *c, int ldc) {
+ * tiles of a column strip in turn, so that the strip of b stays in L1. lower: only the tiles that reach the
+ * diagonal or below it (a causal product; the others are left as they are). */
+static void gemm_acc(int M, int N, int K, const float *a, int lda, const float *b, int ldb, float *c, int ldc,
+                     int lower) {
     int j = 0;
     for (; j + 16 <= N; j += 16)
-        for (int i = 0; i < M; i += 4) {
+        for (int i = lower ? (j > 3 ? (j - 3) / 4 * 4 : 0) : 0; i < M; i += 4) {
             v8 s[4][2];
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
@@ -67,7 +70,7 @@ static void gemm_acc(int M, int N, int K, const float *a, int lda, const float *
             }
         }
     if (j < N) /* the last 8 columns */
-        for (int i = 0; i < M; i += 4) {
+        for (int i = lower ? (j > 3 ? (j - 3) / 4 * 4 : 0) : 0; i < M; i += 4) {
             v8 s[4];
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) s[r] = ld8(c + (i + r) * ldc + j);
@@ -100,89 +103,107 @@ typedef struct {
     int tasks;
 } dr_ctx;
 
-/* floats of one task's scratch */
+/* floats of one task's scratch: a key head's chunk (Q, K, K^T, K K^T, Q K^T), then a value head's */
 static int64_t dr_scratch_floats(int64_t dk, int64_t dv) {
     const int64_t C = DR_CHUNK;
-    return 3 * C * dk + C * (dv + dk) + 2 * C * dv + 3 * C * C + 2 * C;
+    return 3 * C * dk + 2 * C * C + C * (dv + dk) + 2 * C * dv + 2 * C * dk + 2 * C * C + 2 * C;
 }
 
-/* One chunk of head h, tokens [t0, t0 + n), n <= C; the rows past n are zeros (as torch pads them). */
-static void dr_chunk(const dr_ctx *c, float *scr, int64_t h, int64_t t0, int n) {
-    const int C = DR_CHUNK, dk = (int)c->dk, dv = (int)c->dv, ldx = dv + dk;
-    const int64_t kh = h % c->Hk, Hv = c->Hv;
-    float *Q = scr, *K = Q + C * dk, *KT = K + C * dk, *X = KT + dk * C, *Y = X + C * ldx, *O = Y + C * dv;
-    float *KK = O + C * dv, *QK = KK + C * C, *D = QK + C * C, *cum = D + C * C, *ec = cum + C;
-    float *S = c->S + h * dk * dv;
-
-    float run = 0;
+/* The key head's part of a chunk, tokens [t0, t0 + n), n <= C, which its value heads share: Q, K (rows past n
+ * zero, as torch pads them), K^T, and the products K K^T and Q K^T on and below the diagonal. */
+static void dr_keys(const dr_ctx *c, float *scr, int64_t kh, int64_t t0, int n) {
+    const int C = DR_CHUNK, dk = (int)c->dk;
+    float *Q = scr, *K = Q + C * dk, *KT = K + C * dk, *KK = KT + dk * C, *QK = KK + C * C;
     for (int i = 0; i < C; i++) {
-        float *qi = Q + i * dk, *ki = K + i * dk, *xi = X + i * ldx;
+        float *qi = Q + i * dk, *ki = K + i * dk;
         if (i < n) {
-            const int64_t t = t0 + i;
-            const float b = c->beta[t * Hv + h];
-            memcpy(qi, c->q + t * c->ldqk + kh * dk, (size_t)dk * 4);
-            memcpy(ki, c->k + t * c->ldqk + kh * dk, (size_t)dk * 4);
-            run += c->g[t * Hv + h];
-            cum[i] = run;
-            ec[i] = expf(run);
-            scale_to(dv, b, c->v + (t * Hv + h) * dv, xi);     /* beta v */
-            scale_to(dk, b, ki, xi + dv);                       /* beta k, then exp(cum) beta k */
-            for (int p = 0; p < dk; p += 8) st8(xi + dv + p, bc8(ec[i]) * ld8(xi + dv + p));
+            memcpy(qi, c->q + (t0 + i) * c->ldqk + kh * dk, (size_t)dk * 4);
+            memcpy(ki, c->k + (t0 + i) * c->ldqk + kh * dk, (size_t)dk * 4);
         } else {
             memset(qi, 0, (size_t)dk * 4);
             memset(ki, 0, (size_t)dk * 4);
-            memset(xi, 0, (size_t)ldx * 4);
-            cum[i] = run;
-            ec[i] = expf(run);
         }
         for (int p = 0; p < dk; p++) KT[p * C + i] = ki[p];
     }
     memset(KK, 0, (size_t)2 * C * C * 4);
-    gemm_acc(C, C, dk, K, dk, KT, C, KK, C);
-    gemm_acc(C, C, dk, Q, dk, KT, C, QK, C);
-    /* D: minus A (strictly lower); QK becomes the decayed causal scores (lower, with the diagonal) */
+    gemm_acc(C, C, dk, K, dk, KT, C, KK, C, 1);
+    gemm_acc(C, C, dk, Q, dk, KT, C, QK, C, 1);
+}
+
+/* Value head h's part of the chunk dr_keys prepared: its state S goes from the chunk's start to its end. */
+static void dr_values(const dr_ctx *c, float *scr, int64_t h, int64_t t0, int n) {
+    const int C = DR_CHUNK, dk = (int)c->dk, dv = (int)c->dv, ldx = dv + dk;
+    const int64_t Hv = c->Hv;
+    const float *Q = scr, *K = Q + C * dk, *KT = K + C * dk, *KK = KT + dk * C, *QK = KK + C * C;
+    float *X = (float *)QK + C * C, *Y = X + C * ldx, *O = Y + C * dv, *Qd = O + C * dv, *KDT = Qd + C * dk;
+    float *D = KDT + dk * C, *A = D + C * C, *cum = A + C * C, *ec = cum + C;
+    float *S = c->S + h * dk * dv;
+
+    float run = 0;
+    for (int i = 0; i < C; i++) {
+        float *xi = X + i * ldx;
+        if (i < n) {
+            const int64_t t = t0 + i;
+            const float b = c->beta[t * Hv + h];
+            run += c->g[t * Hv + h];
+            cum[i] = run;
+            ec[i] = expf(run);
+            scale_to(dv, b, c->v + (t * Hv + h) * dv, xi);     /* beta v */
+            scale_to(dk, b, K + i * dk, xi + dv);               /* beta k, then exp(cum) beta k */
+            for (int p = 0; p < dk; p += 8) st8(xi + dv + p, bc8(ec[i]) * ld8(xi + dv + p));
+        } else {
+            memset(xi, 0, (size_t)ldx * 4);
+            cum[i] = run;
+            ec[i] = expf(run);
+        }
+    }
+    /* D: minus A (strictly lower); A: the decayed causal scores of Q K^T (lower, with the diagonal) */
     for (int i = 0; i < C; i++) {
         const float b = i < n ? c->beta[(t0 + i) * Hv + h] : 0.0f;
         for (int j = 0; j < C; j++) {
             const float decay = j <= i ? expf(cum[i] - cum[j]) : 0.0f;
             D[i * C + j] = j < i ? -(b * KK[i * C + j]) * decay : 0.0f;
-            QK[i * C + j] *= decay;
+            A[i * C + j] = QK[i * C + j] * decay;
         }
     }
     /* forward substitution, 4 rows a block: the rows before the block in one product, then within it */
     for (int i0 = 0; i0 < C; i0 += 4) {
-        if (i0) gemm_acc(4, ldx, i0, D + i0 * C, C, X, ldx, X + i0 * ldx, ldx);
+        if (i0) gemm_acc(4, ldx, i0, D + i0 * C, C, X, ldx, X + i0 * ldx, ldx, 0);
         for (int r = 1; r < 4; r++)
             for (int s = 0; s < r; s++) axpy(ldx, D[(i0 + r) * C + i0 + s], X + (i0 + s) * ldx, X + (i0 + r) * ldx);
     }
     /* Y = W S; O = (exp(cum) q) S */
-    for (int i = 0; i < C; i++) scale_to(dk, ec[i], Q + i * dk, Q + i * dk);
+    for (int i = 0; i < C; i++) scale_to(dk, ec[i], Q + i * dk, Qd + i * dk);
     memset(Y, 0, (size_t)2 * C * dv * 4);
-    gemm_acc(C, dv, dk, X + dv, ldx, S, dv, Y, dv);
-    gemm_acc(C, dv, dk, Q, dk, S, dv, O, dv);
+    gemm_acc(C, dv, dk, X + dv, ldx, S, dv, Y, dv, 0);
+    gemm_acc(C, dv, dk, Qd, dk, S, dv, O, dv, 0);
     /* V' = U - W S, in X's first dv columns */
     for (int i = 0; i < C; i++)
         for (int j = 0; j < dv; j += 8) st8(X + i * ldx + j, ld8(X + i * ldx + j) - ld8(Y + i * dv + j));
-    /* O += tril(QK) V', each block of rows against the rows of V' up to its last */
-    for (int i0 = 0; i0 < C; i0 += 4) gemm_acc(4, dv, i0 + 4, QK + i0 * C, C, X, ldx, O + i0 * dv, dv);
+    /* O += A V', each block of rows against the rows of V' up to its last */
+    for (int i0 = 0; i0 < C; i0 += 4) gemm_acc(4, dv, i0 + 4, A + i0 * C, C, X, ldx, O + i0 * dv, dv, 0);
     for (int i = 0; i < n; i++) memcpy(c->out + ((t0 + i) * Hv + h) * dv, O + i * dv, (size_t)dv * 4);
     /* S = exp(cum_C) S + (k exp(cum_C - cum))^T V' */
     const float last = cum[C - 1];
     for (int i = 0; i < C; i++) {
         const float e = expf(last - cum[i]);
-        for (int p = 0; p < dk; p++) KT[p * C + i] *= e;
+        for (int p = 0; p < dk; p++) KDT[p * C + i] = KT[p * C + i] * e;
     }
     const float el = expf(last);
     for (int64_t j = 0; j < (int64_t)dk * dv; j += 8) st8(S + j, bc8(el) * ld8(S + j));
-    gemm_acc(dk, dv, C, KT, C, X, ldx, S, dv);
+    gemm_acc(dk, dv, C, KDT, C, X, ldx, S, dv, 0);
 }
 
+/* task t: key heads t, t + tasks, ...; each chunk's key part once for all the value heads that read it */
 static void dr_task(void *vctx, int64_t t) {
     const dr_ctx *c = vctx;
     float *scr = c->scratch + t * c->scratch_floats;
-    for (int64_t h = t; h < c->Hv; h += c->tasks)
-        for (int64_t t0 = 0; t0 < c->T; t0 += DR_CHUNK)
-            dr_chunk(c, scr, h, t0, c->T - t0 < DR_CHUNK ? (int)(c->T - t0) : DR_CHUNK);
+    for (int64_t kh = t; kh < c->Hk; kh += c->tasks)
+        for (int64_t t0 = 0; t0 < c->T; t0 += DR_CHUNK) {
+            const int n = c->T - t0 < DR_CHUNK ? (int)(c->T - t0) : DR_CHUNK;
+            dr_keys(c, scr, kh, t0, n);
+            for (int64_t h = kh; h < c->Hv; h += c->Hk) dr_values(c, scr, h, t0, n);
+        }
 }
 
 /* The delta rule over T tokens: q, k [T][*] with key head j's dk values at row offset j * dk (rows ldqk floats
@@ -196,7 +217,7 @@ int ms_delta_rule(int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, con
     if (T == 0) return MS_OK;
     if (!q || !k || !v || !g || !beta || !S || !out) return MS_BAD_PTR;
     const int threads = ms_internal_threads();
-    const int tasks = (int)(Hv < threads ? Hv : threads);
+    const int tasks = (int)(Hk < threads ? Hk : threads);
     dr_ctx c = {T, Hk, Hv, dk, dv, ldqk, q, k, v, g, beta, S, out, NULL, dr_scratch_floats(dk, dv), tasks};
     c.scratch = malloc((size_t)(tasks * c.scratch_floats) * sizeof(float));
     if (!c.scratch) return MS_NO_MEM;

@@ -1,0 +1,117 @@
+"""The Gated DeltaNet's prompt path, torch against the native loop, in one process, call by call.
+
+    python bench/deltanet_ab.py --lengths 128,2048 --threads 2
+
+Times, on random inputs of the Qwen3.6-35B-A3B shape (16 key heads, 32 value heads, 128-dim heads; other
+shapes by flag), one call of `chunk_delta_rule` (torch, at --threads of torch's threads, as a prompt step runs
+it) and one of `delta_rule_span` (compute/native/deltanet.c on the lane pool's --threads), alternating and the
+order swapped every round, then the causal depthwise convolution before it the same way (torch's
+unfold-multiply-sum against `causal_conv`). A round's ratio compares calls made milliseconds apart, which a
+noisy shared VM cannot blur. Reports per case the median (min-max) over rounds of torch / native (above 1:
+the native loop is faster), each side's median milliseconds, and the relative difference of the outputs.
+
+Writes bench/results/<date>-<name>.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from harness import add_results_args, log, median_range, save_rows
+
+from moestream.compute import native
+from moestream.models import deltanet
+
+
+def alternate(arms: dict[str, Callable[[], torch.Tensor]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each arm's calls, one call of each a round, the order swapped every round."""
+    for fn in arms.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    order = list(arms)
+    for i in range(rounds):
+        for a in order if i % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            arms[a]()
+            times[a].append(time.perf_counter() - t0)
+    return times
+
+
+def delta_case(L: int, Hk: int, Hv: int, d: int) -> tuple[dict[str, Callable[[], torch.Tensor]], float]:
+    g = torch.Generator().manual_seed(L)
+    qk = torch.nn.functional.normalize(torch.randn(L, 2 * Hk, d, generator=g), dim=-1)
+    v = torch.randn(L, Hv, d, generator=g)
+    decay, beta = -torch.rand(L, Hv, generator=g) * 0.5, torch.rand(L, Hv, generator=g)
+    S0 = torch.randn(Hv, d, d, generator=g) * 0.1
+    q, k = deltanet.value_heads(qk, Hk, Hv)
+    heads_first = [t.transpose(0, 1) for t in (q, k, v, decay, beta)]
+    arms = {
+        "torch": lambda: deltanet.chunk_delta_rule(*heads_first, S0.clone()).transpose(0, 1),
+        "native": lambda: deltanet.delta_rule_span(qk, v, decay, beta, S0.clone(), Hk),
+    }
+    a, b = arms["torch"](), arms["native"]()
+    return arms, float((a - b).norm() / a.norm())
+
+
+def conv_case(L: int, channels: int, K: int) -> tuple[dict[str, Callable[[], torch.Tensor]], float]:
+    g = torch.Generator().manual_seed(L)
+    buf, w_t = torch.randn(L + K - 1, channels, generator=g), torch.randn(K, channels, generator=g)
+    arms = {
+        "torch": lambda: (buf.unfold(0, K, 1) * w_t.T).sum(-1),
+        "native": lambda: deltanet.causal_conv(buf, w_t),
+    }
+    a, b = arms["torch"](), arms["native"]()
+    return arms, float((a - b).norm() / a.norm())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[128, 2048])
+    ap.add_argument("--key-heads", type=int, default=16)
+    ap.add_argument("--value-heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--conv-channels", type=int, default=8192, help="the conv's width (q, k and v heads)")
+    ap.add_argument("--conv-kernel", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=21)
+    add_results_args(ap, "deltanet-ab")
+    args = ap.parse_args()
+    if min(args.lengths) < 1 or args.rounds < 1 or args.threads < 1:
+        raise SystemExit("deltanet_ab: --lengths, --rounds and --threads must be at least 1")
+    lib = native.lib()
+    if lib is None:
+        raise SystemExit("deltanet_ab: the native library is not available here (no C compiler?)")
+    torch.set_num_threads(args.threads)
+    native.set_threads(args.threads)
+    rows: list[dict] = []
+    lines = [
+        f"{args.threads} threads (torch's and the lane pool's), {args.rounds} rounds",
+        "",
+        "| case | torch/native (median, min-max over rounds) | torch ms | native ms | relative difference |",
+        "|---|---|---|---|---|",
+    ]
+    cases = [(f"delta rule, {L} tokens", *delta_case(L, args.key_heads, args.value_heads, args.head_dim))
+             for L in args.lengths]  # fmt: skip
+    cases += [(f"causal conv, {L} tokens", *conv_case(L, args.conv_channels, args.conv_kernel))
+              for L in args.lengths]  # fmt: skip
+    for name, arms, diff in cases:
+        with torch.inference_mode():
+            times = alternate(arms, args.rounds)
+        ratios = [a / b for a, b in zip(times["torch"], times["native"], strict=True)]
+        rows.append({"case": name, "relative_difference": diff, **{f"{a}_s": t for a, t in times.items()}})
+        lines.append(
+            f"| {name} | {median_range(ratios, 2)}x | {statistics.median(times['torch']) * 1e3:.2f} | "
+            f"{statistics.median(times['native']) * 1e3:.2f} | {diff:.1e} |"
+        )
+        log(f"{name}: {statistics.median(ratios):.2f}x")
+    args.model = os.devnull  # random inputs: no model file
+    save_rows(args, rows, lines)
+
+
+if __name__ == "__main__":
+    main()
