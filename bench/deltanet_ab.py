@@ -21,11 +21,14 @@ import statistics
 import time
 from collections.abc import Callable
 
-import torch
-from harness import add_results_args, log, median_range, save_rows
+# as the engine runs torch (moestream sets it at import, which here would come after torch loads OpenMP)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from moestream.compute import native
-from moestream.models import deltanet
+import torch  # noqa: E402
+from harness import add_results_args, log, median_range, save_rows  # noqa: E402
+
+from moestream.compute import native  # noqa: E402
+from moestream.models import deltanet  # noqa: E402
 
 
 def alternate(arms: dict[str, Callable[[], torch.Tensor]], rounds: int) -> dict[str, list[float]]:
