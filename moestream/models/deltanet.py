@@ -212,7 +212,8 @@ class GatedDeltaNet:
         else:
             parts, start = [], 0
             for off, conv_into, S_into in cuts:  # run up to each checkpoint, copy the states there, go on
-                parts.append(delta_rule_span(qk[start:off], v[start:off], g[start:off], beta[start:off], S, Hk))
+                if off > start:  # a checkpoint at the call's first token copies the states as they came in
+                    parts.append(delta_rule_span(qk[start:off], v[start:off], g[start:off], beta[start:off], S, Hk))
                 S_into.copy_(S)
                 conv_into.copy_(buf[off : off + K - 1])
                 start = off
