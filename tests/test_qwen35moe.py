@@ -115,6 +115,30 @@ def test_native_causal_conv_equals_torch(monkeypatch, flags, T, C, K):
     assert got.shape == want.shape == (T, C) and rel_error(got, want) < 1e-6
 
 
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
+def test_checkpoint_at_the_calls_first_token(tiny, monkeypatch, use_native):
+    """A checkpoint cut at offset 0 copies the states as they came in, and the call's output is the uncut one."""
+    path, *_ = tiny
+    eng = _engine(path)
+    try:
+        if not use_native:
+            monkeypatch.setattr(native, "lib", lambda extra_flags=(): None)
+        mixer = eng.model.layers[0][1]  # layer 0 is a Gated DeltaNet layer
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(5, eng.model.cfg.hidden, generator=g)
+        conv0 = torch.randn(eng.model.cfg.conv_kernel - 1, eng.model.cfg.conv_dim, generator=g)
+        S0 = torch.randn(eng.model.cfg.n_v_heads, eng.model.cfg.k_head_dim, eng.model.cfg.v_head_dim, generator=g)
+        conv_a, S_a, conv_b, S_b = conv0.clone(), S0.clone(), conv0.clone(), S0.clone()
+        conv_cut, S_cut = torch.empty_like(conv0), torch.empty_like(S0)
+        with torch.inference_mode():
+            cut = mixer(x, conv_a, S_a, [(0, conv_cut, S_cut)])
+            plain = mixer(x, conv_b, S_b, [])
+        assert torch.equal(conv_cut, conv0) and torch.equal(S_cut, S0)
+        assert torch.equal(cut, plain) and torch.equal(S_a, S_b) and torch.equal(conv_a, conv_b)
+    finally:
+        eng.close()
+
+
 def test_mtp_block_and_interval_only_metadata(tiny, tmp_path):
     """A file with an appended MTP block, or with only full_attention_interval, runs the same trunk."""
     path, toks, ref, model = tiny
