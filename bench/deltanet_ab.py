@@ -18,31 +18,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 # as the engine runs torch (moestream sets it at import, which here would come after torch loads OpenMP)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from harness import add_results_args, log, median_range, save_rows  # noqa: E402
+from harness import add_results_args, alternate, log, median_range, save_rows  # noqa: E402
 
 from moestream.compute import native  # noqa: E402
 from moestream.models import deltanet  # noqa: E402
-
-
-def alternate(arms: dict[str, Callable[[], torch.Tensor]], rounds: int) -> dict[str, list[float]]:
-    """Seconds of each arm's calls, one call of each a round, the order swapped every round."""
-    for fn in arms.values():  # warm-up
-        fn()
-    times: dict[str, list[float]] = {a: [] for a in arms}
-    order = list(arms)
-    for i in range(rounds):
-        for a in order if i % 2 == 0 else order[::-1]:
-            t0 = time.perf_counter()
-            arms[a]()
-            times[a].append(time.perf_counter() - t0)
-    return times
 
 
 def delta_case(L: int, Hk: int, Hv: int, d: int) -> tuple[dict[str, Callable[[], torch.Tensor]], float]:

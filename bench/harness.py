@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -373,6 +373,25 @@ def save_rows(args: argparse.Namespace, rows: list[dict[str, Any]], lines: Seque
     text = "\n".join(lines)
     doc = {"meta": run_meta(args), "rows": rows, "markdown": text}
     return save_results(doc, text, args, args.name)
+
+
+# ---- in-process A/B ----------------------------------------------------------------------------
+
+
+def alternate(arms: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each arm's calls after one warm-up call each: one call of every arm a round, the order
+    swapped every round, so that a round's ratio compares calls made moments apart (what a noisy shared VM
+    cannot blur)."""
+    for fn in arms.values():
+        fn()
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    order = list(arms)
+    for i in range(rounds):
+        for a in order if i % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            arms[a]()
+            times[a].append(time.perf_counter() - t0)
+    return times
 
 
 # ---- cells ---------------------------------------------------------------------------------------

@@ -21,13 +21,13 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from harness import add_results_args, log, median_range, save_rows
+from harness import add_results_args, alternate, log, median_range, save_rows
 from lane_rows import parse_shapes
 
 from moestream.compute import linear, native
@@ -55,18 +55,11 @@ def time_case(libs: dict[str, ctypes.CDLL], lin: linear.QLinear, x: torch.Tensor
     m, (n, k) = x.shape[0], lin.shape
     outs = {arm: torch.empty(m, n) for arm in libs}
 
-    def call(arm: str) -> float:
-        t0 = time.perf_counter()
-        libs[arm].ms_qmm(lin.ggml_type, lin.weight.data_ptr(), n, k, x.data_ptr(), m, k, outs[arm].data_ptr(), n)
-        return time.perf_counter() - t0
+    def call(arm: str) -> Callable[[], None]:
+        return lambda: libs[arm].ms_qmm(lin.ggml_type, lin.weight.data_ptr(), n, k, x.data_ptr(), m, k,
+                                        outs[arm].data_ptr(), n)  # fmt: skip
 
-    for arm in libs:  # warm-up
-        call(arm)
-    times: dict[str, list[float]] = {arm: [] for arm in libs}
-    order = list(libs)
-    for i in range(rounds):
-        for arm in order if i % 2 == 0 else order[::-1]:
-            times[arm].append(call(arm))
+    times = alternate({arm: call(arm) for arm in libs}, rounds)
     same = torch.equal(outs["before"].view(torch.int32), outs["after"].view(torch.int32))
     return {"before_s": times["before"], "after_s": times["after"], "same_bits": same}
 
