@@ -39,6 +39,10 @@ static inline float fma1(float a, float b, float c) {
 #endif
 }
 
+/* the first 4-row tile of a column strip starting at j that gemm_acc computes: the first that reaches the
+ * strip's first column (the diagonal) when it computes only the lower tiles */
+static inline int first_tile_row(int lower, int j) { return lower && j > 3 ? (j - 3) / 4 * 4 : 0; }
+
 /* c[M][N] += a[M][K] b[K][N] (row-major, leading dimensions lda, ldb, ldc): M a multiple of 4, N of 8. Tiles
  * of 4 rows x 16 columns (8 independent sums, a broadcast of a per row and step, two loads of b), all the row
  * tiles of a column strip in turn, so that the strip of b stays in L1. lower: only the tiles that reach the
@@ -47,7 +51,7 @@ static void gemm_acc(int M, int N, int K, const float *a, int lda, const float *
                      int lower) {
     int j = 0;
     for (; j + 16 <= N; j += 16)
-        for (int i = lower ? (j > 3 ? (j - 3) / 4 * 4 : 0) : 0; i < M; i += 4) {
+        for (int i = first_tile_row(lower, j); i < M; i += 4) {
             v8 s[4][2];
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
@@ -70,7 +74,7 @@ static void gemm_acc(int M, int N, int K, const float *a, int lda, const float *
             }
         }
     if (j < N) /* the last 8 columns */
-        for (int i = lower ? (j > 3 ? (j - 3) / 4 * 4 : 0) : 0; i < M; i += 4) {
+        for (int i = first_tile_row(lower, j); i < M; i += 4) {
             v8 s[4];
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) s[r] = ld8(c + (i + r) * ldc + j);
@@ -94,26 +98,49 @@ static inline void scale_to(int n, float a, const float *x, float *y) {
     for (int j = 0; j < n; j += 8) st8(y + j, bc8(a) * ld8(x + j));
 }
 
+/* Where each buffer of a task's scratch starts, in floats: a key head's chunk (Q, K, K^T, K K^T, Q K^T), then a
+ * value head's. KK and QK, and Y and O, are adjacent (one memset clears each pair). */
+typedef struct {
+    int64_t Q, K, KT, KK, QK, X, Y, O, Qd, KDT, D, A, cum, ec, total;
+} dr_layout;
+
+static dr_layout dr_plan(int64_t dk, int64_t dv) {
+    const int64_t C = DR_CHUNK;
+    dr_layout l;
+    int64_t at = 0;
+    l.Q = at, at += C * dk;
+    l.K = at, at += C * dk;
+    l.KT = at, at += dk * C;
+    l.KK = at, at += C * C;
+    l.QK = at, at += C * C;
+    l.X = at, at += C * (dv + dk);
+    l.Y = at, at += C * dv;
+    l.O = at, at += C * dv;
+    l.Qd = at, at += C * dk;
+    l.KDT = at, at += dk * C;
+    l.D = at, at += C * C;
+    l.A = at, at += C * C;
+    l.cum = at, at += C;
+    l.ec = at, at += C;
+    l.total = at;
+    return l;
+}
+
 typedef struct {
     int64_t T, Hk, Hv, dk, dv, ldqk;
     const float *q, *k, *v, *g, *beta;
     float *S, *out;
-    float *scratch; /* per task */
-    int64_t scratch_floats;
+    float *scratch; /* lay.total floats per task */
+    dr_layout lay;
     int tasks;
 } dr_ctx;
-
-/* floats of one task's scratch: a key head's chunk (Q, K, K^T, K K^T, Q K^T), then a value head's */
-static int64_t dr_scratch_floats(int64_t dk, int64_t dv) {
-    const int64_t C = DR_CHUNK;
-    return 3 * C * dk + 2 * C * C + C * (dv + dk) + 2 * C * dv + 2 * C * dk + 2 * C * C + 2 * C;
-}
 
 /* The key head's part of a chunk, tokens [t0, t0 + n), n <= C, which its value heads share: Q, K (rows past n
  * zero, as torch pads them), K^T, and the products K K^T and Q K^T on and below the diagonal. */
 static void dr_keys(const dr_ctx *c, float *scr, int64_t kh, int64_t t0, int n) {
     const int C = DR_CHUNK, dk = (int)c->dk;
-    float *Q = scr, *K = Q + C * dk, *KT = K + C * dk, *KK = KT + dk * C, *QK = KK + C * C;
+    const dr_layout *l = &c->lay;
+    float *Q = scr + l->Q, *K = scr + l->K, *KT = scr + l->KT, *KK = scr + l->KK, *QK = scr + l->QK;
     for (int i = 0; i < C; i++) {
         float *qi = Q + i * dk, *ki = K + i * dk;
         if (i < n) {
@@ -134,9 +161,10 @@ static void dr_keys(const dr_ctx *c, float *scr, int64_t kh, int64_t t0, int n) 
 static void dr_values(const dr_ctx *c, float *scr, int64_t h, int64_t t0, int n) {
     const int C = DR_CHUNK, dk = (int)c->dk, dv = (int)c->dv, ldx = dv + dk;
     const int64_t Hv = c->Hv;
-    const float *Q = scr, *K = Q + C * dk, *KT = K + C * dk, *KK = KT + dk * C, *QK = KK + C * C;
-    float *X = (float *)QK + C * C, *Y = X + C * ldx, *O = Y + C * dv, *Qd = O + C * dv, *KDT = Qd + C * dk;
-    float *D = KDT + dk * C, *A = D + C * C, *cum = A + C * C, *ec = cum + C;
+    const dr_layout *l = &c->lay;
+    const float *Q = scr + l->Q, *K = scr + l->K, *KT = scr + l->KT, *KK = scr + l->KK, *QK = scr + l->QK;
+    float *X = scr + l->X, *Y = scr + l->Y, *O = scr + l->O, *Qd = scr + l->Qd, *KDT = scr + l->KDT;
+    float *D = scr + l->D, *A = scr + l->A, *cum = scr + l->cum, *ec = scr + l->ec;
     float *S = c->S + h * dk * dv;
 
     float run = 0;
@@ -197,7 +225,7 @@ static void dr_values(const dr_ctx *c, float *scr, int64_t h, int64_t t0, int n)
 /* task t: key heads t, t + tasks, ...; each chunk's key part once for all the value heads that read it */
 static void dr_task(void *vctx, int64_t t) {
     const dr_ctx *c = vctx;
-    float *scr = c->scratch + t * c->scratch_floats;
+    float *scr = c->scratch + t * c->lay.total;
     for (int64_t kh = t; kh < c->Hk; kh += c->tasks)
         for (int64_t t0 = 0; t0 < c->T; t0 += DR_CHUNK) {
             const int n = c->T - t0 < DR_CHUNK ? (int)(c->T - t0) : DR_CHUNK;
@@ -218,8 +246,8 @@ int ms_delta_rule(int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, con
     if (!q || !k || !v || !g || !beta || !S || !out) return MS_BAD_PTR;
     const int threads = ms_internal_threads();
     const int tasks = (int)(Hk < threads ? Hk : threads);
-    dr_ctx c = {T, Hk, Hv, dk, dv, ldqk, q, k, v, g, beta, S, out, NULL, dr_scratch_floats(dk, dv), tasks};
-    c.scratch = malloc((size_t)(tasks * c.scratch_floats) * sizeof(float));
+    dr_ctx c = {T, Hk, Hv, dk, dv, ldqk, q, k, v, g, beta, S, out, NULL, dr_plan(dk, dv), tasks};
+    c.scratch = malloc((size_t)(tasks * c.lay.total) * sizeof(float));
     if (!c.scratch) return MS_NO_MEM;
     ms_internal_dispatch(dr_task, &c, tasks);
     free(c.scratch);
