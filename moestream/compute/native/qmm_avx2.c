@@ -337,7 +337,7 @@ static inline AI void tile_group(int T, int R, int M, int L, const uint8_t *g, i
  * rows' weights ahead. */
 static inline AI void tile_rows(int T, int R, int M, const qmm_job *J, int64_t r, int nr, int64_t t0, int nt,
                                 int pf) {
-    const int64_t k = J->k, nsub = k / 32, rb = ms_lane_row_bytes(T, k);
+    const int64_t k = J->k, nsub = k / 32, rb = lane_row_bytes(T, k);
     const int64_t rs = nr > 1 ? rb : 0, tk = nt > 1 ? k : 0, tn = nt > 1 ? nsub : 0;
     __m256 acc[16];
     for (int i = 0; i < 2 * R * M; i++) acc[i] = _mm256_setzero_ps();

@@ -295,7 +295,7 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
 }
 
 static inline __attribute__((always_inline)) void qmv2(int T, const qmm_job *J, int64_t r0, int64_t r1) {
-    const int64_t k = J->k, nsub = k / 32, rb = ms_lane_row_bytes(T, k);
+    const int64_t k = J->k, nsub = k / 32, rb = lane_row_bytes(T, k);
     int64_t r = r0;
     for (; r + 1 < r1; r += 2) {
         const uint8_t *ga = J->w + r * rb, *gb = ga + rb;
@@ -487,7 +487,7 @@ static inline __attribute__((always_inline)) void tile_group(int T, int L, int R
  * kernel per tile shape is what keeps the library's build short). pf: prefetch the rows' weights ahead. */
 static inline __attribute__((always_inline)) void tile_rows(int T, int R, int M, const qmm_job *J, int64_t r,
                                                             int nr, int64_t t0, int nt, int pf) {
-    const int64_t k = J->k, nsub = k / 32, rb = ms_lane_row_bytes(T, k);
+    const int64_t k = J->k, nsub = k / 32, rb = lane_row_bytes(T, k);
     const int64_t rs = nr > 1 ? rb : 0, tk = nt > 1 ? k : 0, tn = nt > 1 ? nsub : 0;
     __m512 acc[R * M];
 #pragma GCC unroll 16
