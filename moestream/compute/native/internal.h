@@ -148,7 +148,8 @@ static inline int per32_type(int type) {
 static inline int group_lanes(int64_t nsub, int64_t s0) { return nsub - s0 >= 16 ? 16 : (int)(nsub - s0); }
 
 int64_t ms_lane_row_bytes(int type, int64_t k);
-/* ms_lane_row_bytes of a shape already checked: inlined, so a kernel with its type as a constant pays a multiply */
+/* ms_lane_row_bytes of a shape already checked: inlined, so a kernel with its type as a constant pays a multiply
+ * (exact: a per-32 type's block bytes are a multiple of 8) */
 static inline int64_t lane_row_bytes(int type, int64_t k) { return super_bytes(type) * k / 256; }
 int ms_qmm(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, int64_t ldx, float *y,
            int64_t ldy);

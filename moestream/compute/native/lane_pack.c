@@ -15,7 +15,7 @@ static const int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, 
 int64_t ms_lane_row_bytes(int type, int64_t k) {
     if (super_bytes(type) < 0) return MS_BAD_TYPE;
     if (!dim_ok(k) || k % (per32_type(type) ? 32 : 256)) return MS_BAD_SHAPE;
-    return super_bytes(type) * k / 256; /* exact: a per-32 type's block bytes are a multiple of 8 */
+    return lane_row_bytes(type, k);
 }
 
 /* 2: the AVX-512 VNNI kernels, 1: the AVX2 ones, 0: none */
