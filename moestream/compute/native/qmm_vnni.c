@@ -332,6 +332,7 @@ void ms_internal_qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) { EACH_TYPE(
  * sums and the unpacked weights they fit the 32 registers. */
 #define TILE_R(T) (TWO_HALF(T) ? 1 : 2)
 #define TILE_M(T) 4
+#define TILE_MAX 8 /* R x M of the largest tile */
 
 /* a group's 4 L bytes of weights; bc (L = 8): the 32 bytes in both halves of the register */
 #define LDW(L, bc, p) ((bc) ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const void *)(p))) : LDB(L, p))
@@ -423,7 +424,7 @@ static inline __attribute__((always_inline)) void tile_group(int T, int L, int R
     const int cb = 4 * L;
     /* an 8-lane group fills half a register: two tokens share one, the weights in both halves */
     const int pk = L == 8 && M % 2 == 0, V = pk ? M / 2 : M;
-    __m512i a0[R * M], a1[R * M];
+    __m512i a0[TILE_MAX], a1[TILE_MAX]; /* fixed sizes: a VLA would live on the stack, not in registers */
 #pragma GCC unroll 8
     for (int v = 0; v < V; v++) {
         __m512i i0, i1;
@@ -444,7 +445,7 @@ static inline __attribute__((always_inline)) void tile_group(int T, int L, int R
     }
 #pragma GCC unroll 4
     for (int c = 0; c < 4; c++) {
-        __m512i w0[R], w1[R];
+        __m512i w0[2], w1[2];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) chunk_weights(T, L, pk, g + r * rb, c, &w0[r], &w1[r]);
 #pragma GCC unroll 8
@@ -489,7 +490,7 @@ static inline __attribute__((always_inline)) void tile_rows(int T, int R, int M,
                                                             int nr, int64_t t0, int nt, int pf) {
     const int64_t k = J->k, nsub = k / 32, rb = lane_row_bytes(T, k);
     const int64_t rs = nr > 1 ? rb : 0, tk = nt > 1 ? k : 0, tn = nt > 1 ? nsub : 0;
-    __m512 acc[R * M];
+    __m512 acc[TILE_MAX];
 #pragma GCC unroll 16
     for (int i = 0; i < R * M; i++) acc[i] = _mm512_setzero_ps();
     const uint8_t *g = J->w + r * rb;
@@ -509,7 +510,7 @@ static inline __attribute__((always_inline)) void tile_rows(int T, int R, int M,
         if (!per32_type(T) || rem == 8) tile_group(T, 8, R, M, g, rs, xq, tk, J->x, t0 * nsub + s0, tn, acc);
         else tile_group(T, rem, R, M, g, rs, xq, tk, J->x, t0 * nsub + s0, tn, acc);
     }
-    float sums[R * M];
+    float sums[TILE_MAX];
     if (R * M == 8) {
         hsum8(acc, sums);
     } else {
@@ -529,7 +530,7 @@ static inline __attribute__((always_inline)) void tile_tokens(int T, const qmm_j
 }
 
 /* Tokens go in blocks whose activations stay in L1 while the rows [r0, r1) (in L2) pass over them. */
-#define TOKEN_BLOCK_BYTES 16384
+#define TOKEN_BLOCK_BYTES 4096
 
 static inline __attribute__((always_inline)) void qmm_tiles(int T, const qmm_job *J, int64_t r0, int64_t r1) {
     const int M = TILE_M(T);
