@@ -329,8 +329,9 @@ void ms_internal_qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) { EACH_TYPE(
 /* the types whose two halves of 16 take separate scales: two int32 sums per (row, token) */
 #define TWO_HALF(T) ((T) == QT_Q6_K || (T) == QT_Q3_K || (T) == QT_Q2_K)
 /* Tiles: R rows x M tokens. One int32 sum per (row, token) for most types, two for TWO_HALF; with the float
- * sums and the unpacked weights they fit the 32 registers. */
-#define TILE_R(T) (TWO_HALF(T) ? 1 : 2)
+ * sums and the unpacked weights they fit the 32 registers (TWO_HALF's 2 x 4 tiles too: their eight float sums
+ * share one hsum8, which 1 x 4 tiles did not; bench/RESULTS.md, "The VNNI tiles in registers"). */
+#define TILE_R(T) 2
 #define TILE_M(T) 4
 #define TILE_MAX 8 /* R x M of the largest tile */
 
