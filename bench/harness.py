@@ -326,6 +326,11 @@ def tail(text: str, lines: int = 3) -> str:
 # ---- results files -------------------------------------------------------------------------------
 
 
+def spread_ids(vocab: int, n: int) -> list[int]:
+    """n token ids spread over the vocabulary (no tokenizer, no corpus): the in-process diagnostics' prompt."""
+    return [5 + (i * 7919) % (vocab - 10) for i in range(n)]
+
+
 def add_results_args(ap: argparse.ArgumentParser, name: str | None, name_help: str | None = None) -> None:
     """--name, --results-dir and --markdown: where save_results writes."""
     ap.add_argument("--name", default=name, help=name_help or f"results file name (default {name})")

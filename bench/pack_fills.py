@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from harness import add_results_args, run_meta, save_results
+from harness import add_results_args, run_meta, save_results, spread_ids
 
 import moestream.streaming.expert_cache as expert_cache
 from moestream.engine.engine import Engine
@@ -61,7 +61,7 @@ def main() -> None:
     eng = Engine(args.model, EngineOptions(ram_budget_mb=args.budget_mb, threads=args.threads))
     try:
         vocab = eng.tokenizer.vocab_size
-        prompt = [5 + (i * 7919) % (vocab - 10) for i in range(args.prompt_tokens)]
+        prompt = spread_ids(vocab, args.prompt_tokens)
         eng.generate(prompt[:8], 2)
         timed.calls.clear()
         t = time.perf_counter()

@@ -20,7 +20,7 @@ import dataclasses
 import pstats
 import time
 
-from harness import add_results_args, run_meta, save_results
+from harness import add_results_args, run_meta, save_results, spread_ids
 
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
@@ -60,7 +60,7 @@ def main() -> None:
         if args.preload:
             eng.preload()
         vocab = eng.tokenizer.vocab_size
-        prompt = [5 + (i * 7919) % (vocab - 10) for i in range(args.prompt_tokens)]
+        prompt = spread_ids(vocab, args.prompt_tokens)
         eng.generate(prompt[:8], 2)  # kernels and pools started
         steps = eng.stream(prompt, args.tokens + 1)
         prefill = cProfile.Profile()
