@@ -272,6 +272,32 @@ def test_clamped_swiglu_refuses_bad_biases():
         linear.lane_swiglu(experts[:1], [x], [y], bad)
 
 
+@pytest.mark.parametrize("clamped", [False, True], ids=["swiglu", "clamped"])
+def test_swiglu_reading_rows_in_place_equals_the_copied_rows(clamped):
+    """RowsOf (the native call gathers each expert's rows of x) gives the bits of the copied inputs, rows
+    repeated and out of order included; an index outside x is refused, not read."""
+    h, f = 256, 352 if clamped else 512
+    rng = np.random.default_rng(3)
+    if clamped:
+        experts, ffn = _clamped_experts(rng, h, f, 3)
+        act = ffn.lane([0, 1, 2])
+    else:
+        experts = [(linear.from_gguf(quants.random_gguf(T.Q4_K, 2 * f * h, rng), T.Q4_K, 2 * f, h, False), None,
+                    linear.from_gguf(quants.random_gguf(T.Q6_K, h * f, rng), T.Q6_K, h, f, False))
+                   for _ in range(3)]  # fmt: skip
+        act = None
+    x = torch.randn(6, h)
+    rows = [np.array([4, 0, 4]), np.array([], np.int64), np.array([5, 1])]
+    want = [torch.empty(len(r), h) for r in rows]
+    linear.lane_swiglu(experts, [x[torch.from_numpy(r)].contiguous() for r in rows], want, act)
+    got = [torch.full((len(r), h), float("nan")) for r in rows]
+    linear.lane_swiglu(experts, linear.RowsOf(x, rows), got, act)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.view(torch.int32), w.view(torch.int32))
+    with pytest.raises(ComputeError):
+        linear.lane_swiglu(experts, linear.RowsOf(x, [np.array([6, 0, 1]), *rows[1:]]), got, act)
+
+
 def test_scalar_build_reports_no_lane_kernels():
     lib = native.lib(("-DMS_SCALAR",))
     assert lib is not None and lib.ms_lane_supported() == 0

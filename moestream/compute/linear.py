@@ -485,36 +485,56 @@ class ClampedAct:
     limit: float
 
 
+@dataclass(frozen=True)
+class RowsOf:
+    """Experts' inputs read in place: expert i's rows are x[rows[i]] (x float32 [T, H] contiguous; rows int64
+    arrays of indices into it), gathered by the native call instead of copied out first."""
+
+    x: torch.Tensor
+    rows: list[np.ndarray]
+
+
 def lane_swiglu(
-    experts: list[tuple], xs: list[torch.Tensor], outs: list[torch.Tensor], act: ClampedAct | None = None
+    experts: list[tuple],
+    xs: list[torch.Tensor] | RowsOf,
+    outs: list[torch.Tensor],
+    act: ClampedAct | None = None,
 ) -> None:
     """outs[i] = down(silu(gate(xs[i])) * up(xs[i])) for several lane-form experts in one native call.
 
-    xs[i]: float32 [m_i, H] contiguous (the same tensor may be given for several experts); outs[i]: float32
-    [m_i, H] contiguous, written. All experts' gate/up rows run as one parallel pass, then all down rows: one
-    call per group of experts instead of three kernel calls per expert. Groups with more than
-    SWIGLU_MAX_ROWS rows in all are split (bounded scratch). `act` (one bias triple per expert) replaces the
-    plain SwiGLU by GPT-OSS's clamped one.
+    xs[i]: float32 [m_i, H] contiguous (the same tensor may be given for several experts), or RowsOf (expert
+    i's inputs are rows of one tensor); outs[i]: float32 [m_i, H] contiguous, written. All experts' gate/up
+    rows run as one parallel pass, then all down rows: one call per group of experts instead of three kernel
+    calls per expert. Groups with more than SWIGLU_MAX_ROWS rows in all are split (bounded scratch). `act`
+    (one bias triple per expert) replaces the plain SwiGLU by GPT-OSS's clamped one.
     """
     n = len(experts)
-    hidden, ffn = xs[0].shape[1], experts[0][2].in_features
+    gather = isinstance(xs, RowsOf)
+    counts = [len(r) for r in xs.rows] if gather else [x.shape[0] for x in xs]
+    hidden, ffn = (xs.x if gather else xs[0]).shape[1], experts[0][2].in_features
+    if gather and (len(xs.rows) != n or not _rows_ok(xs.x, hidden)):
+        raise ComputeError(f"lane_swiglu: {len(xs.rows)} row lists for {n} experts over {_desc(xs.x)}")
     if act is not None:
         _check_biases(act, n, hidden, ffn)
     lib = native.lib()
     i = 0
     while i < n:
         j, rows = i, 0
-        while j < n and (j == i or rows + xs[j].shape[0] <= SWIGLU_MAX_ROWS):
-            rows += xs[j].shape[0]
+        while j < n and (j == i or rows + counts[j] <= SWIGLU_MAX_ROWS):
+            rows += counts[j]
             j += 1
         c = j - i
         group = experts[i:j]
-        for (gate_up, _, down), x, o in zip(group, xs[i:j], outs[i:j], strict=True):
+        for (gate_up, _, down), m, o in zip(group, counts[i:j], outs[i:j], strict=True):
             if gate_up.shape != (2 * ffn, hidden) or down.shape != (hidden, ffn):
                 raise ComputeError(f"experts {gate_up.shape} and {down.shape} for hidden {hidden}, ffn {ffn}")
-            if not _rows_ok(x, hidden) or not _rows_ok(o, hidden) or o.shape[0] != x.shape[0]:
-                raise ComputeError(f"lane_swiglu: input {_desc(x)} and output {_desc(o)} for hidden size {hidden}")
-        args = (
+            if not _rows_ok(o, hidden) or o.shape[0] != m:
+                raise ComputeError(f"lane_swiglu: an output {_desc(o)} for {m} rows of hidden size {hidden}")
+        if not gather:
+            for x in xs[i:j]:
+                if not _rows_ok(x, hidden):
+                    raise ComputeError(f"lane_swiglu: an input {_desc(x)} for hidden size {hidden}")
+        weights = (
             c,
             (ctypes.c_int * c)(*(e[0].ggml_type for e in group)),
             (ctypes.c_void_p * c)(*(e[0].weight.data_ptr() for e in group)),
@@ -522,18 +542,22 @@ def lane_swiglu(
             (ctypes.c_void_p * c)(*(e[2].weight.data_ptr() for e in group)),
             hidden,
             ffn,
-            (ctypes.c_void_p * c)(*(x.data_ptr() for x in xs[i:j])),
-            (ctypes.c_int64 * c)(*(x.shape[0] for x in xs[i:j])),
-            (ctypes.c_void_p * c)(*(o.data_ptr() for o in outs[i:j])),
         )
-        if act is None:
-            lib.ms_moe_ffn(*args)
-        else:
+        counted = ((ctypes.c_int64 * c)(*counts[i:j]), (ctypes.c_void_p * c)(*(o.data_ptr() for o in outs[i:j])))
+        bias = (None, None, None, 0.0, 0.0)
+        if act is not None:
             part = act.biases[i:j]
-            lib.ms_moe_ffn_clamped(
-                *args, *((ctypes.c_void_p * c)(*(b[p].data_ptr() for b in part)) for p in range(3)),
-                act.alpha, act.limit,
-            )  # fmt: skip
+            ptrs = tuple((ctypes.c_void_p * c)(*(b[p].data_ptr() for b in part)) for p in range(3))
+            bias = (*ptrs, act.alpha, act.limit)
+        if gather:
+            idx = np.ascontiguousarray(np.concatenate(xs.rows[i:j]), dtype=np.int64)
+            lib.ms_moe_ffn_gather(*weights, xs.x.data_ptr(), xs.x.shape[0], idx.ctypes.data, *counted, *bias)
+        else:
+            inputs = (ctypes.c_void_p * c)(*(x.data_ptr() for x in xs[i:j]))
+            if act is None:
+                lib.ms_moe_ffn(*weights, inputs, *counted)
+            else:
+                lib.ms_moe_ffn_clamped(*weights, inputs, *counted, *bias)
         i = j
 
 

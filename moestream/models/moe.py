@@ -199,16 +199,19 @@ def run_experts(
     rows = order // k
     rows_np = rows.numpy()
     total = InOrderSum(torch.zeros_like(x), needed, rows, weights.reshape(-1)[order, None], starts, count)
+    xc = x.contiguous()
     for group in experts.fetch_groups(layer, needed, ordered=summed_as_they_come(rows.shape[0])):
         for part in row_batches(group, count):
             spans = [(starts[e], starts[e] + count[e]) for e, _ in part]
-            # one gather for the batch (each torch op wakes its thread pool), then a view per expert
-            gathered = x[torch.from_numpy(np.concatenate([rows_np[a:b] for a, b in spans]))]
-            xs = list(gathered.split([b - a for a, b in spans]))
-            if all(linear.lane_swiglu_ok(w) for _, w in part):
-                ys = [torch.empty(b - a, x.shape[1], dtype=x.dtype) for a, b in spans]
-                linear.lane_swiglu([w for _, w in part], xs, ys, lane_act(ffn, [e for e, _ in part]))
+            if all(linear.lane_swiglu_ok(w) for _, w in part):  # the native call reads x's rows in place
+                sizes = [b - a for a, b in spans]
+                ys = list(torch.empty(sum(sizes), x.shape[1]).split(sizes))  # one allocation for the batch
+                inputs = linear.RowsOf(xc, [rows_np[a:b] for a, b in spans])
+                linear.lane_swiglu([w for _, w in part], inputs, ys, lane_act(ffn, [e for e, _ in part]))
             else:
+                # one gather for the batch (each torch op wakes its thread pool), then a view per expert
+                gathered = x[torch.from_numpy(np.concatenate([rows_np[a:b] for a, b in spans]))]
+                xs = list(gathered.split([b - a for a, b in spans]))
                 ys = [ffn(e, expert, xe.to(expert[0].dtype)) if ffn is not None
                       else swiglu(expert, xe.to(expert[0].dtype)).float()
                       for (e, expert), xe in zip(part, xs, strict=True)]  # fmt: skip

@@ -315,8 +315,18 @@ int64_t ms_moe_scratch_bytes(int64_t rows, int64_t h, int64_t f) {
     return (int64_t)(xprep_bytes(rows, h) + xprep_bytes(rows, f) + (size_t)rows * 2 * f * 4 + 256);
 }
 
+/* Where the experts' input rows are: x[e], expert e's m[e] rows [m[e], h]; or, where idx is given, row
+ * idx[r] of base ([nx, h]) for the r-th row of all the experts' rows in order (read in place: a prompt
+ * span's rows need no gathered copy). */
 typedef struct {
     const float *const *x;
+    const float *base;
+    const int64_t *idx;
+    int64_t nx;
+} moe_rows;
+
+typedef struct {
+    const moe_rows *in;
     const int64_t *row0;
     int n_exp;
     int64_t h;
@@ -325,37 +335,44 @@ typedef struct {
 
 static void moe_quant_task(void *vctx, int64_t t) {
     moe_quant_ctx *c = vctx;
+    const xprep *p = c->xp;
+    if (c->in->idx) {
+        quantize_row(c->in->base + c->in->idx[t] * c->h, c->h, p, t);
+        return;
+    }
     int e = 0;
     while (c->row0[e + 1] <= t) e++;
-    const xprep *p = c->xp;
-    quantize_row(c->x[e] + (t - c->row0[e]) * c->h, c->h, p, t);
+    quantize_row(c->in->x[e] + (t - c->row0[e]) * c->h, c->h, p, t);
 }
 
-/* x[e]: expert e's m[e] input rows [m[e], h]; out[e]: its output rows [m[e], h] (pointers may repeat for x:
- * a decode step passes the same token to every expert). */
+/* in: the experts' input rows (moe_rows; pointers may repeat for x: a decode step passes the same token to
+ * every expert); out[e]: expert e's output rows [m[e], h]. */
 static int moe_ffn_run(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const int *type_d,
-                       const uint8_t *const *w_d, int64_t h, int64_t f, const float *const *x, const int64_t *m,
+                       const uint8_t *const *w_d, int64_t h, int64_t f, const moe_rows *in, const int64_t *m,
                        float *const *out, const clamp_act *clamp) {
 #ifndef MS_LANE
-    (void)n_exp; (void)type_gu; (void)w_gu; (void)type_d; (void)w_d; (void)h; (void)f; (void)x; (void)m; (void)out;
+    (void)n_exp; (void)type_gu; (void)w_gu; (void)type_d; (void)w_d; (void)h; (void)f; (void)in; (void)m; (void)out;
     (void)clamp;
     return MS_NO_SIMD;
 #else
     if (!dim_ok(h) || !dim_ok(f) || h % 32 || f % 32) return MS_BAD_SHAPE;
     if (n_exp < 1 || n_exp > 1024) return MS_BAD_SHAPE;
-    if (!type_gu || !w_gu || !type_d || !w_d || !x || !m || !out) return MS_BAD_PTR;
+    if (!type_gu || !w_gu || !type_d || !w_d || !m || !out || (in->idx ? !in->base : !in->x)) return MS_BAD_PTR;
     int64_t rows = 0, row0[n_exp + 1];
     for (int e = 0; e < n_exp; e++) {
         if (super_bytes(type_gu[e]) < 0 || super_bytes(type_d[e]) < 0) return MS_BAD_TYPE;
         if (ms_lane_row_bytes(type_gu[e], h) < 0 || ms_lane_row_bytes(type_d[e], f) < 0) return MS_BAD_SHAPE;
         if (!count_ok(m[e])) return MS_BAD_SHAPE;
-        if (m[e] && (!w_gu[e] || !w_d[e] || !x[e] || !out[e])) return MS_BAD_PTR;
+        if (m[e] && (!w_gu[e] || !w_d[e] || !out[e] || (!in->idx && !in->x[e]))) return MS_BAD_PTR;
         if (m[e] && clamp && (!clamp->b_gate[e] || !clamp->b_up[e] || !clamp->b_down[e])) return MS_BAD_PTR;
         row0[e] = rows;
         rows += m[e];
     }
     row0[n_exp] = rows;
     if (rows < 1) return MS_OK;
+    if (in->idx)
+        for (int64_t r = 0; r < rows; r++)
+            if (in->idx[r] < 0 || in->idx[r] >= in->nx) return MS_BAD_SHAPE;
     if (!prod_ok(rows, 2 * (h > f ? h : f))) return MS_BAD_SHAPE;
     uint8_t *mem = scratch_get(ms_moe_scratch_bytes(rows, h, f));
     if (!mem) return MS_NO_MEM;
@@ -366,7 +383,7 @@ static int moe_ffn_run(int n_exp, const int *type_gu, const uint8_t *const *w_gu
     mem += (xprep_bytes(rows, f) + 63) / 64 * 64;
     float *act = (float *)mem;
 
-    moe_quant_ctx qc = {x, row0, n_exp, h, &xin};
+    moe_quant_ctx qc = {in, row0, n_exp, h, &xin};
     ms_internal_dispatch(moe_quant_task, &qc, rows);
 
     qmm_job jobs[n_exp];
@@ -401,7 +418,15 @@ static int moe_ffn_run(int n_exp, const int *type_gu, const uint8_t *const *w_gu
 
 int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const int *type_d, const uint8_t *const *w_d,
                int64_t h, int64_t f, const float *const *x, const int64_t *m, float *const *out) {
-    return moe_ffn_run(n_exp, type_gu, w_gu, type_d, w_d, h, f, x, m, out, NULL);
+    const moe_rows in = {x, NULL, NULL, 0};
+    return moe_ffn_run(n_exp, type_gu, w_gu, type_d, w_d, h, f, &in, m, out, NULL);
+}
+
+static int clamp_ok(const float *const *b_gate, const float *const *b_up, const float *const *b_down, float alpha,
+                    float limit) {
+    if (!b_gate || !b_up || !b_down) return MS_BAD_PTR;
+    if (!isfinite(alpha) || !isfinite(limit) || limit < 0) return MS_BAD_SHAPE;
+    return MS_OK;
 }
 
 /* GPT-OSS's experts: as ms_moe_ffn, with per-expert biases (b_gate[e], b_up[e]: f floats; b_down[e]: h)
@@ -411,8 +436,25 @@ int ms_moe_ffn_clamped(int n_exp, const int *type_gu, const uint8_t *const *w_gu
                        const uint8_t *const *w_d, int64_t h, int64_t f, const float *const *x, const int64_t *m,
                        float *const *out, const float *const *b_gate, const float *const *b_up,
                        const float *const *b_down, float alpha, float limit) {
-    if (!b_gate || !b_up || !b_down) return MS_BAD_PTR;
-    if (!isfinite(alpha) || !isfinite(limit) || limit < 0) return MS_BAD_SHAPE;
+    const int rc = clamp_ok(b_gate, b_up, b_down, alpha, limit);
+    if (rc != MS_OK) return rc;
     clamp_act clamp = {b_gate, b_up, b_down, alpha, limit};
-    return moe_ffn_run(n_exp, type_gu, w_gu, type_d, w_d, h, f, x, m, out, &clamp);
+    const moe_rows in = {x, NULL, NULL, 0};
+    return moe_ffn_run(n_exp, type_gu, w_gu, type_d, w_d, h, f, &in, m, out, &clamp);
+}
+
+/* As ms_moe_ffn (b_gate NULL) or ms_moe_ffn_clamped, the inputs read in place: the r-th row of all the
+ * experts' rows in order is row idx[r] of x [nx, h] (each idx in [0, nx)). */
+int ms_moe_ffn_gather(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const int *type_d,
+                      const uint8_t *const *w_d, int64_t h, int64_t f, const float *x, int64_t nx, const int64_t *idx,
+                      const int64_t *m, float *const *out, const float *const *b_gate, const float *const *b_up,
+                      const float *const *b_down, float alpha, float limit) {
+    if (!x || !idx) return MS_BAD_PTR;
+    if (!count_ok(nx) || !prod_ok(nx, h)) return MS_BAD_SHAPE;
+    const moe_rows in = {NULL, x, idx, nx};
+    if (!b_gate) return moe_ffn_run(n_exp, type_gu, w_gu, type_d, w_d, h, f, &in, m, out, NULL);
+    const int rc = clamp_ok(b_gate, b_up, b_down, alpha, limit);
+    if (rc != MS_OK) return rc;
+    clamp_act clamp = {b_gate, b_up, b_down, alpha, limit};
+    return moe_ffn_run(n_exp, type_gu, w_gu, type_d, w_d, h, f, &in, m, out, &clamp);
 }
