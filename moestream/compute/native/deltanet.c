@@ -10,8 +10,8 @@
  * torch runs these as ~30 small ops a chunk, each a pass over memory with its own dispatch; here a head's chunk
  * stays in L2 and every product is one register-blocked loop.
  *
- * The vectors are GCC vector extensions of 8 floats: the same code, and the same bits, with AVX2 and with
- * AVX-512 (which compiles them to 256-bit instructions); without FMA a product and a sum round apart. */
+ * The vectors are GCC vector extensions of 8 and 16 floats: the same code, and the same bits, with AVX2 (a
+ * 16 is two 256-bit halves) and with AVX-512; without FMA a product and a sum round apart. */
 #include "internal.h"
 
 #define DR_CHUNK 64
@@ -19,13 +19,28 @@
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4))); /* unaligned loads and stores */
 
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
 static inline v8 ld8(const float *p) { return *(const v8u *)p; }
+static inline v16 ld16(const float *p) { return *(const v16u *)p; }
+static inline void st16(float *p, v16 v) { *(v16u *)p = v; }
+static inline v16 bc16(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 static inline void st8(float *p, v8 v) { *(v8u *)p = v; }
 static inline v8 bc8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
 static inline v8 fma8(v8 a, v8 b, v8 c) {
 #if (defined(MS_VNNI) || defined(MS_AVX2_FMA)) && defined(__FMA__)
     return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+/* one rounding per lane, as fma8 (used where AVX-512 makes a 16 one register) */
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(MS_VNNI)
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #else
     return a * b + c;
 #endif
@@ -43,13 +58,54 @@ static inline float fma1(float a, float b, float c) {
  * strip's first column (the diagonal) when it computes only the lower tiles */
 static inline int first_tile_row(int lower, int j) { return lower && j > 3 ? (j - 3) / 4 * 4 : 0; }
 
+#if defined(MS_VNNI)
+/* Rows [i, i + 4) of c's columns [j, j + 16 V) (V = 1 or 2 vectors a row) += a b, each sum taken over p in
+ * order. Inlined with V constant: the sums stay in registers (fixed-size arrays, not sized by V). */
+static inline __attribute__((always_inline)) void tile4(int V, int K, const float *a, int lda, const float *b,
+                                                        int ldb, float *c, int ldc, int i, int j) {
+    v16 s[4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 2
+        for (int v = 0; v < V; v++) s[r][v] = ld16(c + (i + r) * ldc + j + 16 * v);
+    for (int p = 0; p < K; p++) {
+        v16 bv[2];
+#pragma GCC unroll 2
+        for (int v = 0; v < V; v++) bv[v] = ld16(b + p * ldb + j + 16 * v);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            const v16 x = bc16(a[(i + r) * lda + p]);
+#pragma GCC unroll 2
+            for (int v = 0; v < V; v++) s[r][v] = fma16(x, bv[v], s[r][v]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 2
+        for (int v = 0; v < V; v++) st16(c + (i + r) * ldc + j + 16 * v, s[r][v]);
+}
+#endif
+
 /* c[M][N] += a[M][K] b[K][N] (row-major, leading dimensions lda, ldb, ldc): M a multiple of 4, N of 8. Tiles
- * of 4 rows x 16 columns (8 independent sums, a broadcast of a per row and step, two loads of b), all the row
- * tiles of a column strip in turn, so that the strip of b stays in L1. lower: only the tiles that reach the
- * diagonal or below it (a causal product; the others are left as they are). */
+ * of 4 rows x 32 columns with AVX-512, x 16 with 256-bit registers (8 independent sums, a broadcast of a per
+ * row and step, two loads of b), all the row tiles of a column strip in turn, so that the strip of b stays
+ * in L1; the last 16 and 8 columns in narrower strips. lower: only the 16-column halves that reach the
+ * diagonal or below it (a causal product; the others are left as they are). Any tile computes each sum over
+ * p in order: the same bits whatever the width. */
 static void gemm_acc(int M, int N, int K, const float *a, int lda, const float *b, int ldb, float *c, int ldc,
                      int lower) {
     int j = 0;
+#if defined(MS_VNNI)
+    for (; j + 32 <= N; j += 32)
+        for (int i = first_tile_row(lower, j); i < M; i += 4) {
+            if (i < first_tile_row(lower, j + 16)) tile4(1, K, a, lda, b, ldb, c, ldc, i, j);
+            else tile4(2, K, a, lda, b, ldb, c, ldc, i, j);
+        }
+    if (j + 16 <= N) {
+        for (int i = first_tile_row(lower, j); i < M; i += 4) tile4(1, K, a, lda, b, ldb, c, ldc, i, j);
+        j += 16;
+    }
+#else /* 256-bit registers: tiles of 4 rows x 16 columns in two vectors of 8 */
     for (; j + 16 <= N; j += 16)
         for (int i = first_tile_row(lower, j); i < M; i += 4) {
             v8 s[4][2];
@@ -73,6 +129,7 @@ static void gemm_acc(int M, int N, int K, const float *a, int lda, const float *
                 st8(c + (i + r) * ldc + j + 8, s[r][1]);
             }
         }
+#endif
     if (j < N) /* the last 8 columns */
         for (int i = first_tile_row(lower, j); i < M; i += 4) {
             v8 s[4];
