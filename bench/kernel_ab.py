@@ -36,8 +36,9 @@ from moestream.formats import quants
 SOURCE_DIR = Path("moestream/compute/native")
 
 
-def build_tree(tree: str, out_dir: Path) -> ctypes.CDLL:
-    """The tree's native library, compiled from its own C sources with this checkout's flags."""
+def build_tree(tree: str, out_dir: Path, entries: tuple[str, ...] = ("ms_qmm",)) -> ctypes.CDLL:
+    """The tree's native library, compiled from its own C sources with this checkout's flags; `entries` (and
+    ms_set_threads) declared, all an older tree needs to have. One thread until the caller sets more."""
     src = Path(tree) / SOURCE_DIR
     if not any(src.glob("*.c")):
         raise SystemExit(f"kernel_ab: {src} holds no C sources (is {tree} a moestream source tree?)")
@@ -45,7 +46,7 @@ def build_tree(tree: str, out_dir: Path) -> ctypes.CDLL:
         path = native.build_library((*native.BASE_FLAGS, "-march=native"), out_dir, source_dir=src)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         raise SystemExit(f"kernel_ab: building {src} failed: {str(exc)[-500:]}") from None
-    library = native.load_library(path, only=("ms_qmm", "ms_set_threads"))  # all an older tree needs to have
+    library = native.load_library(path, only=(*entries, "ms_set_threads"))
     library.ms_set_threads(1)
     return library
 
