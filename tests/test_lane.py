@@ -274,7 +274,7 @@ def test_clamped_swiglu_refuses_bad_biases():
 
 @pytest.mark.parametrize("clamped", [False, True], ids=["swiglu", "clamped"])
 def test_swiglu_reading_rows_in_place_equals_the_copied_rows(clamped):
-    """RowsOf (the native call gathers each expert's rows of x) gives the bits of the copied inputs, rows
+    """RowsOf (each expert's rows copied from x quantized once) gives the bits of the copied inputs, rows
     repeated and out of order included; an index outside x is refused, not read."""
     h, f = 256, 352 if clamped else 512
     rng = np.random.default_rng(3)
@@ -291,11 +291,12 @@ def test_swiglu_reading_rows_in_place_equals_the_copied_rows(clamped):
     want = [torch.empty(len(r), h) for r in rows]
     linear.lane_swiglu(experts, [x[torch.from_numpy(r)].contiguous() for r in rows], want, act)
     got = [torch.full((len(r), h), float("nan")) for r in rows]
-    linear.lane_swiglu(experts, linear.RowsOf(x, rows), got, act)
+    prepared = linear.PreparedRows(x)
+    linear.lane_swiglu(experts, linear.RowsOf(prepared, rows), got, act)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.view(torch.int32), w.view(torch.int32))
     with pytest.raises(ComputeError):
-        linear.lane_swiglu(experts, linear.RowsOf(x, [np.array([6, 0, 1]), *rows[1:]]), got, act)
+        linear.lane_swiglu(experts, linear.RowsOf(prepared, [np.array([6, 0, 1]), *rows[1:]]), got, act)
 
 
 def test_scalar_build_reports_no_lane_kernels():

@@ -485,12 +485,27 @@ class ClampedAct:
     limit: float
 
 
+class PreparedRows:
+    """x float32 [T, H] quantized once, as the lane kernels read their inputs (every token once, however many
+    experts it routes to); RowsOf picks an expert's rows of it."""
+
+    def __init__(self, x: torch.Tensor):
+        if not _rows_ok(x, x.shape[-1]) or x.shape[-1] % 32:
+            raise ComputeError(f"rows to prepare must be float32 [T, H] contiguous, H a multiple of 32: {_desc(x)}")
+        lib = native.lib()
+        self.n, self.hidden = x.shape
+        nbytes = int(lib.ms_qmm_scratch_bytes(self.n, self.hidden))
+        self._buf = torch.empty(nbytes + 64, dtype=torch.uint8)
+        self.addr = (self._buf.data_ptr() + 63) // 64 * 64  # the C side binds its arrays from a 64-byte boundary
+        lib.ms_prep_rows(x.data_ptr(), self.n, self.hidden, self.addr)
+
+
 @dataclass(frozen=True)
 class RowsOf:
-    """Experts' inputs read in place: expert i's rows are x[rows[i]] (x float32 [T, H] contiguous; rows int64
-    arrays of indices into it), gathered by the native call instead of copied out first."""
+    """Experts' inputs taken from prepared rows: expert i's rows are rows[i] (int64 indices into prep's T),
+    copied from their one quantization by the native call instead of gathered and quantized per expert."""
 
-    x: torch.Tensor
+    prep: PreparedRows
     rows: list[np.ndarray]
 
 
@@ -503,7 +518,7 @@ def lane_swiglu(
     """outs[i] = down(silu(gate(xs[i])) * up(xs[i])) for several lane-form experts in one native call.
 
     xs[i]: float32 [m_i, H] contiguous (the same tensor may be given for several experts), or RowsOf (expert
-    i's inputs are rows of one tensor); outs[i]: float32 [m_i, H] contiguous, written. All experts' gate/up
+    i's inputs are rows of one prepared tensor); outs[i]: float32 [m_i, H] contiguous, written. All experts' gate/up
     rows run as one parallel pass, then all down rows: one call per group of experts instead of three kernel
     calls per expert. Groups with more than SWIGLU_MAX_ROWS rows in all are split (bounded scratch). `act`
     (one bias triple per expert) replaces the plain SwiGLU by GPT-OSS's clamped one.
@@ -511,9 +526,9 @@ def lane_swiglu(
     n = len(experts)
     gather = isinstance(xs, RowsOf)
     counts = [len(r) for r in xs.rows] if gather else [x.shape[0] for x in xs]
-    hidden, ffn = (xs.x if gather else xs[0]).shape[1], experts[0][2].in_features
-    if gather and (len(xs.rows) != n or not _rows_ok(xs.x, hidden)):
-        raise ComputeError(f"lane_swiglu: {len(xs.rows)} row lists for {n} experts over {_desc(xs.x)}")
+    hidden, ffn = (xs.prep.hidden if gather else xs[0].shape[1]), experts[0][2].in_features
+    if gather and len(xs.rows) != n:
+        raise ComputeError(f"lane_swiglu: {len(xs.rows)} row lists for {n} experts")
     if act is not None:
         _check_biases(act, n, hidden, ffn)
     lib = native.lib()
@@ -551,7 +566,7 @@ def lane_swiglu(
             bias = (*ptrs, act.alpha, act.limit)
         if gather:
             idx = np.ascontiguousarray(np.concatenate(xs.rows[i:j]), dtype=np.int64)
-            lib.ms_moe_ffn_gather(*weights, xs.x.data_ptr(), xs.x.shape[0], idx.ctypes.data, *counted, *bias)
+            lib.ms_moe_ffn_gather(*weights, xs.prep.addr, xs.prep.n, idx.ctypes.data, *counted, *bias)
         else:
             inputs = (ctypes.c_void_p * c)(*(x.data_ptr() for x in xs[i:j]))
             if act is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 import weakref
@@ -85,6 +86,9 @@ class Engine:
         # the generation a stream() consumer has not finished yet; weak, so that a consumer's `break` drops
         # the last reference and ends it at once
         self._active: weakref.ref[Generator] | None = None
+        # The loaded model's objects live as long as the engine: out of the cyclic collector's view, its full
+        # collections (a prompt span makes thousands of short-lived futures and tensors) no longer walk them.
+        gc.freeze()
 
     # -- construction steps -----------------------------------------------------------------------------
 

@@ -199,14 +199,15 @@ def run_experts(
     rows = order // k
     rows_np = rows.numpy()
     total = InOrderSum(torch.zeros_like(x), needed, rows, weights.reshape(-1)[order, None], starts, count)
-    xc = x.contiguous()
+    prepared: linear.PreparedRows | None = None  # x quantized once, when the first lane-form batch comes
     for group in experts.fetch_groups(layer, needed, ordered=summed_as_they_come(rows.shape[0])):
         for part in row_batches(group, count):
             spans = [(starts[e], starts[e] + count[e]) for e, _ in part]
-            if all(linear.lane_swiglu_ok(w) for _, w in part):  # the native call reads x's rows in place
+            if all(linear.lane_swiglu_ok(w) for _, w in part):  # the native call copies its rows of `prepared`
+                prepared = prepared or linear.PreparedRows(x.contiguous())
                 sizes = [b - a for a, b in spans]
                 ys = list(torch.empty(sum(sizes), x.shape[1]).split(sizes))  # one allocation for the batch
-                inputs = linear.RowsOf(xc, [rows_np[a:b] for a, b in spans])
+                inputs = linear.RowsOf(prepared, [rows_np[a:b] for a, b in spans])
                 linear.lane_swiglu([w for _, w in part], inputs, ys, lane_act(ffn, [e for e, _ in part]))
             else:
                 # one gather for the batch (each torch op wakes its thread pool), then a view per expert
@@ -242,10 +243,11 @@ def transient_nbytes(
     attention (`attn` a token, over `chunk` queries at a time where by_query_chunks runs it so, else every
     token) and the MoE (`moe` a token, of which 2 x top_k x hidden are the (token, expert) rows gathered
     and their results: with `ordered`, the engine's assurance that a long span's fetch keeps its order,
-    those are one row batch's and the span holds only its output besides)."""
+    those are one row batch's and the span holds only its output and its quantized inputs besides)."""
     att = min(tokens, chunk or tokens) * attn
     if ordered and summed_as_they_come(tokens * top_k):
-        mix = tokens * (moe - 2 * top_k * hidden + hidden) + 2 * linear.SWIGLU_MAX_ROWS * hidden
+        # the span's output, its tokens quantized once (1.625 bytes a value: half a float counted), a batch
+        mix = tokens * (moe - 2 * top_k * hidden + hidden + hidden // 2) + 2 * linear.SWIGLU_MAX_ROWS * hidden
     else:
         mix = tokens * moe
     return 4 * (tokens * residual + max(att, mix)) * 3 // 2

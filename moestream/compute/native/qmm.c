@@ -315,12 +315,13 @@ int64_t ms_moe_scratch_bytes(int64_t rows, int64_t h, int64_t f) {
     return (int64_t)(xprep_bytes(rows, h) + xprep_bytes(rows, f) + (size_t)rows * 2 * f * 4 + 256);
 }
 
-/* Where the experts' input rows are: x[e], expert e's m[e] rows [m[e], h]; or, where idx is given, row
- * idx[r] of base ([nx, h]) for the r-th row of all the experts' rows in order (read in place: a prompt
- * span's rows need no gathered copy). */
+/* Where the experts' input rows are: x[e], expert e's m[e] rows [m[e], h], quantized here; or, where idx is
+ * given, row idx[r] of prep (nx rows of h, quantized once by ms_prep_rows) for the r-th row of all the
+ * experts' rows in order: a prompt span quantizes each token once for its k experts, and a row's copy
+ * replaces its quantization. */
 typedef struct {
     const float *const *x;
-    const float *base;
+    const xprep *prep;
     const int64_t *idx;
     int64_t nx;
 } moe_rows;
@@ -333,11 +334,22 @@ typedef struct {
     xprep *xp;
 } moe_quant_ctx;
 
+/* row i of src into row t of dst (rows of k values): the same bytes quantize_row wrote there */
+static void copy_prepped_row(const xprep *src, int64_t i, const xprep *dst, int64_t t, int64_t k) {
+    const int64_t ns = k / 32;
+    memcpy(dst->q + t * k, src->q + i * k, (size_t)k);
+    memcpy(dst->dx + t * ns, src->dx + i * ns, (size_t)ns * sizeof(float));
+    memcpy(dst->dxsx + t * ns, src->dxsx + i * ns, (size_t)ns * sizeof(float));
+    memcpy(dst->n8sx + t * ns, src->n8sx + i * ns, (size_t)ns * sizeof(int32_t));
+    memcpy(dst->n32lo + t * ns, src->n32lo + i * ns, (size_t)ns * sizeof(int32_t));
+    memcpy(dst->n32hi + t * ns, src->n32hi + i * ns, (size_t)ns * sizeof(int32_t));
+}
+
 static void moe_quant_task(void *vctx, int64_t t) {
     moe_quant_ctx *c = vctx;
     const xprep *p = c->xp;
     if (c->in->idx) {
-        quantize_row(c->in->base + c->in->idx[t] * c->h, c->h, p, t);
+        copy_prepped_row(c->in->prep, c->in->idx[t], p, t, c->h);
         return;
     }
     int e = 0;
@@ -357,7 +369,7 @@ static int moe_ffn_run(int n_exp, const int *type_gu, const uint8_t *const *w_gu
 #else
     if (!dim_ok(h) || !dim_ok(f) || h % 32 || f % 32) return MS_BAD_SHAPE;
     if (n_exp < 1 || n_exp > 1024) return MS_BAD_SHAPE;
-    if (!type_gu || !w_gu || !type_d || !w_d || !m || !out || (in->idx ? !in->base : !in->x)) return MS_BAD_PTR;
+    if (!type_gu || !w_gu || !type_d || !w_d || !m || !out || (in->idx ? !in->prep : !in->x)) return MS_BAD_PTR;
     int64_t rows = 0, row0[n_exp + 1];
     for (int e = 0; e < n_exp; e++) {
         if (super_bytes(type_gu[e]) < 0 || super_bytes(type_d[e]) < 0) return MS_BAD_TYPE;
@@ -443,15 +455,35 @@ int ms_moe_ffn_clamped(int n_exp, const int *type_gu, const uint8_t *const *w_gu
     return moe_ffn_run(n_exp, type_gu, w_gu, type_d, w_d, h, f, &in, m, out, &clamp);
 }
 
-/* As ms_moe_ffn (b_gate NULL) or ms_moe_ffn_clamped, the inputs read in place: the r-th row of all the
- * experts' rows in order is row idx[r] of x [nx, h] (each idx in [0, nx)). */
+/* x [m, k] quantized once into prep (ms_qmm_scratch_bytes(m, k) bytes, 64-byte aligned), for
+ * ms_moe_ffn_gather. */
+int ms_prep_rows(const float *x, int64_t m, int64_t k, void *prep) {
+#ifndef MS_LANE
+    (void)x; (void)m; (void)k; (void)prep;
+    return MS_NO_SIMD;
+#else
+    if (!count_ok(m) || !dim_ok(k) || k % 32 || !prod_ok(m, k)) return MS_BAD_SHAPE;
+    if (m == 0) return MS_OK;
+    if (!x || !prep || (uintptr_t)prep % 64) return MS_BAD_PTR;
+    xprep xp;
+    xprep_bind(&xp, prep, m, k);
+    quant_ctx qc = {x, k, k, &xp};
+    ms_internal_dispatch(quant_task, &qc, m);
+    return MS_OK;
+#endif
+}
+
+/* As ms_moe_ffn (b_gate NULL) or ms_moe_ffn_clamped, the inputs taken from prep (nx rows of h that
+ * ms_prep_rows quantized): the r-th row of all the experts' rows in order is row idx[r] (each in [0, nx)). */
 int ms_moe_ffn_gather(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const int *type_d,
-                      const uint8_t *const *w_d, int64_t h, int64_t f, const float *x, int64_t nx, const int64_t *idx,
-                      const int64_t *m, float *const *out, const float *const *b_gate, const float *const *b_up,
-                      const float *const *b_down, float alpha, float limit) {
-    if (!x || !idx) return MS_BAD_PTR;
-    if (!count_ok(nx) || !prod_ok(nx, h)) return MS_BAD_SHAPE;
-    const moe_rows in = {NULL, x, idx, nx};
+                      const uint8_t *const *w_d, int64_t h, int64_t f, const void *prep, int64_t nx,
+                      const int64_t *idx, const int64_t *m, float *const *out, const float *const *b_gate,
+                      const float *const *b_up, const float *const *b_down, float alpha, float limit) {
+    if (!prep || !idx || (uintptr_t)prep % 64) return MS_BAD_PTR;
+    if (!count_ok(nx) || !dim_ok(h) || h % 32 || !prod_ok(nx, h)) return MS_BAD_SHAPE;
+    xprep xp;
+    xprep_bind(&xp, (void *)prep, nx, h);
+    const moe_rows in = {NULL, &xp, idx, nx};
     if (!b_gate) return moe_ffn_run(n_exp, type_gu, w_gu, type_d, w_d, h, f, &in, m, out, NULL);
     const int rc = clamp_ok(b_gate, b_up, b_down, alpha, limit);
     if (rc != MS_OK) return rc;
