@@ -88,6 +88,8 @@ class Engine:
         self._active: weakref.ref[Generator] | None = None
         # The loaded model's objects live as long as the engine: out of the cyclic collector's view, its full
         # collections (a prompt span makes thousands of short-lived futures and tensors) no longer walk them.
+        # Garbage is collected first (frozen, it would never be), and close() hands them back.
+        gc.collect()
         gc.freeze()
 
     # -- construction steps -----------------------------------------------------------------------------
@@ -410,6 +412,7 @@ class Engine:
         self.cache.close()
         self.reader.close()
         self.gguf.close()
+        gc.unfreeze()  # this engine's objects (and any other's) collectable again once dropped
 
 
 class _Counters:
