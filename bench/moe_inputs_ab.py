@@ -29,19 +29,7 @@ from harness import add_results_args, alternate, log, median_range, save_rows
 
 from moestream.compute import linear, native
 from moestream.formats import quants
-
-
-def batches(counts: list[int]) -> list[list[int]]:
-    """Expert ids in consecutive batches of at most SWIGLU_MAX_ROWS rows (models/moe.row_batches)."""
-    out: list[list[int]] = []
-    rows = 0
-    for e, n in enumerate(counts):
-        if not out or rows + n > linear.SWIGLU_MAX_ROWS:
-            out.append([])
-            rows = 0
-        out[-1].append(e)
-        rows += n
-    return out
+from moestream.models.moe import row_batches
 
 
 def main() -> None:
@@ -77,7 +65,7 @@ def main() -> None:
     counts = np.bincount(ids.reshape(-1), minlength=args.experts).tolist()
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     rows = [order[s : s + n] // args.top_k for s, n in zip(starts, counts, strict=True)]
-    groups = batches(counts)
+    groups = [[e for e, _ in b] for b in row_batches([(e, None) for e in range(args.experts)], dict(enumerate(counts)))]
     outs = {arm: [torch.empty(n, h) for n in counts] for arm in ("gathered", "prepared")}
 
     def gathered() -> None:

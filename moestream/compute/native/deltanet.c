@@ -10,8 +10,9 @@
  * torch runs these as ~30 small ops a chunk, each a pass over memory with its own dispatch; here a head's chunk
  * stays in L2 and every product is one register-blocked loop.
  *
- * The vectors are GCC vector extensions of 8 and 16 floats: the same code, and the same bits, with AVX2 (a
- * 16 is two 256-bit halves) and with AVX-512; without FMA a product and a sum round apart. */
+ * The vectors are GCC vector extensions of 8 floats, and of 16 in gemm_acc's tiles where AVX-512 holds them in
+ * one register: each sum is taken in the same order either way, so the bits are the same with AVX2 and with
+ * AVX-512; without FMA a product and a sum round apart. */
 #include "internal.h"
 
 #define DR_CHUNK 64
@@ -19,28 +20,13 @@
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4))); /* unaligned loads and stores */
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-
 static inline v8 ld8(const float *p) { return *(const v8u *)p; }
-static inline v16 ld16(const float *p) { return *(const v16u *)p; }
-static inline void st16(float *p, v16 v) { *(v16u *)p = v; }
-static inline v16 bc16(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 static inline void st8(float *p, v8 v) { *(v8u *)p = v; }
 static inline v8 bc8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
 static inline v8 fma8(v8 a, v8 b, v8 c) {
 #if (defined(MS_VNNI) || defined(MS_AVX2_FMA)) && defined(__FMA__)
     return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-    return a * b + c;
-#endif
-}
-
-/* one rounding per lane, as fma8 (used where AVX-512 makes a 16 one register) */
-static inline v16 fma16(v16 a, v16 b, v16 c) {
-#if defined(MS_VNNI)
-    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #else
     return a * b + c;
 #endif
@@ -59,6 +45,15 @@ static inline float fma1(float a, float b, float c) {
 static inline int first_tile_row(int lower, int j) { return lower && j > 3 ? (j - 3) / 4 * 4 : 0; }
 
 #if defined(MS_VNNI)
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+static inline v16 ld16(const float *p) { return *(const v16u *)p; }
+static inline void st16(float *p, v16 v) { *(v16u *)p = v; }
+static inline v16 bc16(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+/* one rounding per lane, as fma8 */
+static inline v16 fma16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+
 /* Rows [i, i + 4) of c's columns [j, j + 16 V) (V = 1 or 2 vectors a row) += a b, each sum taken over p in
  * order. Inlined with V constant: the sums stay in registers (fixed-size arrays, not sized by V). */
 static inline __attribute__((always_inline)) void tile4(int V, int K, const float *a, int lda, const float *b,
