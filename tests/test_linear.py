@@ -205,6 +205,48 @@ def test_native_decode_attention_equals_sdpa(scalar):
 
 
 @needs_native
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize(
+    "t, pos, h, hkv, d, bf16",
+    [
+        (130, 70, 16, 2, 256, 1),
+        (5, 0, 8, 2, 128, 0),
+        (33, 100, 12, 4, 64, 0),
+        (64, 3, 4, 4, 128, 1),
+        (1, 9, 6, 3, 24, 1),
+    ],
+)
+def test_native_prompt_attention_equals_sdpa_and_ignores_the_chunking(t, pos, h, hkv, d, bf16, scalar):
+    # queries at positions pos.. over a bf16 or float32 cache: GQA and MHA, head sizes 24..256, a last key block
+    # cut short, a query block cut short; then the same queries cut in two calls give the same bits
+    lib = native.lib(("-DMS_SCALAR",) if scalar else ())
+    rng = np.random.default_rng(t)
+    s = pos + t
+    q = torch.from_numpy(rng.standard_normal((t, h, d), dtype=np.float32)) * 2
+    k = torch.from_numpy(rng.standard_normal((s, hkv, d), dtype=np.float32)) * 2
+    v = torch.from_numpy(rng.standard_normal((s, hkv, d), dtype=np.float32))
+    if bf16:
+        k, v = k.bfloat16(), v.bfloat16()
+
+    def run(a: int, b: int) -> torch.Tensor:
+        out = torch.empty(b - a, h, d)
+        qc = q[a:b].contiguous()
+        rc = lib.ms_attn_prefill(qc.data_ptr(), k.data_ptr(), v.data_ptr(), b - a, s, h, hkv, d, pos + a, bf16,
+                                 d**-0.5, out.data_ptr())  # fmt: skip
+        assert rc == 0
+        return out
+
+    out = run(0, t)
+    kh = k.double().transpose(0, 1).repeat_interleave(h // hkv, 0)  # [h, s, d]
+    vh = v.double().transpose(0, 1).repeat_interleave(h // hkv, 0)
+    mask = torch.arange(s)[None, :] <= torch.arange(pos, pos + t)[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double().transpose(0, 1), kh, vh, attn_mask=mask)
+    torch.testing.assert_close(out.double(), ref.transpose(0, 1), rtol=0, atol=2e-5)
+    cut = t // 3 + 1
+    assert torch.equal(torch.cat([run(0, cut), run(cut, t)]), out)
+
+
+@needs_native
 @pytest.mark.parametrize("rows", [32, 64])
 @pytest.mark.parametrize("scalar", [False, True])
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K], ids=lambda t: t.name)

@@ -274,6 +274,44 @@ def causal_mask(T: int, S: int, pos: int) -> torch.Tensor | None:
     return torch.arange(S)[None, :] <= torch.arange(pos, pos + T)[:, None]
 
 
+def native_prefill_ok(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int) -> bool:
+    """Whether ms_attn_prefill takes these (the shapes and types it is written for)."""
+    D = q.shape[2]
+    return (
+        q.dtype == torch.float32
+        and keys.dtype in (torch.bfloat16, torch.float32)
+        and keys.dtype == values.dtype
+        and keys.is_contiguous()
+        and values.is_contiguous()
+        and keys.shape == values.shape
+        and D == keys.shape[2]
+        and D % 8 == 0
+        and D <= 512
+        and q.shape[1] % keys.shape[1] == 0
+        and pos + q.shape[0] <= keys.shape[0]
+    )
+
+
+def attend_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, chunk: int) -> torch.Tensor:
+    """KVCache.attend with torch's SDPA, where the native library or its shapes are missing (and the baseline
+    of bench/attention_ab.py): keys and values in float once, then the queries `chunk` at a time, each over the
+    keys up to its own last position, as the micro-batch of those tokens would."""
+    T, S = q.shape[0], keys.shape[0]
+    kh = keys.float().transpose(0, 1).unsqueeze(0)
+    vh = values.float().transpose(0, 1).unsqueeze(0)
+    gqa = q.shape[1] != keys.shape[1]
+    out = torch.empty(T, q.shape[1], values.shape[2])
+    for a, b in query_chunks(T, chunk):
+        qh = q[a:b].transpose(0, 1).unsqueeze(0)
+        end = S - T + b  # keys through this chunk's last query
+        with wide_torch():
+            o = F.scaled_dot_product_attention(
+                qh, kh[:, :, :end], vh[:, :, :end], attn_mask=causal_mask(b - a, end, pos + a), enable_gqa=gqa
+            )
+        out[a:b] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
 class KVCache:
     """Keys and values for every attention layer at the full context, allocated once up front.
 
@@ -334,21 +372,17 @@ class KVCache:
             )  # fmt: skip
             if rc == 0:
                 return out
-        # keys and values in float once for the whole span; its queries then run `query_chunk` at a time, each
-        # over the keys up to its own last position, as the micro-batch of those tokens would
-        kh = keys.float().transpose(0, 1).unsqueeze(0)
-        vh = values.float().transpose(0, 1).unsqueeze(0)
-        gqa = q.shape[1] != keys.shape[1]
-        out = torch.empty(T, q.shape[1], values.shape[2])
-        for a, b in query_chunks(T, self.query_chunk):
-            qh = q[a:b].transpose(0, 1).unsqueeze(0)
-            end = S - T + b  # keys through this chunk's last query
-            with wide_torch():
-                o = F.scaled_dot_product_attention(
-                    qh, kh[:, :, :end], vh[:, :, :end], attn_mask=causal_mask(b - a, end, pos + a), enable_gqa=gqa
-                )
-            out[a:b] = o.squeeze(0).transpose(0, 1)
-        return out
+        if T > 1 and lib is not None and native_prefill_ok(q, keys, values, pos):
+            # a prompt chunk: the native flash attention (ms_attn_prefill), whose rows do not depend on how the
+            # prompt was cut into chunks, so a span and its micro-batches give the same bits
+            q1 = q.contiguous()
+            out = torch.empty_like(q1)
+            lib.ms_attn_prefill(
+                q1.data_ptr(), keys.data_ptr(), values.data_ptr(), T, S, q.shape[1], keys.shape[1], q.shape[2],
+                pos, int(keys.dtype == torch.bfloat16), 1.0 / math.sqrt(q.shape[2]), out.data_ptr(),
+            )  # fmt: skip
+            return out
+        return attend_sdpa(q, keys, values, pos, self.query_chunk)
 
     def advance(self, length: int) -> None:
         self.length = length

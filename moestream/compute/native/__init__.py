@@ -36,9 +36,11 @@ from moestream.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-_SOURCE_NAMES = ("pack.c", "lane_pack.c", "pool.c", "qmm.c", "qmm_vnni.c", "qmm_avx2.c", "ops.c", "mla.c", "deltanet.c")
+_SOURCE_NAMES = (
+    "pack.c", "lane_pack.c", "pool.c", "qmm.c", "qmm_vnni.c", "qmm_avx2.c", "ops.c", "mla.c", "deltanet.c", "attn.c",
+)  # fmt: skip
 SOURCES = tuple(Path(__file__).with_name(n) for n in _SOURCE_NAMES)
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("blocks.h", "internal.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("blocks.h", "internal.h", "gemm.h"))
 ABI_VERSION = 2
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing")
 # tried in order: a CPU-tuned build, then a generic one (some compilers reject -march=native)
@@ -161,6 +163,7 @@ def _declare(lib: ctypes.CDLL, only: set[str] | None = None) -> None:
         "ms_gemv_bf16": ([vp, i64, i64, vp, i64, vp], c_int),
         "ms_rope_neox": ([vp, i64, i64, i64, i64, vp, vp], c_int),
         "ms_attn_decode": ([vp, vp, vp, i64, i64, i64, i64, c_int, f32, vp], c_int),
+        "ms_attn_prefill": ([vp, vp, vp, i64, i64, i64, i64, i64, i64, c_int, f32, vp], c_int),
         "ms_route_topk": ([vp, i64, i64, i64, c_int, vp, vp], c_int),
         "ms_mla_decode": ([vp, vp, vp, vp, c_int, vp, vp, c_int, i64, i64, i64, i64, i64, i64, f32, vp], c_int),
         "ms_attn_block_decode": (
