@@ -246,6 +246,27 @@ def test_native_prompt_attention_equals_sdpa_and_ignores_the_chunking(t, pos, h,
     assert torch.equal(torch.cat([run(0, cut), run(cut, t)]), out)
 
 
+@pytest.mark.skipif(native.lane_isa() != "avx512-vnni", reason="compares the AVX2 build with the AVX-512 one")
+@pytest.mark.parametrize("t, pos, h, hkv, d, bf16", [(130, 70, 16, 2, 256, 1), (33, 100, 12, 4, 64, 0)])
+def test_native_prompt_attention_gives_the_same_bits_with_avx2(t, pos, h, hkv, d, bf16):
+    # gemm.h's 16-float tiles take each sum in the order of the 8-float ones, and attn.c's softmax is 8 lanes
+    # wide in both builds: this CPU's library built without AVX-512 gives the same bits
+    rng = np.random.default_rng(t)
+    q = torch.from_numpy(rng.standard_normal((t, h, d), dtype=np.float32))
+    k = torch.from_numpy(rng.standard_normal((pos + t, hkv, d), dtype=np.float32))
+    v = torch.from_numpy(rng.standard_normal((pos + t, hkv, d), dtype=np.float32))
+    if bf16:
+        k, v = k.bfloat16(), v.bfloat16()
+    outs = []
+    for lib in (native.lib(), native.lib(("-mno-avx512f",))):
+        out = torch.empty(t, h, d)
+        rc = lib.ms_attn_prefill(q.data_ptr(), k.data_ptr(), v.data_ptr(), t, pos + t, h, hkv, d, pos, bf16,
+                                 d**-0.5, out.data_ptr())  # fmt: skip
+        assert rc == 0
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+
+
 @needs_native
 @pytest.mark.parametrize("rows", [32, 64])
 @pytest.mark.parametrize("scalar", [False, True])

@@ -100,6 +100,27 @@ def test_native_delta_rule_equals_torch(monkeypatch, flags, L, Hk, Hv, dk, dv):
     assert rel_error(o_native, o_torch) < 1e-5 and rel_error(S_native, S_torch) < 1e-5
 
 
+@pytest.mark.skipif(native.lane_isa() != "avx512-vnni", reason="compares the AVX2 build with the AVX-512 one")
+def test_native_delta_rule_gives_the_same_bits_with_avx2(monkeypatch):
+    """gemm.h's 16-float tiles take each sum in the order of the 8-float ones: this CPU's library built without
+    AVX-512 gives the delta rule's output and state the same bits."""
+    L, Hk, Hv, dk, dv = 3 * CHUNK + 5, 2, 4, 128, 128
+    g = torch.Generator().manual_seed(L)
+    qk = torch.nn.functional.normalize(torch.randn(L, 2 * Hk, dk, generator=g), dim=-1)
+    v = torch.randn(L, Hv, dv, generator=g)
+    decay, beta = -torch.rand(L, Hv, generator=g) * 4, torch.rand(L, Hv, generator=g)
+    S0 = torch.randn(Hv, dk, dv, generator=g)
+    results = []
+    for lib in (native.lib(), native.lib(("-mno-avx512f",))):
+        monkeypatch.setattr(native, "lib", lambda extra_flags=(), lib=lib: lib)
+        state = S0.clone()
+        results.append((delta_rule_span(qk, v, decay, beta, state, Hk), state))
+        monkeypatch.undo()
+    (o_512, s_512), (o_avx2, s_avx2) = results
+    assert torch.equal(o_512.view(torch.int32), o_avx2.view(torch.int32))
+    assert torch.equal(s_512.view(torch.int32), s_avx2.view(torch.int32))
+
+
 @pytest.mark.parametrize("flags", [(), ("-DMS_SCALAR",)], ids=["simd", "scalar"])
 @pytest.mark.parametrize("T,C,K", [(1, 24, 4), (130, 2056, 4), (5, 13, 3)])
 def test_native_causal_conv_equals_torch(monkeypatch, flags, T, C, K):

@@ -51,28 +51,32 @@ static inline v16 bc16(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, 
 /* one rounding per lane, as fma8 */
 static inline v16 fma16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 
-/* Rows [i, i + 4) of c's columns [j, j + 16 V) (V = 1 or 2 vectors a row) += a b, each sum taken over p in
- * order. Inlined with V constant: the sums stay in registers (fixed-size arrays, not sized by V). */
-static inline __attribute__((always_inline)) void tile4(int V, int K, const float *a, int lda, const float *b,
-                                                        int ldb, float *c, int ldc, int i, int j) {
-    v16 s[4][2];
-#pragma GCC unroll 4
-    for (int r = 0; r < 4; r++)
+/* Rows [i, i + R) (R = 4 or 6) of c's columns [j, j + 16 V) (V = 1 or 2 vectors a row) += a b, each sum taken
+ * over p in order. Inlined with R and V constant: the sums stay in registers (fixed-size arrays). 6 rows x 2
+ * vectors are 12 independent sums, which two FMA pipes need through a 4-cycle latency; b stays in registers. */
+static inline __attribute__((always_inline)) void tile16(int R, int V, int K, const float *a, int lda,
+                                                         const float *b, int ldb, float *c, int ldc, int i, int j) {
+    v16 s[6][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
 #pragma GCC unroll 2
         for (int v = 0; v < V; v++) s[r][v] = ld16(c + (i + r) * ldc + j + 16 * v);
     for (int p = 0; p < K; p++) {
         v16 bv[2];
 #pragma GCC unroll 2
-        for (int v = 0; v < V; v++) bv[v] = ld16(b + p * ldb + j + 16 * v);
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) {
+        for (int v = 0; v < V; v++) {
+            bv[v] = ld16(b + p * ldb + j + 16 * v);
+            keep_in_register(bv[v]);
+        }
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
             const v16 x = bc16(a[(i + r) * lda + p]);
 #pragma GCC unroll 2
             for (int v = 0; v < V; v++) s[r][v] = fma16(x, bv[v], s[r][v]);
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < 4; r++)
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
 #pragma GCC unroll 2
         for (int v = 0; v < V; v++) st16(c + (i + r) * ldc + j + 16 * v, s[r][v]);
 }
@@ -109,26 +113,29 @@ static inline __attribute__((always_inline)) void tile8x2(int R, int K, const fl
 #endif
 
 /* c[M][N] += a[M][K] b[K][N] (row-major, leading dimensions lda, ldb, ldc): M a multiple of 4, N of 8. Tiles
- * of 4 rows x 32 columns with AVX-512 (8 independent sums, a broadcast of a per row and step, two loads of b),
- * of 6 (or 4) rows x 16 columns with 256-bit registers, all the row tiles of a column strip in turn, so that the strip of b stays
- * in L1; the last 16 and 8 columns in narrower strips. lower: only the 16-column halves that reach the
- * diagonal or below it (a causal product; the others are left as they are). Any tile computes each sum over
- * p in order: the same bits whatever the width. */
+ * of 6 (or 4) rows x 32 columns with AVX-512, of 6 (or 4) rows x 16 columns with 256-bit registers: 12
+ * independent sums, a broadcast of a per row and step, b's columns loaded once a step. All the row tiles of a
+ * column strip run in turn, so that the strip of b stays in L1; the last 16 and 8 columns in narrower strips.
+ * lower: only the 16-column halves that reach the diagonal or below it (a causal product; the others are left
+ * as they are), in 4-row tiles. Any tile computes each sum over p in order: the same bits whatever the width. */
 static void gemm_acc(int M, int N, int K, const float *a, int lda, const float *b, int ldb, float *c, int ldc,
                      int lower) {
     int j = 0;
 #if defined(MS_VNNI)
-    for (; j + 32 <= N; j += 32)
-        for (int i = first_tile_row(lower, j); i < M; i += 4) {
-            if (i < first_tile_row(lower, j + 16)) tile4(1, K, a, lda, b, ldb, c, ldc, i, j);
-            else tile4(2, K, a, lda, b, ldb, c, ldc, i, j);
+    for (; j + 32 <= N; j += 32) {
+        int i = first_tile_row(lower, j);
+        const int six = lower ? i : i + (M - i) / 12 * 12; /* rows in 6-row tiles: the rest a multiple of 4 */
+        for (; i < six; i += 6) tile16(6, 2, K, a, lda, b, ldb, c, ldc, i, j);
+        for (; i < M; i += 4) {
+            if (i < first_tile_row(lower, j + 16)) tile16(4, 1, K, a, lda, b, ldb, c, ldc, i, j);
+            else tile16(4, 2, K, a, lda, b, ldb, c, ldc, i, j);
         }
+    }
     if (j + 16 <= N) {
-        for (int i = first_tile_row(lower, j); i < M; i += 4) tile4(1, K, a, lda, b, ldb, c, ldc, i, j);
+        for (int i = first_tile_row(lower, j); i < M; i += 4) tile16(4, 1, K, a, lda, b, ldb, c, ldc, i, j);
         j += 16;
     }
-#else /* 256-bit registers: tiles of 6 rows x 16 columns in two vectors of 8 (4 rows in the lower case and for
-         the last rows) */
+#else /* 256-bit registers: two vectors of 8 a row */
     for (; j + 16 <= N; j += 16) {
         int i = first_tile_row(lower, j);
         const int six = lower ? i : i + (M - i) / 12 * 12; /* rows in 6-row tiles: the rest a multiple of 4 */
