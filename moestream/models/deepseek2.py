@@ -209,7 +209,7 @@ class DeepSeek2(MoEModel):
                + 3 * max(cfg.shared_ffn, cfg.dense_ffn))  # fmt: skip
         mixing = transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
                                   hidden=cfg.hidden, chunk=chunk, ordered=ordered)  # fmt: skip
-        runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
+        runtime = 4 * 1024 * 1024  # attention's per-thread blocks, masks, rope tables
         return span + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> MLACache:

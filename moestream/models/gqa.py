@@ -175,7 +175,7 @@ class GQAMoEModel(MoEModel):
         cfg: GQAMoEConfig, ubatch: int, ctx: int, chunk: int | None = None, ordered: bool = False
     ) -> int:
         """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions: Qwen3Moe's
-        account (the layer's keys and values in float32 for SDPA, kernel scratch, per token the wider of
+        account (the layer's keys and values in float32 for the prompt's attention, kernel scratch, per token the wider of
         attention and the MoE with a 1.5 margin), plus the shared expert's intermediates."""
         keys = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4
         max_in = max(cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.shared_ffn)
@@ -186,7 +186,7 @@ class GQAMoEModel(MoEModel):
                + 3 * cfg.shared_ffn)  # fmt: skip
         mixing = transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
                                   hidden=cfg.hidden, chunk=chunk, ordered=ordered)  # fmt: skip
-        runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
+        runtime = 4 * 1024 * 1024  # attention's per-thread blocks, masks, rope tables
         return keys + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:

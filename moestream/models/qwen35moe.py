@@ -184,7 +184,7 @@ class Qwen35Moe(MoEModel):
     ) -> int:
         """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions.
 
-        As Qwen3Moe.compute_nbytes (SDPA's flash kernel holds float keys, not scores), with the DeltaNet
+        As Qwen3Moe.compute_nbytes (the prompt's flash attention holds float keys, not scores), with the DeltaNet
         layer as the widest moment per token: the conv's [K, conv_dim] windows and its outputs, the q/k/v
         head copies of the chunked delta rule and its chunk-by-chunk decay matrices. Measured peaks on
         the qwen3.6-35b-a3b synth shape (ubatch 128 and 512, ctx 4096) were ~0.6x of this.
@@ -205,7 +205,7 @@ class Qwen35Moe(MoEModel):
         mixing = max(transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
                                       hidden=cfg.hidden, chunk=chunk, ordered=ordered),
                      4 * (ubatch * (residual + cfg.hidden) + mixed * deltanet) * 3 // 2)  # fmt: skip
-        runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
+        runtime = 4 * 1024 * 1024  # attention's per-thread blocks, masks, rope tables
         return keys + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> HybridCache:

@@ -176,8 +176,8 @@ class Qwen3Moe(MoEModel):
     ) -> int:
         """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions.
 
-        Attention runs through SDPA's flash kernel, which never builds the [T, S] score matrix: what it
-        holds is the layer's keys and values converted to float32. Per token, the widest moment is either
+        A prompt's attention (attn.c's flash attention, or SDPA's flash kernel without the native library)
+        never builds the [T, S] score matrix: what it holds is the layer's keys and values in float32. Per token, the widest moment is either
         attention (q, k, v and their normed/rotated copies) or the MoE (every chosen expert's output row
         kept until the fixed-order sum, the router, one expert's intermediates), on top of the residual
         stream and its norm temporaries. Measured peaks (first micro-batch in a fresh process, 1-8
@@ -194,7 +194,7 @@ class Qwen3Moe(MoEModel):
         moe = 2 * cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2  # X and Y
         mixing = transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
                                   hidden=cfg.hidden, chunk=chunk, ordered=ordered)  # fmt: skip
-        runtime = 4 * 1024 * 1024  # SDPA's per-thread blocks, masks, rope tables
+        runtime = 4 * 1024 * 1024  # attention's per-thread blocks, masks, rope tables
         return keys + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
