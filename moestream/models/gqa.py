@@ -175,8 +175,8 @@ class GQAMoEModel(MoEModel):
         cfg: GQAMoEConfig, ubatch: int, ctx: int, chunk: int | None = None, ordered: bool = False
     ) -> int:
         """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions: Qwen3Moe's
-        account (the layer's keys and values in float32 for the prompt's attention, kernel scratch, per token the wider of
-        attention and the MoE with a 1.5 margin), plus the shared expert's intermediates."""
+        account (the layer's keys and values in float32 for the prompt's attention, kernel scratch, per token
+        the wider of attention and the MoE with a 1.5 margin), plus the shared expert's intermediates."""
         keys = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4
         max_in = max(cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.shared_ffn)
         scratch = linear.kernel_scratch_bytes(ubatch, cfg.top_k, cfg.hidden, cfg.expert_ffn, max_in)

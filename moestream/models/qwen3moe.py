@@ -177,13 +177,14 @@ class Qwen3Moe(MoEModel):
         """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions.
 
         A prompt's attention (attn.c's flash attention, or SDPA's flash kernel without the native library)
-        never builds the [T, S] score matrix: what it holds is the layer's keys and values in float32. Per token, the widest moment is either
-        attention (q, k, v and their normed/rotated copies) or the MoE (every chosen expert's output row
-        kept until the fixed-order sum, the router, one expert's intermediates), on top of the residual
-        stream and its norm temporaries. Measured peaks (first micro-batch in a fresh process, 1-8
-        threads, ub 16..512, ctx 2048/4096, the qwen3-30b-a3b and qwen3.6 synth shapes) were 0.55-0.8x
-        of this; the 1.5 on the per-token part keeps that margin. A prompt span of `ubatch` tokens runs its
-        attention `chunk` queries at a time and, `ordered`, sums its experts as they come (transient_nbytes).
+        never builds the [T, S] score matrix: what it holds is the layer's keys and values in float32. Per
+        token, the widest moment is either attention (q, k, v and their normed/rotated copies) or the MoE
+        (every chosen expert's output row kept until the fixed-order sum, the router, one expert's
+        intermediates), on top of the residual stream and its norm temporaries. Measured peaks (first
+        micro-batch in a fresh process, 1-8 threads, ub 16..512, ctx 2048/4096, the qwen3-30b-a3b and qwen3.6
+        synth shapes) were 0.55-0.8x of this; the 1.5 on the per-token part keeps that margin. A prompt span
+        of `ubatch` tokens runs its attention `chunk` queries at a time and, `ordered`, sums its experts as
+        they come (transient_nbytes).
         """
         keys = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4
         scratch = linear.kernel_scratch_bytes(
