@@ -1,6 +1,7 @@
 """Two source trees' lane matmuls in one process, call by call: a kernel A/B that a noisy shared VM cannot blur.
 
     python bench/kernel_ab.py --before /tmp/main-tree --after . --types Q4_K,Q5_K,Q6_K --shapes 8192x2048 --m 256
+    python bench/kernel_ab.py --before . --before-flags=-mno-avx512f   # this CPU's AVX2 kernels against its VNNI ones
 
 bench/lane_rows.py runs each tree in its own process; on a VM whose neighbours take the CPU by the second,
 two identical trees then differ by up to 1.5x from one process to the next. Here one process builds both
@@ -36,14 +37,17 @@ from moestream.formats import quants
 SOURCE_DIR = Path("moestream/compute/native")
 
 
-def build_tree(tree: str, out_dir: Path, entries: tuple[str, ...] = ("ms_qmm",)) -> ctypes.CDLL:
-    """The tree's native library, compiled from its own C sources with this checkout's flags; `entries` (and
-    ms_set_threads) declared, all an older tree needs to have. One thread until the caller sets more."""
+def build_tree(
+    tree: str, out_dir: Path, entries: tuple[str, ...] = ("ms_qmm",), extra_flags: tuple[str, ...] = ()
+) -> ctypes.CDLL:
+    """The tree's native library, compiled from its own C sources with this checkout's flags (and `extra_flags`);
+    `entries` (and ms_set_threads) declared, all an older tree needs to have. One thread until the caller sets
+    more."""
     src = Path(tree) / SOURCE_DIR
     if not any(src.glob("*.c")):
         raise SystemExit(f"kernel_ab: {src} holds no C sources (is {tree} a moestream source tree?)")
     try:
-        path = native.build_library((*native.BASE_FLAGS, "-march=native"), out_dir, source_dir=src)
+        path = native.build_library((*native.BASE_FLAGS, "-march=native", *extra_flags), out_dir, source_dir=src)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         raise SystemExit(f"kernel_ab: building {src} failed: {str(exc)[-500:]}") from None
     library = native.load_library(path, only=(*entries, "ms_set_threads"))
@@ -69,6 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", required=True, help="source tree of the baseline (holds moestream/)")
     ap.add_argument("--after", default=".", help="source tree measured against it")
+    ap.add_argument("--before-flags", default="", help="compiler flags added to the baseline's build (-mno-avx512f)")
     ap.add_argument("--types", type=lambda s: s.split(","), default=["Q4_K", "Q5_K", "Q6_K"])
     ap.add_argument("--shapes", type=parse_shapes, default=[(8192, 2048), (2048, 4096)])
     ap.add_argument("--m", type=int, default=256, help="activation rows (tokens) per call")
@@ -80,11 +85,13 @@ def main() -> None:
     if native.lane_isa() is None:
         raise SystemExit("kernel_ab: this CPU runs no lane kernels (they need AVX-512 VNNI, or AVX2 + FMA + F16C)")
     out_dir = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
-    libs = {arm: build_tree(getattr(args, arm), out_dir) for arm in ("before", "after")}
+    flags = {"before": tuple(args.before_flags.split()), "after": ()}
+    libs = {arm: build_tree(getattr(args, arm), out_dir / arm, extra_flags=flags[arm]) for arm in ("before", "after")}
     rng = np.random.default_rng(0)
     rows = []
     lines = [
-        f"lane kernels: {native.lane_isa()}, one thread, m={args.m}, {args.rounds} rounds",
+        f"lane kernels: before {native.lane_isa(libs['before'])}, after {native.lane_isa(libs['after'])}, one thread, "
+        f"m={args.m}, {args.rounds} rounds" + (f"; before built with {args.before_flags}" if args.before_flags else ""),
         "",
         "| case | before/after (median, min-max over rounds) | best GMAC/s before | best GMAC/s after | same bits |",
         "|---|---|---|---|---|",
