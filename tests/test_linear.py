@@ -246,6 +246,31 @@ def test_native_prompt_attention_equals_sdpa_and_ignores_the_chunking(t, pos, h,
     assert torch.equal(torch.cat([run(0, cut), run(cut, t)]), out)
 
 
+@needs_native
+@pytest.mark.parametrize("bf16", [0, 1])
+def test_native_prompt_attention_ignores_what_the_cache_holds_past_the_prompt(bf16):
+    # a cache longer than the prompt, NaN past its last position (in the last key block the queries read): the
+    # rows are those of the exactly sized cache, bit for bit
+    t, pos, h, hkv, d = 20, 10, 4, 2, 32
+    rng = np.random.default_rng(3)
+    q = torch.from_numpy(rng.standard_normal((t, h, d), dtype=np.float32))
+    k = torch.full((pos + t + 7, hkv, d), float("nan"))
+    v = torch.full((pos + t + 7, hkv, d), float("nan"))
+    k[: pos + t] = torch.from_numpy(rng.standard_normal((pos + t, hkv, d), dtype=np.float32))
+    v[: pos + t] = torch.from_numpy(rng.standard_normal((pos + t, hkv, d), dtype=np.float32))
+    if bf16:
+        k, v = k.bfloat16(), v.bfloat16()
+    lib = native.lib()
+    outs = []
+    for s in (pos + t, pos + t + 7):
+        out = torch.empty(t, h, d)
+        kc, vc = k[:s].contiguous(), v[:s].contiguous()
+        assert lib.ms_attn_prefill(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), t, s, h, hkv, d, pos, bf16,
+                                   d**-0.5, out.data_ptr()) == 0  # fmt: skip
+        outs.append(out)
+    assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.skipif(native.lane_isa() != "avx512-vnni", reason="compares the AVX2 build with the AVX-512 one")
 @pytest.mark.parametrize("t, pos, h, hkv, d, bf16", [(130, 70, 16, 2, 256, 1), (33, 100, 12, 4, 64, 0)])
 def test_native_prompt_attention_gives_the_same_bits_with_avx2(t, pos, h, hkv, d, bf16):

@@ -60,7 +60,7 @@ typedef struct {
     int64_t rows;    /* queries * heads a group, rounded up to 4 */
     int64_t key_blocks;
     float *KT;       /* [Hkv][key_blocks][D][AT_KEYS]: each block of keys transposed, as the product reads it */
-    float *V;        /* [Hkv][key_blocks * AT_KEYS][D]; keys past S are 0 in both */
+    float *V;        /* [Hkv][key_blocks * AT_KEYS][D]; keys past the last query's position are 0 in both */
     int64_t scratch_floats;
     float *scratch;  /* scratch_floats a thread */
     _Atomic int64_t next;
@@ -74,7 +74,9 @@ static inline float kv_float(const void *base, int bf16, int64_t i) {
     return f;
 }
 
-/* item: key block kb of head g into KT and V, as floats */
+/* item: key block kb of head g into KT and V, as floats. Keys no query sees (past the last query's position,
+ * though the cache may hold more) are 0: a masked key's P is 0, and 0 x a NaN or inf left in the cache past
+ * the prompt would make the row NaN. */
 static void at_keys_task(void *vctx, int64_t item) {
     const at_ctx *c = vctx;
     const int64_t D = c->D, stride = c->Hkv * D, g = item / c->key_blocks, kb = item % c->key_blocks;
@@ -82,7 +84,7 @@ static void at_keys_task(void *vctx, int64_t item) {
     for (int j = 0; j < AT_KEYS; j++) {
         const int64_t s = kb * AT_KEYS + j;
         float *vr = V + j * D;
-        if (s >= c->S) {
+        if (s >= c->pos + c->T) {
             for (int64_t d = 0; d < D; d++) KT[d * AT_KEYS + j] = 0.0f;
             memset(vr, 0, (size_t)D * 4);
             continue;
