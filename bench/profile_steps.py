@@ -51,11 +51,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16, help="tokens decoded after the prompt (default 16)")
     ap.add_argument("--prompt-tokens", type=int, default=98, help="token ids in the prompt (default 98)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=None, help="--ctx (default: moestream's; a long prompt needs more)")
     ap.add_argument("--top", type=int, default=15, help="functions listed per phase (default 15)")
     add_results_args(ap, None)
     args = ap.parse_args()
 
-    eng = Engine(args.model, EngineOptions(ram_budget_mb=args.budget_mb, threads=args.threads))
+    eng = Engine(args.model, EngineOptions(ram_budget_mb=args.budget_mb, threads=args.threads, ctx=args.ctx))
     try:
         if args.preload:
             eng.preload()
