@@ -61,13 +61,12 @@ def attention_case(
                                d, pos, 1, 1.0 / math.sqrt(d), out.data_ptr())  # fmt: skip
         return out
 
-    arms = {
-        "sdpa": lambda: by_chunks(lambda qc, k, v, p: common.attend_sdpa(qc, k, v, p, chunk)),
-        "before": lambda: by_chunks(tree),
-        "native": lambda: by_chunks(kv.attend),
-    }
-    del arms["sdpa" if before is not None else "before"]
-    a, b = (arm() for arm in arms.values())
+    def sdpa(qc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
+        return common.attend_sdpa(qc, k, v, pos, chunk)
+
+    base, baseline = ("before", tree) if before is not None else ("sdpa", sdpa)
+    arms = {base: lambda: by_chunks(baseline), "native": lambda: by_chunks(kv.attend)}
+    a, b = arms[base](), arms["native"]()
     return arms, float((a - b).abs().max())
 
 

@@ -12,8 +12,8 @@
  * and at the end out = O / l. A row's result depends only on its query and the keys it sees: not on the
  * other rows of its task, nor on how the caller cut the prompt into chunks. So a prompt span and the
  * micro-batches of the same tokens give the same bits, and AVX2 and AVX-512 do too (gemm.h; the sums of P
- * run over 8 lanes then a fixed tree in both). torch's SDPA here runs MKL's AVX2 GEMMs on any x86 CPU and
- * converts the whole cache to float first. */
+ * run over 8 lanes then a fixed tree in both). torch's SDPA, the path without this library, converts the whole
+ * cache to float for every chunk. */
 #include "internal.h"
 #include "gemm.h"
 

@@ -41,6 +41,10 @@ static inline float fma1(float a, float b, float c) {
  * strip's first column (the diagonal) when it computes only the lower tiles */
 static inline int first_tile_row(int lower, int j) { return lower && j > 3 ? (j - 3) / 4 * 4 : 0; }
 
+/* where a column strip's 6-row tiles end, from its first row i: as many as leave a multiple of 4 rows (M - i
+ * is one) for the 4-row tiles; none in the lower case */
+static inline int six_row_end(int lower, int i, int M) { return lower ? i : i + (M - i) / 12 * 12; }
+
 #if defined(MS_VNNI)
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
@@ -124,7 +128,7 @@ static void gemm_acc(int M, int N, int K, const float *a, int lda, const float *
 #if defined(MS_VNNI)
     for (; j + 32 <= N; j += 32) {
         int i = first_tile_row(lower, j);
-        const int six = lower ? i : i + (M - i) / 12 * 12; /* rows in 6-row tiles: the rest a multiple of 4 */
+        const int six = six_row_end(lower, i, M);
         for (; i < six; i += 6) tile16(6, 2, K, a, lda, b, ldb, c, ldc, i, j);
         for (; i < M; i += 4) {
             if (i < first_tile_row(lower, j + 16)) tile16(4, 1, K, a, lda, b, ldb, c, ldc, i, j);
@@ -138,7 +142,7 @@ static void gemm_acc(int M, int N, int K, const float *a, int lda, const float *
 #else /* 256-bit registers: two vectors of 8 a row */
     for (; j + 16 <= N; j += 16) {
         int i = first_tile_row(lower, j);
-        const int six = lower ? i : i + (M - i) / 12 * 12; /* rows in 6-row tiles: the rest a multiple of 4 */
+        const int six = six_row_end(lower, i, M);
         for (; i < six; i += 6) tile8x2(6, K, a, lda, b, ldb, c, ldc, i, j);
         for (; i < M; i += 4) tile8x2(4, K, a, lda, b, ldb, c, ldc, i, j);
     }
