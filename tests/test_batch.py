@@ -211,6 +211,19 @@ def test_small_float_ops_rows_are_independent(m):
         assert torch.equal(both[0][b], one[0][0]) and torch.equal(both[1][b], one[1][0])
 
 
+@pytest.mark.parametrize(("rows", "dim"), [(300, 2048), (3, 40000)])
+def test_native_norm_of_a_span_gives_each_row_its_bits_alone(rows, dim):
+    """A prompt span's RMSNorm runs on the lane pool in tasks of rows (2048 values: 16 rows a task; 40000: a
+    row a task); every row has the bits of a decode step's norm of that row, and torch's values."""
+    if native.lib() is None:
+        pytest.skip("needs the native library")
+    torch.manual_seed(rows)
+    x, norm = 3 * torch.randn(rows, dim), torch.rand(dim) + 0.5
+    span = rms_norm(x, norm, 1e-6)
+    assert torch.equal(span, torch.cat([rms_norm(x[b : b + 1], norm, 1e-6) for b in range(rows)]))
+    torch.testing.assert_close(span, torch.nn.functional.rms_norm(x, (dim,), norm, 1e-6), rtol=1e-5, atol=1e-5)
+
+
 def test_forced_routes_per_row_at_its_own_position(tiny_file):
     """A route hook (--route-trace) answers each row at its own position; rows equal forward alone."""
     path, cfg = tiny_file

@@ -86,6 +86,11 @@ call(lib.ms_rms_norm, ptr(x), ptr(x), 4, 0, 1e-6, ptr(out), want=native.BAD_SHAP
 call(lib.ms_rms_norm, ptr(x), ptr(x), -1, 16, 1e-6, ptr(out), want=native.BAD_SHAPE)
 call(lib.ms_rms_norm, ptr(x), None, 1, 16, 1e-6, ptr(out), want=native.BAD_PTR)
 call(lib.ms_rms_norm, ptr(x), ptr(x), 2, 16, float("nan"), ptr(out))
+call(lib.ms_rms_norm_rows, ptr(x), ptr(x), 4, 0, 1e-6, ptr(out), want=native.BAD_SHAPE)
+call(lib.ms_rms_norm_rows, ptr(x), ptr(x), -1, 16, 1e-6, ptr(out), want=native.BAD_SHAPE)
+call(lib.ms_rms_norm_rows, ptr(x), None, 1, 16, 1e-6, ptr(out), want=native.BAD_PTR)
+call(lib.ms_rms_norm_rows, None, None, 0, 16, 1e-6, None)
+call(lib.ms_rms_norm_rows, ptr(x), ptr(x), 256, 16, 1e-6, ptr(out))  # 4096 floats: every row, in two tasks
 rows = np.array([0, 3, 1, 1 << 40, -1], np.int64)
 for n_rows, first in ((4, 3), (4, 4), (4, 0)):  # rows out of range (1 << 40, -1), then none read past n_out
     call(lib.ms_add_weighted_rows, ptr(out), n_rows, 16, ptr(rows[first:]), ptr(x), ptr(x), 2,

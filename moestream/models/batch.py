@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from moestream.compute import linear, native
 from moestream.compute.linear import QLinear
-from moestream.models.common import SMALL_OP, ExpertProvider, Fused, by_query_chunks, f32_matmul, rms_norm
+from moestream.models.common import ExpertProvider, Fused, by_query_chunks, f32_matmul, rms_norm
 from moestream.models.moe import (
     ClampedSwiGLU,
     DenseFFN,
@@ -66,13 +66,11 @@ def fused_rows(f: Fused, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm of each row of x [B, dim], each through the path it takes alone (the native loop over rows
-    takes as many rows as stay under its size limit)."""
-    dim = x.shape[-1]
-    if native.lib() is None or x.dtype != torch.float32 or w.dtype != torch.float32 or dim > SMALL_OP:
+    """rms_norm of each row of x [B, dim], each with the bits it gets alone (the native loop gives them in
+    one call; torch's norm, without the library or for other dtypes, is taken a row at a time)."""
+    if native.lib() is None or x.dtype != torch.float32 or w.dtype != torch.float32:
         return per_row(lambda r: rms_norm(r, w, eps), x)
-    step = SMALL_OP // dim
-    return torch.cat([rms_norm(x[a : a + step], w, eps) for a in range(0, x.shape[0], step)])
+    return rms_norm(x, w, eps)
 
 
 def f32_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -156,6 +156,7 @@ def _declare(lib: ctypes.CDLL, only: set[str] | None = None) -> None:
         "ms_moe_ffn_gather": ([c_int, vp, vp, vp, vp, i64, i64, vp, i64, vp, vp, vp, vp, vp, vp, f32, f32], c_int),
         "ms_prep_rows": ([vp, i64, i64, vp], c_int),
         "ms_rms_norm": ([vp, vp, i64, i64, f32, vp], c_int),
+        "ms_rms_norm_rows": ([vp, vp, i64, i64, f32, vp], c_int),
         "ms_add_weighted_rows": ([vp, i64, i64, vp, vp, vp, i64], c_int),
         "ms_gemv_f32": ([vp, i64, i64, vp, i64, vp], c_int),
         "ms_causal_conv": ([vp, i64, i64, i64, vp, vp], c_int),

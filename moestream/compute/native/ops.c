@@ -40,11 +40,9 @@ static inline vf vf_load_bf16(const uint16_t *p) {
 /* ---------------------------------------------------------------------------------------------------- */
 /* float32 helpers for the decode step's small ops (torch spends ~25 us of dispatch on a 2048-float norm) */
 
-/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of `dim` floats (out may be x) */
-int ms_rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, float eps, float *out) {
-    if (!dim_ok(dim) || !count_ok(rows) || !prod_ok(rows, dim)) return MS_BAD_SHAPE;
-    if (rows && (!x || !w || !out)) return MS_BAD_PTR;
-    for (int64_t r = 0; r < rows; r++) {
+/* rows [r0, r1) of out = x / sqrt(mean(x^2) + eps) * w, rows of `dim` floats (out may be x) */
+static void rms_rows(const float *x, const float *w, int64_t r0, int64_t r1, int64_t dim, float eps, float *out) {
+    for (int64_t r = r0; r < r1; r++) {
         const float *xr = x + r * dim;
         float *o = out + r * dim;
         double ss = 0;
@@ -61,6 +59,44 @@ int ms_rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, float
         float scale = 1.0f / sqrtf((float)(ss / dim) + eps);
         for (i = 0; i < dim; i++) o[i] = xr[i] * scale * w[i];
     }
+}
+
+static int rms_args_ok(const float *x, const float *w, int64_t rows, int64_t dim, const float *out) {
+    if (!dim_ok(dim) || !count_ok(rows) || !prod_ok(rows, dim)) return MS_BAD_SHAPE;
+    if (rows && (!x || !w || !out)) return MS_BAD_PTR;
+    return MS_OK;
+}
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w on the caller's thread (the fused decode ops call it) */
+int ms_rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, float eps, float *out) {
+    int rc = rms_args_ok(x, w, rows, dim, out);
+    if (rc == MS_OK) rms_rows(x, w, 0, rows, dim, eps, out);
+    return rc;
+}
+
+/* Rows per task of ms_rms_norm_rows: enough floats that a task outweighs waking a worker. */
+#define RMS_TASK_FLOATS 32768
+
+typedef struct {
+    const float *x, *w;
+    int64_t rows, dim, per_task;
+    float eps;
+    float *out;
+} rms_ctx;
+
+static void rms_task(void *vctx, int64_t t) {
+    const rms_ctx *c = vctx;
+    const int64_t r0 = t * c->per_task, r1 = r0 + c->per_task < c->rows ? r0 + c->per_task : c->rows;
+    rms_rows(c->x, c->w, r0, r1, c->dim, c->eps, c->out);
+}
+
+/* ms_rms_norm over the lane pool, for any number of rows (a prompt span's): each row computed as
+ * ms_rms_norm computes it, so the bits do not depend on how many rows come in one call. */
+int ms_rms_norm_rows(const float *x, const float *w, int64_t rows, int64_t dim, float eps, float *out) {
+    int rc = rms_args_ok(x, w, rows, dim, out);
+    if (rc != MS_OK || rows == 0) return rc;
+    rms_ctx c = {x, w, rows, dim, dim >= RMS_TASK_FLOATS ? 1 : RMS_TASK_FLOATS / dim, eps, out};
+    ms_internal_dispatch(rms_task, &c, (rows + c.per_task - 1) / c.per_task);
     return MS_OK;
 }
 
