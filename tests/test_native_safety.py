@@ -90,7 +90,7 @@ call(lib.ms_rms_norm_rows, ptr(x), ptr(x), 4, 0, 1e-6, ptr(out), want=native.BAD
 call(lib.ms_rms_norm_rows, ptr(x), ptr(x), -1, 16, 1e-6, ptr(out), want=native.BAD_SHAPE)
 call(lib.ms_rms_norm_rows, ptr(x), None, 1, 16, 1e-6, ptr(out), want=native.BAD_PTR)
 call(lib.ms_rms_norm_rows, None, None, 0, 16, 1e-6, None)
-call(lib.ms_rms_norm_rows, ptr(x), ptr(x), 256, 16, 1e-6, ptr(out))  # 4096 floats: every row, in two tasks
+call(lib.ms_rms_norm_rows, ptr(x), ptr(x), 256, 16, 1e-6, ptr(out))  # 256 rows of 16 floats: one task
 rows = np.array([0, 3, 1, 1 << 40, -1], np.int64)
 for n_rows, first in ((4, 3), (4, 4), (4, 0)):  # rows out of range (1 << 40, -1), then none read past n_out
     call(lib.ms_add_weighted_rows, ptr(out), n_rows, 16, ptr(rows[first:]), ptr(x), ptr(x), 2,

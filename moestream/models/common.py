@@ -65,7 +65,7 @@ class ExpertProvider(Protocol):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim. float32 inputs go to the native loop, spread over the lane pool: a decode
     step's norms skip torch's ~10-30 us of dispatch a call (~200 calls a token), a prompt span's skip its
-    passes over temporaries on one thread; each row has the same bits however many rows come in the call."""
+    passes over temporaries; each row has the same bits however many rows come in the call."""
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or x.shape[-1] == 0:
         raise ModelFileError(
             f"a norm weight of shape {tuple(weight.shape)} for rows of {x.shape[-1]} values; "
