@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from moestream.analysis.synth import write_synth
 from moestream.engine.engine import Engine
@@ -18,6 +19,7 @@ from moestream.models.qwen3moe import Qwen3Moe, Qwen3MoeConfig
 from moestream.streaming import budget
 from moestream.streaming.budget import MB, UBATCH_CHOICES, choose_span, choose_ubatch, plan_slots
 from moestream.streaming.expert_cache import ORDERED_ROOM
+from moestream.streaming.heap import FreedHeap, release_free_heap
 
 SLOT = 3 * MB
 PLAN = dict(resident=300 * MB, compute=40 * MB, reader=10 * MB, slot_nbytes=SLOT, min_slots=8, max_slots=256)
@@ -164,3 +166,40 @@ def test_peak_rss_stays_under_a_budget_close_to_the_minimum(tiny, tmp_path):
     assert plan["resident"] < doc["peak_rss"] <= plan["budget"], (doc["peak_rss"] / MB, plan)
     # where the budget let the cache read ahead, the prompt did, inside the same budget
     assert (doc["ahead_reads"] > 0) == doc["read_ahead"] and doc["ahead_unused"] <= doc["ahead_reads"]
+
+
+@pytest.mark.skipif(not FreedHeap(256 * MB).active, reason="needs glibc's mallopt")
+def test_a_prompt_step_keeps_its_freed_heap_and_gives_it_back_when_it_ends():
+    """Inside a prompt step a block over glibc's own mmap threshold (32 MiB at most) stays resident once
+    freed, for the next layer to reuse instead of faulting fresh pages in; when the step ends it goes back, and
+    outside one such a block is mapped and unmapped as glibc decides."""
+    heap = FreedHeap(256 * MB)
+    assert heap.active and not FreedHeap(16 * MB).active  # a limit under glibc's own threshold changes nothing
+    release_free_heap()
+    base = budget.rss_bytes()
+    with heap.prompt_step():
+        block = torch.ones(48 * MB // 4)
+        del block
+        kept = budget.rss_bytes()
+        assert kept - base >= 40 * MB
+        block = torch.ones(48 * MB // 4)  # the next layer's block: no fresh pages
+        del block
+        assert budget.rss_bytes() - kept < 8 * MB
+    assert heap.trims == 1 and budget.rss_bytes() - base < 8 * MB
+    block = torch.ones(48 * MB // 4)
+    del block
+    assert budget.rss_bytes() - base < 8 * MB
+
+
+@pytest.mark.skipif(not FreedHeap(256 * MB).active, reason="needs glibc's mallopt")
+def test_the_engine_keeps_the_heap_through_prompt_steps_only(tiny):
+    """Each prompt step runs inside FreedHeap.prompt_step (and gives its heap back at the end); decode steps
+    are left to glibc."""
+    eng = Engine(tiny, EngineOptions(ram_budget_mb=1000, ctx=1024))
+    try:
+        assert eng.heap is not None and eng.heap.active and eng.heap.limit == eng.plan.compute
+        steps = -(-600 // eng.span)
+        eng.generate(list(range(3, 603)), 5)
+        assert eng.heap.trims == steps
+    finally:
+        eng.close()

@@ -7,6 +7,7 @@ import os
 import time
 import weakref
 from collections.abc import Generator, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict
 from typing import Any
 
@@ -27,9 +28,10 @@ from moestream.errors import BudgetError, ContextError
 from moestream.formats.tokenizer import Tokenizer
 from moestream.models import common
 from moestream.models.loader import GGUFWeights
-from moestream.streaming.budget import MB, BudgetPlan, peak_rss_bytes, release_free_heap
+from moestream.streaming.budget import MB, BudgetPlan, peak_rss_bytes
 from moestream.streaming.elastic import ElasticWatcher
 from moestream.streaming.expert_cache import ExpertCache
+from moestream.streaming.heap import FreedHeap, release_free_heap
 from moestream.streaming.mlock import LockReport, lock_dense, routed_nbytes
 from moestream.streaming.read_ahead import decode_slots, prompt_slots
 from moestream.streaming.reader import ExpertReader
@@ -76,6 +78,8 @@ class Engine:
             kv.query_chunk = self.ubatch
         self.reader = self._open_reader(read_ahead)
         self.cache = self._open_cache(n_slots, read_ahead)
+        # what a prompt step frees is kept for its next layers, within the activations' room the plan counts
+        self.heap = FreedHeap(self.plan.compute) if self.plan is not None else None
         self.elastic = ElasticWatcher(self.cache, o.keep_free_mb).start() if o.keep_free_mb is not None else None
         # forward steps so far in micro-batch units: a prompt span counts its micro-batches (the cache's growth
         # allowance, which the replay reads back from the steps' numbers in a trace), a decoded token one
@@ -370,7 +374,8 @@ class Engine:
         """Run `tokens` at positions pos.. in `kv` (the engine's own conversation by default)."""
         units = -(-len(tokens) // self.ubatch)  # the micro-batches this step stands for
         self._begin_step(len(tokens), units, pos)
-        return self.model.forward(tokens, self.kv if kv is None else kv, pos)
+        with self._heap_for(len(tokens) > 1):
+            return self.model.forward(tokens, self.kv if kv is None else kv, pos)
 
     def _forward_rows(
         self, blocks: list[list[int]], kvs: list[Any], positions: list[int], prompt: bool
@@ -384,7 +389,8 @@ class Engine:
         # torch's ops run a block at a time, so the longest block sets their threads; the cache's growth
         # allowance counts the micro-batches of all the step's tokens
         self._begin_step(longest, -(-total // self.ubatch), positions[0])
-        return self.model.forward_rows(blocks, kvs, positions)
+        with self._heap_for(prompt):
+            return self.model.forward_rows(blocks, kvs, positions)
 
     def _begin_step(self, n_tokens: int, units: int, pos: int) -> None:
         want = self._torch_threads_for(n_tokens)
@@ -400,6 +406,10 @@ class Engine:
         self._step += units
         self._token = pos
         self.cache.begin_step(units)
+
+    def _heap_for(self, prompt: bool) -> AbstractContextManager:
+        """A prompt step keeps what its layers free for the next ones (FreedHeap); a decode step leaves it."""
+        return self.heap.prompt_step() if prompt and self.heap is not None else nullcontext()
 
     def close(self) -> None:
         self._finish_active()

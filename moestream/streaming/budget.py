@@ -9,8 +9,6 @@ buffers) is estimated from the shapes and a reserve covers the allocator's slack
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import resource
 from collections.abc import Callable
@@ -34,8 +32,6 @@ UBATCH_CHOICES = (128, 64, 32, 16)
 SPAN_SHARE = 0.25
 # With no budget given, leave this much of the machine's available RAM to everyone else.
 DEFAULT_KEEP_FREE_MB = 1024
-
-_libc: ctypes.CDLL | bool | None = None  # loaded on first use by release_free_heap
 
 
 def rss_bytes() -> int:
@@ -75,25 +71,6 @@ def available_bytes() -> int:
         except (OSError, ValueError):
             continue
     return avail
-
-
-def release_free_heap() -> None:
-    """Give the C heap's free pages back to the OS (glibc malloc_trim), so RSS measures what is really held.
-
-    Loading reads every dense tensor into a buffer and frees it after packing; glibc keeps much of that
-    freed memory (28 MB after an 8-layer qwen3-30b-a3b load), which would be counted as resident and then
-    reused by the first prompt's buffers: the budget would be both too high and inconsistent with the
-    estimate made before loading. A no-op where the C library has no malloc_trim.
-    """
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc:
-        _libc.malloc_trim(0)
 
 
 def budget_bytes(budget_mb: int | None, resident: int) -> int:
