@@ -47,7 +47,7 @@ def build_tree(
     if not any(src.glob("*.c")):
         raise SystemExit(f"kernel_ab: {src} holds no C sources (is {tree} a moestream source tree?)")
     try:
-        path = native.build_library((*native.BASE_FLAGS, "-march=native", *extra_flags), out_dir, source_dir=src)
+        path = native.build_library((*native.BASE_FLAGS, *native.cpu_flags(), *extra_flags), out_dir, source_dir=src)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         raise SystemExit(f"kernel_ab: building {src} failed: {str(exc)[-500:]}") from None
     library = native.load_library(path, only=(*entries, "ms_set_threads"))

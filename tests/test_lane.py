@@ -471,6 +471,32 @@ def test_the_largest_products_do_not_saturate(ggml_type):
 
 
 @pytest.fixture(scope="module")
+def other_tile_build():
+    """This CPU's library with the one-sum types' other tile shape: 1 x 8 where the loader takes 2 x 4, and back."""
+    wide = "-DMS_ONE_SUM_TOKENS=8" in native.cpu_tuning()
+    flags = (*native.BASE_FLAGS, "-march=native", f"-DMS_ONE_SUM_TOKENS={4 if wide else 8}")
+    return native.load_library(native.build_library(flags, cache_dir()))
+
+
+@pytest.mark.skipif(native.lane_isa() != "avx512-vnni", reason="the tile shapes are the VNNI kernels'")
+@pytest.mark.parametrize("ggml_type", LANE_TYPES, ids=lambda t: t.name)
+def test_both_tile_shapes_give_the_same_bits(ggml_type, other_tile_build):
+    """The tile shape is a CPU's tuning: 1 x 8 and 2 x 4 tiles give every product the same bits, at whole and
+    partial tiles and blocks (m up to 33), odd row counts, and groups of 8 (768) and of 12 lanes (1408)."""
+    rng = np.random.default_rng(int(ggml_type) + 11)
+    shapes = [(37, 2048), (9, 768)] + ([(5, 1408)] if ggml_type in PER32_TYPES else [])
+    for n, k in shapes:
+        lin = linear.from_gguf(quants.random_gguf(ggml_type, n * k, rng), ggml_type, n, k, False)
+        for m in (1, 2, 3, 7, 8, 9, 12, 17, 33):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            want = lin(torch.from_numpy(x)).numpy()
+            got = np.empty((m, n), np.float32)
+            w = lin.weight.data_ptr()
+            other_tile_build.ms_qmm(int(ggml_type), w, n, k, x.ctypes.data, m, k, got.ctypes.data, n)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"{n}x{k}, m={m}")
+
+
+@pytest.fixture(scope="module")
 def avx2_build():
     """This CPU's library built without AVX-512: the AVX2 lane kernels."""
     flags = (*native.BASE_FLAGS, "-march=native", "-mno-avx512f")

@@ -43,8 +43,10 @@ SOURCES = tuple(Path(__file__).with_name(n) for n in _SOURCE_NAMES)
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("blocks.h", "internal.h", "gemm.h"))
 ABI_VERSION = 2
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing")
-# tried in order: a CPU-tuned build, then a generic one (some compilers reject -march=native)
-FLAG_SETS = (("-march=native",), ())
+# AMD's family 25 (Zen 3 and Zen 4; only Zen 4 has AVX-512) runs the VNNI kernels of the types with one sum
+# per (row, token) faster in tiles of 1 row x 8 tokens than in the 2 x 4 chosen on Zen 5 (bench/RESULTS.md,
+# "The tile shape on Zen 4")
+WIDE_TILE_FAMILIES = {("AuthenticAMD", 25)}
 
 _lock = threading.RLock()  # int4_block() holds it while calling lib()
 _libs: dict[tuple[str, ...], ctypes.CDLL | None] = {}
@@ -64,6 +66,28 @@ def _cpu_fingerprint() -> str:
     except OSError:
         pass
     return platform.machine() + platform.processor()
+
+
+def cpu_tuning() -> tuple[str, ...]:
+    """Macros that tune the kernels' shapes to this CPU (never their bits), from /proc/cpuinfo (Linux)."""
+    vendor, family = "", -1
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    vendor = value.strip()
+                elif key.strip() == "cpu family":
+                    family = int(value)
+                    break
+    except (OSError, ValueError):
+        return ()
+    return ("-DMS_ONE_SUM_TOKENS=8",) if (vendor, family) in WIDE_TILE_FAMILIES else ()
+
+
+def cpu_flags() -> tuple[str, ...]:
+    """The CPU-tuned build's flags beside BASE_FLAGS."""
+    return ("-march=native", *cpu_tuning())
 
 
 def _compiler() -> str | None:
@@ -199,7 +223,8 @@ def _load(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC or install gcc/clang)")
     errors = []
-    for march in FLAG_SETS:
+    # a CPU-tuned build, then a generic one (some compilers reject -march=native)
+    for march in (cpu_flags(), ()):
         flags = (*BASE_FLAGS, *march, *extra_flags)
         for out_dir in (cache_dir(), Path(tempfile.gettempdir()) / f"moestream-{os.getuid()}"):
             try:

@@ -328,12 +328,20 @@ void ms_internal_qmv_rows(const qmm_job *J, int64_t r0, int64_t r1) { EACH_TYPE(
 
 /* the types whose two halves of 16 take separate scales: two int32 sums per (row, token) */
 #define TWO_HALF(T) ((T) == QT_Q6_K || (T) == QT_Q3_K || (T) == QT_Q2_K)
-/* Tiles: R rows x M tokens. One int32 sum per (row, token) for most types, two for TWO_HALF; with the float
- * sums and the unpacked weights they fit the 32 registers (TWO_HALF's 2 x 4 tiles too: their eight float sums
- * share one hsum8, which 1 x 4 tiles did not; bench/RESULTS.md, "The VNNI tiles in registers"). */
-#define TILE_R 2
-#define TILE_M 4
-#define TILE_MAX (TILE_R * TILE_M)
+/* Tiles: R rows x M tokens, 8 (row, token) sums a tile. One int32 sum per (row, token) for most types, two
+ * for TWO_HALF; with the float sums and the unpacked weights they fit the 32 registers (TWO_HALF's 2 x 4 tiles
+ * too: their eight float sums share one hsum8, which 1 x 4 tiles did not; bench/RESULTS.md, "The VNNI tiles in
+ * registers"). The one-sum types take MS_ONE_SUM_TOKENS tokens a tile: 4 (2 rows) by default, 8 (1 row) where
+ * the loader's tuning for the CPU says so (native/__init__.py, cpu_tuning). The shape changes no bits. */
+#ifndef MS_ONE_SUM_TOKENS
+#define MS_ONE_SUM_TOKENS 4
+#endif
+#if MS_ONE_SUM_TOKENS != 4 && MS_ONE_SUM_TOKENS != 8
+#error "MS_ONE_SUM_TOKENS is 4 or 8"
+#endif
+#define TILE_MAX 8
+#define TILE_M(T) (TWO_HALF(T) ? 4 : MS_ONE_SUM_TOKENS)
+#define TILE_R(T) (TILE_MAX / TILE_M(T))
 
 /* a group's 4 L bytes of weights; bc (L = 8): the 32 bytes in both halves of the register */
 #define LDW(L, bc, p) ((bc) ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const void *)(p))) : LDB(L, p))
@@ -446,7 +454,7 @@ static inline __attribute__((always_inline)) void tile_group(int T, int L, int R
     }
 #pragma GCC unroll 4
     for (int c = 0; c < 4; c++) {
-        __m512i w0[TILE_R], w1[TILE_R];
+        __m512i w0[2], w1[2]; /* R <= 2 */
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) chunk_weights(T, L, pk, g + r * rb, c, &w0[r], &w1[r]);
 #pragma GCC unroll 8
@@ -524,7 +532,7 @@ static inline __attribute__((always_inline)) void tile_rows(int T, int R, int M,
 /* rows r .. r + nr - 1 against tokens [t0, t1): whole tiles, then the last 1..M - 1 tokens in tiles of 2 */
 static inline __attribute__((always_inline)) void tile_tokens(int T, const qmm_job *J, int64_t r, int nr,
                                                               int64_t t0, int64_t t1, int pf) {
-    const int R = TILE_R, M = TILE_M;
+    const int R = TILE_R(T), M = TILE_M(T);
     int64_t t = t0;
     for (; t + M <= t1; t += M, pf = 0) tile_rows(T, R, M, J, r, nr, t, M, pf);
     for (; t < t1; t += 2, pf = 0) tile_rows(T, R, 2, J, r, nr, t, t + 2 <= t1 ? 2 : 1, pf);
@@ -534,13 +542,12 @@ static inline __attribute__((always_inline)) void tile_tokens(int T, const qmm_j
 #define TOKEN_BLOCK_BYTES 4096
 
 static inline __attribute__((always_inline)) void qmm_tiles(int T, const qmm_job *J, int64_t r0, int64_t r1) {
-    const int M = TILE_M;
+    const int M = TILE_M(T), R = TILE_R(T);
     int64_t tb = TOKEN_BLOCK_BYTES / J->k / M * M;
     if (tb < M) tb = M;
     for (int64_t b0 = 0; b0 < J->m; b0 += tb) {
         const int64_t b1 = J->m - b0 < tb ? J->m : b0 + tb;
-        for (int64_t r = r0; r < r1; r += TILE_R)
-            tile_tokens(T, J, r, r1 - r < TILE_R ? (int)(r1 - r) : TILE_R, b0, b1, b0 == 0);
+        for (int64_t r = r0; r < r1; r += R) tile_tokens(T, J, r, r1 - r < R ? (int)(r1 - r) : R, b0, b1, b0 == 0);
     }
 }
 
