@@ -24,8 +24,8 @@ from contextlib import contextmanager
 # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-# the largest int mallopt takes: a trim threshold the heap's free top never reaches
-NEVER_TRIM = (1 << 31) - 1
+# mallopt takes an int: as a trim threshold, one the heap's free top never reaches
+MALLOPT_MAX = (1 << 31) - 1
 # where glibc's dynamic thresholds end on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX, and twice it for trimming)
 GLIBC_MMAP_MAX = 32 << 20
 GLIBC_TRIM_AT_MAX = 2 * GLIBC_MMAP_MAX
@@ -75,7 +75,7 @@ class FreedHeap:
     """Keeps what a prompt step frees for its next layers (see the module's docstring)."""
 
     def __init__(self, limit: int):
-        self.limit = min(limit, NEVER_TRIM)  # the mmap threshold while a prompt step runs
+        self.limit = min(limit, MALLOPT_MAX)  # the mmap threshold while a prompt step runs
         self.trims = 0  # prompt steps whose free heap went back to the OS
         self.active = _lib().mallopt is not None and self.limit > GLIBC_MMAP_MAX
 
@@ -87,7 +87,7 @@ class FreedHeap:
             yield
             return
         lib.mallopt(M_MMAP_THRESHOLD, self.limit)
-        lib.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)
+        lib.mallopt(M_TRIM_THRESHOLD, MALLOPT_MAX)
         try:
             yield
         finally:
