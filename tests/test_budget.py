@@ -170,9 +170,11 @@ def test_peak_rss_stays_under_a_budget_close_to_the_minimum(tiny, tmp_path):
 
 @pytest.mark.skipif(not FreedHeap(256 * MB).active, reason="needs glibc's mallopt")
 def test_a_prompt_step_keeps_its_freed_heap_and_gives_it_back_when_it_ends():
-    """Inside a prompt step a block over glibc's own mmap threshold (32 MiB at most) stays resident once
-    freed, for the next layer to reuse instead of faulting fresh pages in; when the step ends it goes back, and
-    outside one such a block is mapped and unmapped as glibc decides."""
+    """Inside a prompt step blocks over glibc's own mmap threshold (32 MiB at most) stay resident once freed,
+    for the next layers to reuse instead of faulting fresh pages in; when the step ends they go back, and
+    outside one such a block is mapped and unmapped as glibc decides. (A freed block does not always serve the
+    next one of its size at once: torch's 64-byte alignment asks for a little more, until freed neighbours
+    coalesce; so a run of them holds a few blocks, not one per layer.)"""
     heap = FreedHeap(256 * MB)
     assert heap.active and not FreedHeap(16 * MB).active  # a limit under glibc's own threshold changes nothing
     release_free_heap()
@@ -180,11 +182,11 @@ def test_a_prompt_step_keeps_its_freed_heap_and_gives_it_back_when_it_ends():
     with heap.prompt_step():
         block = torch.ones(48 * MB // 4)
         del block
-        kept = budget.rss_bytes()
-        assert kept - base >= 40 * MB
-        block = torch.ones(48 * MB // 4)  # the next layer's block: no fresh pages
-        del block
-        assert budget.rss_bytes() - kept < 8 * MB
+        assert budget.rss_bytes() - base >= 40 * MB
+        for _ in range(8):  # the next layers' blocks
+            block = torch.ones(48 * MB // 4)
+            del block
+        assert budget.rss_bytes() - base < 4 * 48 * MB
     assert heap.trims == 1 and budget.rss_bytes() - base < 8 * MB
     block = torch.ones(48 * MB // 4)
     del block
