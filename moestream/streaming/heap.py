@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -48,14 +49,9 @@ class _Glibc:
             self.mallopt.argtypes, self.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
 
 
-_glibc: _Glibc | None = None
-
-
+@functools.cache
 def _lib() -> _Glibc:
-    global _glibc
-    if _glibc is None:
-        _glibc = _Glibc()
-    return _glibc
+    return _Glibc()
 
 
 def release_free_heap() -> None:
