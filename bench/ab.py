@@ -25,6 +25,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from agent_turn import served_prompt
 from balloon import BalloonError
 from engine_runs import RunResult, condition_context, pair_ratios, prepare, run_moestream, short, summarize, to_result
 from harness import DEFAULT_PROMPT, add_results_args, cell, log, run_meta, save_results
@@ -58,7 +59,7 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
             for rep in range(args.repeat):
                 for arm, extra in arms.items():
                     setup = prepare(args.condition, args.model, balloon) if args.condition != "asis" else {}
-                    m, stats = run_moestream(
+                    m, stats = (served_prompt if args.serve else run_moestream)(
                         args.model,
                         args.prompt,
                         args.tokens,
@@ -147,6 +148,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--leave-gb", type=float, default=8.0, help="with --condition pressure")
     ap.add_argument("--timeout-s", type=float, default=1800)
+    ap.add_argument(
+        "--serve",
+        action="store_true",
+        help="run each arm as a fresh `moestream serve` answering one streamed request of the prompt (the flags "
+        "are serve's); prefill = time to the first chunk",
+    )
     add_results_args(ap, None, "results file name (default ab-<model>)")
     args = ap.parse_args(argv)
     if not os.path.isfile(args.model):

@@ -23,7 +23,7 @@ import urllib.request
 from typing import Any
 
 import openai
-from harness import REPO_DIR, make_oom_victim, oom_kills, proc_read_bytes, tail
+from harness import REPO_DIR, Measured, make_oom_victim, oom_kills, proc_read_bytes, tail
 
 from moestream.formats.tokenizer import Tokenizer
 
@@ -56,8 +56,9 @@ def wait_healthy(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> 
     raise RuntimeError(f"the server did not answer /health within {timeout_s:.0f} s")
 
 
-def request(client: openai.OpenAI, pid: int, ids: list[int], max_tokens: int) -> dict[str, Any]:
-    """One streamed completion: time to its first chunk, its whole time, usage and the disk bytes read."""
+def request(client: openai.OpenAI, pid: int, ids: list[int] | str, max_tokens: int) -> dict[str, Any]:
+    """One streamed completion of token ids (or a text, which the server tokenizes): time to its first chunk, its
+    whole time, usage and the disk bytes read."""
     io0 = proc_read_bytes(pid)
     t0 = time.perf_counter()
     first: float | None = None
@@ -82,7 +83,7 @@ def request(client: openai.OpenAI, pid: int, ids: list[int], max_tokens: int) ->
     io1 = proc_read_bytes(pid)
     details = usage.prompt_tokens_details if usage is not None else None
     return {
-        "prompt_tokens_sent": len(ids),
+        "prompt_tokens_sent": len(ids) if isinstance(ids, list) else None,
         "ttft_s": first,
         "total_s": total,
         "prompt_tokens": usage.prompt_tokens if usage is not None else None,
@@ -93,8 +94,19 @@ def request(client: openai.OpenAI, pid: int, ids: list[int], max_tokens: int) ->
     }
 
 
-def serve_cmd(model: str, port: int, ctx: int, threads: int, budget_mb: int | None, cache_mb: int, extra: list[str]):
-    cmd = [sys.executable, "-m", "moestream", "serve", "-m", model, "--port", str(port), "--ctx", str(ctx)]
+def serve_cmd(
+    model: str,
+    port: int,
+    ctx: int | None,
+    threads: int,
+    budget_mb: int | None,
+    cache_mb: int,
+    extra: list[str],
+    tree: str | None = None,
+):
+    """`moestream serve` greedy on the port; tree: that checkout's moestream package (as engine_runs.run_moestream)."""
+    cmd = [*(["env", f"PYTHONPATH={os.path.abspath(tree)}"] if tree else []), sys.executable, *(["-P"] if tree else [])]
+    cmd += ["-m", "moestream", "serve", "-m", model, "--port", str(port), *(["--ctx", str(ctx)] if ctx else [])]
     cmd += ["--threads", str(threads), "--prompt-cache-mb", str(cache_mb), "--temp", "0", "--seed", "0"]
     cmd += ["--model-name", MODEL_NAME, "--log-level", "warning", *extra]
     return cmd + (["--ram-budget-mb", str(budget_mb)] if budget_mb is not None else [])
@@ -172,3 +184,56 @@ def agent_turn(
             log_file.seek(0)
             doc["log_tail"] = tail(log_file.read().decode("utf-8", "replace"), 5)
     return doc
+
+
+def served_prompt(
+    model: str,
+    prompt: str,
+    tokens: int,
+    threads: int,
+    budget_mb: int | None,
+    extra: list[str],
+    timeout_s: float,
+    tree: str | None = None,
+) -> tuple[Measured, dict[str, Any]]:
+    """One request in a fresh `moestream serve`: the text prompt, `tokens` greedy tokens streamed. Returns the
+    outside view and stats in the keys of `moestream run --stats-json` that a client can measure (the prefill is
+    the time to the first chunk; decode the tokens after it). bench/ab.py --serve runs its arms this way."""
+    port = free_port()
+    cmd = serve_cmd(model, port, None, threads, budget_mb, 0, extra, tree)
+    status, stats, wall_s = "ok", {}, 0.0
+    kills_before = oom_kills()
+    with tempfile.TemporaryFile() as log_file:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=make_oom_victim, start_new_session=True,
+            cwd=REPO_DIR,
+        )  # fmt: skip
+        try:
+            wait_healthy(proc, port, timeout_s)
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=timeout_s, max_retries=0
+            )
+            r = request(client, proc.pid, prompt, tokens)
+            wall_s = time.perf_counter() - t0  # start to the answer's end, as a `run` process's life
+            decoded = (r["completion_tokens"] or 1) - 1  # the first token comes with the prefill
+            decode_s = r["total_s"] - r["ttft_s"]
+            stats = {
+                "prompt_tokens": r["prompt_tokens"],
+                "prompt_s": r["ttft_s"],
+                "prompt_tps": r["prompt_tokens"] / r["ttft_s"],
+                "decode_tokens": decoded,
+                "decode_s": decode_s,
+                "decode_tps": decoded / decode_s if decoded and decode_s > 0 else None,
+                "prompt_bytes_read": r["read_bytes"],
+            }
+        except (RuntimeError, openai.OpenAIError) as exc:
+            status = f"failed: {exc}"
+        finally:
+            rc, peak = stop(proc)
+            if rc == -signal.SIGKILL and oom_kills() > kills_before:
+                status = "oom-killed"
+            log_file.seek(0)
+            log_text = log_file.read().decode("utf-8", "replace")
+    m = Measured(cmd, status, rc, wall_s, peak, 0, 0, stderr=log_text)
+    return m, stats

@@ -98,7 +98,9 @@ class RunResult:
                 return e.get("prompt_read_bytes")
             return s.get("prompt_bytes_read")
         if name == "engine_prompt_bytes":  # moestream's own count of expert bytes the prompt read
-            return s["bytes_read"] - s["decode_bytes_read"] if self.engine == "moestream" else None
+            if self.engine != "moestream" or "bytes_read" not in s:  # (bench/ab.py --serve: not reported)
+                return None
+            return s["bytes_read"] - s["decode_bytes_read"]
         raise KeyError(name)
 
 
