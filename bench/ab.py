@@ -4,7 +4,9 @@
         --budget-mb 6000 --repeat 5 --tokens 32
 
 Two versions of moestream: `git worktree add /tmp/base <commit>`, then `--a '' --a-tree /tmp/base --b ''`
-runs arm A from that checkout and arm B from this one.
+runs arm A from that checkout and arm B from this one. With --serve each run is a fresh `moestream serve`
+(the flags are serve's) answering one streamed request of the prompt: prefill is the time to the first chunk,
+decode the tokens after it (bench/agent_turn.py, served_prompt); the engine's own counters are not reported.
 
 Everything but the two flag strings is shared: model, prompt, tokens, threads, budget, and the page-cache
 state made before every run (--condition: cold drops caches, pagecache pre-reads the file, pressure holds
