@@ -20,6 +20,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import openai
@@ -130,6 +132,52 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 60) -> tuple[int, int]:
     return rc, ru.ru_maxrss * 1024
 
 
+@dataclass
+class Served:
+    """One fresh `moestream serve` (run_server): its process and client, and once stopped, how it ended."""
+
+    proc: subprocess.Popen[bytes]
+    started: float  # perf_counter at its start
+    client: openai.OpenAI | None = None
+    load_s: float | None = None  # start -> /health answered
+    status: str = "ok"
+    rc: int | None = None
+    peak_rss: int = 0
+    log: str = ""
+
+
+def run_server(cmd: list[str], port: int, timeout_s: float, work: Callable[[Served], None]) -> Served:
+    """Start `cmd` (a serve_cmd on `port`), wait for /health, run `work` against it, then stop it. A server that
+    never answers or a request that fails ends as status "failed: ...", a kill as "oom-killed" (the kernel's
+    OOM killer) or "killed (SIGKILL)"; the server's output is kept in `log`."""
+    kills_before = oom_kills()
+    with tempfile.TemporaryFile() as log_file:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=make_oom_victim, start_new_session=True,
+            cwd=REPO_DIR,
+        )  # fmt: skip
+        served = Served(proc, t0)
+        try:
+            wait_healthy(proc, port, timeout_s)
+            served.load_s = time.perf_counter() - t0
+            served.client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=timeout_s, max_retries=0
+            )
+            work(served)
+        except (RuntimeError, openai.OpenAIError) as exc:
+            served.status = f"failed: {exc}"
+        finally:
+            served.rc, served.peak_rss = stop(proc)
+            if served.rc == -signal.SIGKILL and oom_kills() > kills_before:
+                served.status = "oom-killed"
+            elif served.rc == -signal.SIGKILL and served.status == "ok":
+                served.status = "killed (SIGKILL)"
+            log_file.seek(0)
+            served.log = log_file.read().decode("utf-8", "replace")
+    return served
+
+
 def agent_turn(
     model: str,
     tok: Tokenizer,
@@ -148,41 +196,21 @@ def agent_turn(
     port = free_port()
     cmd = serve_cmd(model, port, ctx, threads, budget_mb, cache_mb, extra)
     doc: dict[str, Any] = {"cmd": cmd, "status": "ok", "turns": []}
-    kills_before = oom_kills()
-    with tempfile.TemporaryFile() as log_file:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            preexec_fn=make_oom_victim,
-            start_new_session=True,
-            cwd=REPO_DIR,
-        )
-        try:
-            wait_healthy(proc, port, timeout_s)
-            doc["load_s"] = time.perf_counter() - t0
-            client = openai.OpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=timeout_s, max_retries=0
-            )
-            first = request(client, proc.pid, first_ids, answer_tokens)
-            answer_ids = tok.encode(first["text"], add_bos=False)
-            second = request(client, proc.pid, first_ids + answer_ids + new_ids, answer_tokens)
-            doc["turns"] = [first, second]
-            doc["answer_tokens_reencoded"] = len(answer_ids)
-            if first["ttft_s"] and second["ttft_s"] is not None:
-                doc["ttft_ratio"] = second["ttft_s"] / first["ttft_s"]
-        except (RuntimeError, openai.OpenAIError) as exc:
-            doc["status"] = f"failed: {exc}"
-        finally:
-            rc, peak = stop(proc)
-            doc["rc"], doc["peak_rss"] = rc, peak
-            if rc == -signal.SIGKILL and oom_kills() > kills_before:
-                doc["status"] = "oom-killed"
-            elif rc == -signal.SIGKILL and doc["status"] == "ok":
-                doc["status"] = "killed (SIGKILL)"
-            log_file.seek(0)
-            doc["log_tail"] = tail(log_file.read().decode("utf-8", "replace"), 5)
+
+    def turns(served: Served) -> None:
+        assert served.client is not None
+        doc["load_s"] = served.load_s
+        first = request(served.client, served.proc.pid, first_ids, answer_tokens)
+        answer_ids = tok.encode(first["text"], add_bos=False)
+        second = request(served.client, served.proc.pid, first_ids + answer_ids + new_ids, answer_tokens)
+        doc["turns"] = [first, second]
+        doc["answer_tokens_reencoded"] = len(answer_ids)
+        if first["ttft_s"] and second["ttft_s"] is not None:
+            doc["ttft_ratio"] = second["ttft_s"] / first["ttft_s"]
+
+    served = run_server(cmd, port, timeout_s, turns)
+    doc["status"], doc["rc"], doc["peak_rss"] = served.status, served.rc, served.peak_rss
+    doc["log_tail"] = tail(served.log, 5)
     return doc
 
 
@@ -198,42 +226,29 @@ def served_prompt(
 ) -> tuple[Measured, dict[str, Any]]:
     """One request in a fresh `moestream serve`: the text prompt, `tokens` greedy tokens streamed. Returns the
     outside view and stats in the keys of `moestream run --stats-json` that a client can measure (the prefill is
-    the time to the first chunk; decode the tokens after it). bench/ab.py --serve runs its arms this way."""
+    the time to the first chunk; decode the tokens after it). bench/ab.py --serve runs its arms this way; its
+    parameters are engine_runs.run_moestream's, so that ab.py calls either."""
     port = free_port()
     cmd = serve_cmd(model, port, None, threads, budget_mb, 0, extra, tree)
-    status, stats, wall_s = "ok", {}, 0.0
-    kills_before = oom_kills()
-    with tempfile.TemporaryFile() as log_file:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=make_oom_victim, start_new_session=True,
-            cwd=REPO_DIR,
-        )  # fmt: skip
-        try:
-            wait_healthy(proc, port, timeout_s)
-            client = openai.OpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=timeout_s, max_retries=0
-            )
-            r = request(client, proc.pid, prompt, tokens)
-            wall_s = time.perf_counter() - t0  # start to the answer's end, as a `run` process's life
-            decoded = (r["completion_tokens"] or 1) - 1  # the first token comes with the prefill
-            decode_s = r["total_s"] - r["ttft_s"]
-            stats = {
-                "prompt_tokens": r["prompt_tokens"],
-                "prompt_s": r["ttft_s"],
-                "prompt_tps": r["prompt_tokens"] / r["ttft_s"],
-                "decode_tokens": decoded,
-                "decode_s": decode_s,
-                "decode_tps": decoded / decode_s if decoded and decode_s > 0 else None,
-                "prompt_bytes_read": r["read_bytes"],
-            }
-        except (RuntimeError, openai.OpenAIError) as exc:
-            status = f"failed: {exc}"
-        finally:
-            rc, peak = stop(proc)
-            if rc == -signal.SIGKILL and oom_kills() > kills_before:
-                status = "oom-killed"
-            log_file.seek(0)
-            log_text = log_file.read().decode("utf-8", "replace")
-    m = Measured(cmd, status, rc, wall_s, peak, 0, 0, stderr=log_text)
-    return m, stats
+    stats: dict[str, Any] = {}
+    wall_s = 0.0
+
+    def one_request(served: Served) -> None:
+        nonlocal wall_s
+        assert served.client is not None
+        r = request(served.client, served.proc.pid, prompt, tokens)
+        wall_s = time.perf_counter() - served.started  # start to the answer's end, as a `run` process's life
+        decoded = (r["completion_tokens"] or 1) - 1  # the first token comes with the prefill
+        decode_s = r["total_s"] - r["ttft_s"]
+        stats.update(
+            prompt_tokens=r["prompt_tokens"],
+            prompt_s=r["ttft_s"],
+            prompt_tps=r["prompt_tokens"] / r["ttft_s"],
+            decode_tokens=decoded,
+            decode_s=decode_s,
+            decode_tps=decoded / decode_s if decoded and decode_s > 0 else None,
+            prompt_bytes_read=r["read_bytes"],
+        )
+
+    served = run_server(cmd, port, timeout_s, one_request)
+    return Measured(cmd, served.status, served.rc, wall_s, served.peak_rss, 0, 0, stderr=served.log), stats
