@@ -15,6 +15,7 @@ range; the ctypes declarations raise ComputeError for it (errcheck), so no calle
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -56,33 +57,36 @@ _int4_rows: int | None = None  # int4_block(), once checked
 _lane_ok: bool | None = None
 
 
-def _cpu_fingerprint() -> str:
-    """What -march=native depends on: the CPU's feature flags (Linux), else the processor name."""
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (Linux; empty elsewhere)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
+                if not line.strip():
+                    break  # the first processor's block ends
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.machine() + platform.processor()
+    return fields
+
+
+def _cpu_fingerprint() -> str:
+    """What -march=native depends on: the CPU's feature flags (Linux), else the processor name."""
+    info = _cpuinfo()
+    return info.get("flags") or info.get("Features") or platform.machine() + platform.processor()
 
 
 def cpu_tuning() -> tuple[str, ...]:
     """Macros that tune the kernels' shapes to this CPU (never their bits), from /proc/cpuinfo (Linux)."""
-    vendor, family = "", -1
+    info = _cpuinfo()
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    vendor = value.strip()
-                elif key.strip() == "cpu family":
-                    family = int(value)
-                    break
-    except (OSError, ValueError):
+        cpu = (info.get("vendor_id", ""), int(info.get("cpu family", "-1")))
+    except ValueError:
         return ()
-    return ("-DMS_ONE_SUM_TOKENS=8",) if (vendor, family) in WIDE_TILE_FAMILIES else ()
+    return ("-DMS_ONE_SUM_TOKENS=8",) if cpu in WIDE_TILE_FAMILIES else ()
 
 
 def cpu_flags() -> tuple[str, ...]:
