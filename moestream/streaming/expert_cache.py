@@ -24,6 +24,7 @@ import torch
 from moestream.compute import linear
 from moestream.errors import BudgetError
 from moestream.streaming.expert_store import ExpertStore
+from moestream.streaming.libc import libc
 from moestream.streaming.pending import Expert, PendingExpert, pack_lanes
 from moestream.streaming.read_ahead import ahead_choice, ahead_reads, consecutive_runs, reads_ahead
 from moestream.streaming.reader import ExpertReader, Lease
@@ -663,7 +664,7 @@ class ExpertCache:
         cache is ready ~16 s after start; fills before that fault as usual. It waits while the model
         generates: committing fresh memory slows the whole VM (begin_step: how the cache grows meanwhile).
         """
-        libc = ctypes.CDLL(None, use_errno=True)
+        lib = libc()
         base = self._arena_t.data_ptr()
         slots_per_call = max(1, (32 << 20) // self.slot_nbytes)
 
@@ -679,7 +680,7 @@ class ExpertCache:
                     if self.stats.shrinks:
                         return
                     addr = ctypes.c_void_p(base + slot * self.slot_nbytes)
-                    if libc.madvise(addr, ctypes.c_size_t(self.slot_nbytes), MADV_POPULATE_WRITE) != 0:
+                    if lib.madvise(addr, ctypes.c_size_t(self.slot_nbytes), MADV_POPULATE_WRITE) != 0:
                         return  # kernel before 5.14: pages fault in on first use, as without prefaulting
 
         if not background:

@@ -17,10 +17,11 @@ Without glibc (musl, macOS) every call here is a no-op and allocation behaves as
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from moestream.streaming.libc import libc
 
 # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -38,14 +39,14 @@ class _Glibc:
     def __init__(self) -> None:
         self.trim = self.mallopt = None
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            lib = libc()
         except OSError:
             return
-        if hasattr(libc, "malloc_trim"):
-            self.trim = libc.malloc_trim
+        if hasattr(lib, "malloc_trim"):
+            self.trim = lib.malloc_trim
             self.trim.argtypes, self.trim.restype = [ctypes.c_size_t], ctypes.c_int
-        if hasattr(libc, "mallopt"):
-            self.mallopt = libc.mallopt
+        if hasattr(lib, "mallopt"):
+            self.mallopt = lib.mallopt
             self.mallopt.argtypes, self.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
 
 

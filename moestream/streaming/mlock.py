@@ -15,7 +15,6 @@ limit to raise.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
@@ -29,6 +28,7 @@ import torch
 
 from moestream.formats.gguf_file import GGUFFile
 from moestream.streaming.expert_store import is_routed_expert_tensor
+from moestream.streaming.libc import libc
 
 PAGE = mmap.PAGESIZE
 CAP_IPC_LOCK = 14  # with it the kernel ignores RLIMIT_MEMLOCK
@@ -122,9 +122,9 @@ def _page_range(addr: int, n: int) -> tuple[int, int]:
 
 
 def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.mlock.argtypes = libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
+    lib = libc()
+    lib.mlock.argtypes = lib.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return lib
 
 
 def has_cap_ipc_lock() -> bool:
