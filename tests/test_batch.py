@@ -1,4 +1,4 @@
-"""Batched decode (MoEModel.forward_batch): each row bit-identical to its sequence decoded alone, whatever
+"""Batched steps (MoEModel.step of several sequences): each row bit-identical to its sequence decoded alone, whatever
 shares the step, for every architecture, with every expert cached and under a budget that streams; each
 step fetches the union of its rows' experts once; and the kernels the batched path runs on several rows at
 once compute each row as they would alone."""
@@ -14,7 +14,7 @@ from moestream.compute import linear, native
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.formats import quants
-from moestream.models import batch
+from moestream.models import rows as row_ops
 from moestream.models.common import f32_matmul, rms_norm, route_topk
 from moestream.models.moe import ClampedSwiGLU
 from tests.hf_gguf import n_experts, one_torch_thread, random_tokens
@@ -25,10 +25,31 @@ pytest.importorskip("transformers")
 one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 PROMPTS = (3, 9, 17)  # prompt lengths of the three sequences (17: longer than the engine's micro-batch here)
-# which sequences decode in each step, in the order given to forward_batch: one joins at step 2, one
+# which sequences decode in each step, in the order given to the step: one joins at step 2, one
 # leaves at step 4 and comes back, rows change order
 SCHEDULE = [[0, 1], [1, 0], [0, 1, 2], [2, 0, 1], [1, 2], [2, 1], [0, 2, 1]]
 CTX = 64
+
+
+class Stepper:
+    """A model's forward over an expert provider that a test may swap (`experts`) and a route hook: a
+    sequence alone (`forward`), one token of each of several (`forward_batch`), or blocks of any length
+    (`step`)."""
+
+    def __init__(self, model, experts):
+        self.model, self.experts, self.route_hook = model, experts, None
+
+    def new_kv(self, ctx: int):
+        return self.model.new_kv(ctx)
+
+    def forward(self, tokens: list[int], kv, pos: int) -> torch.Tensor:
+        return self.model.forward(tokens, kv, pos, self.experts, route_hook=self.route_hook)
+
+    def step(self, blocks: list[list[int]], kvs: list, positions: list[int]) -> torch.Tensor:
+        return self.model.step(blocks, kvs, positions, self.experts, route_hook=self.route_hook)
+
+    def forward_batch(self, tokens: list[int], kvs: list, positions: list[int]) -> torch.Tensor:
+        return self.step([[t] for t in tokens], kvs, positions)
 
 
 class CountingExperts:
@@ -76,7 +97,7 @@ def test_batched_rows_equal_each_sequence_alone(tiny_file, stream):
     slots = k + 3 if stream else cfg.num_hidden_layers * n_experts(cfg)
     eng = Engine(path, EngineOptions(n_slots=slots, ubatch=8, ctx=CTX))
     try:
-        model = eng.model
+        model = Stepper(eng.model, eng.cache)
         counting = CountingExperts(model.experts)
         prompts = [random_tokens(n, cfg.vocab_size, seed=n) for n in PROMPTS]
         steps = {s: sum(s in rows for rows in SCHEDULE) for s in range(len(prompts))}
@@ -114,7 +135,7 @@ def test_one_row_is_forward(tiny_file):
     path, cfg = tiny_file
     eng = Engine(path, EngineOptions(n_slots=64, ctx=CTX))
     try:
-        model = eng.model
+        model = Stepper(eng.model, eng.cache)
         prompt = random_tokens(5, cfg.vocab_size)
         kv_a, kv_b = model.new_kv(CTX), model.new_kv(CTX)
         with torch.inference_mode():
@@ -146,7 +167,7 @@ def test_lane_matmul_rows_are_independent(ggml_type, n, k, m):
     assert lin.kind == "lane"
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
     assert _rowwise_equal(lin, x)
-    assert torch.equal(batch.linear_rows(lin, x), torch.cat([lin(x[b : b + 1]) for b in range(m)]))
+    assert torch.equal(row_ops.linear_rows(lin, x), torch.cat([lin(x[b : b + 1]) for b in range(m)]))
 
 
 @lane_only
@@ -197,11 +218,11 @@ def test_small_float_ops_rows_are_independent(m):
     """The router's gemv (in chunks of up to 4 rows), the native RMSNorm and the native top-k."""
     torch.manual_seed(m)
     x, w, norm = torch.randn(m, 512), torch.randn(64, 512), torch.rand(512) + 0.5
-    assert torch.equal(batch.f32_rows(x, w), torch.cat([f32_matmul(x[b : b + 1], w) for b in range(m)]))
+    assert torch.equal(row_ops.f32_rows(x, w), torch.cat([f32_matmul(x[b : b + 1], w) for b in range(m)]))
     assert torch.equal(
-        batch.norm_rows(x, norm, 1e-6), torch.cat([rms_norm(x[b : b + 1], norm, 1e-6) for b in range(m)])
+        row_ops.norm_rows(x, norm, 1e-6), torch.cat([rms_norm(x[b : b + 1], norm, 1e-6) for b in range(m)])
     )
-    if m <= batch.GEMV_ROWS:
+    if m <= row_ops.GEMV_ROWS:
         assert _rowwise_equal(lambda r: f32_matmul(r, w), x)
     assert _rowwise_equal(lambda r: rms_norm(r, norm, 1e-6), x)
     logits = torch.randn(m, 64)
@@ -236,7 +257,7 @@ def test_forced_routes_per_row_at_its_own_position(tiny_file):
         return torch.tensor([[(layer + pos + j) % E for j in range(k)]] * n)
 
     try:
-        model = eng.model
+        model = Stepper(eng.model, eng.cache)
         model.route_hook = hook
         prompts = [random_tokens(n, cfg.vocab_size, seed=n) for n in PROMPTS]
         with torch.inference_mode():
@@ -273,7 +294,7 @@ def test_failed_step_leaves_each_cache_to_retry(tiny_file):
     path, cfg = tiny_file
     eng = Engine(path, EngineOptions(n_slots=64, ctx=CTX))
     try:
-        model = eng.model
+        model = Stepper(eng.model, eng.cache)
         provider = model.experts
         prompts = [random_tokens(n, cfg.vocab_size, seed=n) for n in PROMPTS]
         with torch.inference_mode():
@@ -295,7 +316,7 @@ def test_failed_step_leaves_each_cache_to_retry(tiny_file):
         eng.close()
 
 
-# ---- blocks: prompt chunks beside decoding rows in one step (MoEModel.forward_rows) ----------------------
+# ---- blocks: prompt chunks beside decoding rows in one step ----------------------------------------------
 
 # (tokens already in the cache, block length): a decoding row, a one-token prompt, prompts of 3, 9 (joining at
 # position 4: a second chunk) and 17 tokens, and one of 40 (each over the engine's micro-batch of 8 here)
@@ -319,14 +340,14 @@ def _same_cache(a, b) -> bool:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["cached", "streaming"])
 def test_blocks_equal_each_sequence_alone(tiny_file, stream):
-    """Blocks of 1..40 tokens (decoding rows and prompt chunks) in one forward_rows call: each block's logits
+    """Blocks of 1..40 tokens (decoding rows and prompt chunks) in one step: each block's logits
     and cache equal forward's of that block alone, and so do the decode steps that follow, every step
     fetching each layer's experts once, for the union."""
     path, cfg = tiny_file
     slots = cfg.num_experts_per_tok + 3 if stream else cfg.num_hidden_layers * n_experts(cfg)
     eng = Engine(path, EngineOptions(n_slots=slots, ubatch=8, ctx=CTX))
     try:
-        model = eng.model
+        model = Stepper(eng.model, eng.cache)
         seqs = [random_tokens(pre + n, cfg.vocab_size, seed=10 + j) for j, (pre, n) in enumerate(BLOCKS)]
         with torch.inference_mode():
             alone, kvs = [model.new_kv(CTX) for _ in seqs], [model.new_kv(CTX) for _ in seqs]
@@ -337,7 +358,7 @@ def test_blocks_equal_each_sequence_alone(tiny_file, stream):
             want = [model.forward(s[pre:], kv_a, pre) for (pre, _), s, kv_a in zip(BLOCKS, seqs, alone, strict=True)]
             counting = CountingExperts(model.experts)
             model.experts = counting
-            got = model.forward_rows([s[pre:] for (pre, _), s in zip(BLOCKS, seqs, strict=True)], kvs,
+            got = model.step([s[pre:] for (pre, _), s in zip(BLOCKS, seqs, strict=True)], kvs,
                                      [pre for pre, _ in BLOCKS])  # fmt: skip
             model.experts = counting.inner
             assert got.shape == (len(seqs), cfg.vocab_size) and got.dtype == torch.float32
@@ -350,7 +371,7 @@ def test_blocks_equal_each_sequence_alone(tiny_file, stream):
             for _ in range(3):
                 toks = [int(g.argmax()) for g in got]
                 want = [model.forward([t], kv_a, p) for t, kv_a, p in zip(toks, alone, pos, strict=True)]
-                got = model.forward_rows([[t] for t in toks], kvs, pos)
+                got = model.step([[t] for t in toks], kvs, pos)
                 for b in range(len(seqs)):
                     assert torch.equal(got[b], want[b]), b
                 pos = [p + 1 for p in pos]
@@ -361,18 +382,18 @@ def test_blocks_equal_each_sequence_alone(tiny_file, stream):
 
 
 def test_one_block_is_forward(tiny_file):
-    """forward_rows of a single prompt block is forward of it (the lone prompt's result, its cache)."""
+    """A step of a single prompt block is forward of it (the lone prompt's result, its cache)."""
     path, cfg = tiny_file
     eng = Engine(path, EngineOptions(n_slots=64, ubatch=8, ctx=CTX))
     try:
-        model = eng.model
+        model = Stepper(eng.model, eng.cache)
         prompt = random_tokens(21, cfg.vocab_size, seed=5)
         kv_a, kv_b = model.new_kv(CTX), model.new_kv(CTX)
         with torch.inference_mode():
-            assert torch.equal(model.forward_rows([prompt], [kv_a], [0])[0], model.forward(prompt, kv_b, 0))
+            assert torch.equal(model.step([prompt], [kv_a], [0])[0], model.forward(prompt, kv_b, 0))
             assert _same_cache(kv_a, kv_b)
             with pytest.raises(ValueError):
-                model.forward_rows([prompt, []], [kv_a, kv_b], [21, 21])
+                model.step([prompt, []], [kv_a, kv_b], [21, 21])
     finally:
         eng.close()
 

@@ -94,7 +94,7 @@ def test_both_kv_b_forms_give_the_same_logits(v3, tmp_path):
         try:
             assert eng.model.layers[0][1].k_b.shape == (4, 128, 64)
             with torch.inference_mode():
-                out.append(eng.model.forward(toks, eng.kv, 0, all_logits=True))
+                out.append(eng.forward(toks, 0, all_logits=True))
         finally:
             eng.close()
     assert torch.equal(out[0], out[1])

@@ -58,7 +58,7 @@ def test_greedy_tokens_equal_transformers_over_micro_batches_and_streaming(tmp_p
         try:
             with torch.inference_mode():
                 for s in range(0, len(prompt), 16):
-                    ours = eng.model.forward(prompt[s : s + 16], eng.kv, s)
+                    ours = eng.forward(prompt[s : s + 16], s)
             assert rel_error(ours, last) < 1e-3, slots
             eng.reset()
             assert eng.generate(prompt, 10, Sampler()).tokens == want, slots
@@ -149,7 +149,7 @@ def test_partial_rotary_matters(glm, tmp_path):
         eng = Engine(p, EngineOptions(n_slots=16))
         try:
             with torch.inference_mode():
-                errors.append(rel_error(eng.model.forward(toks, eng.kv, 0, all_logits=True), ref))
+                errors.append(rel_error(eng.forward(toks, 0, all_logits=True), ref))
         finally:
             eng.close()
     assert errors[0] < 1e-5 < 1e-2 < errors[1]

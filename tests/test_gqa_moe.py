@@ -51,7 +51,7 @@ def test_rope_layout_matters(mixtral, monkeypatch):
         eng = Engine(path, EngineOptions(n_slots=16))
         try:
             with torch.inference_mode():
-                errors.append(rel_error(eng.model.forward(toks, eng.kv, 0, all_logits=True), ref))
+                errors.append(rel_error(eng.forward(toks, 0, all_logits=True), ref))
         finally:
             eng.close()
     assert errors[0] < 1e-3 < 1e-2 < errors[1]
@@ -141,7 +141,7 @@ def test_greedy_tokens_equal_transformers_through_micro_batches(tmp_path, arch):
             eng.reset()
             with torch.inference_mode():
                 for s in range(0, len(prompt), 16):
-                    ours = eng.model.forward(prompt[s : s + 16], eng.kv, s)
+                    ours = eng.forward(prompt[s : s + 16], s)
             assert rel_error(ours, last) < 1e-3
         finally:
             eng.close()

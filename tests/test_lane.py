@@ -407,7 +407,7 @@ def test_v2_lite_style_model_computes_its_q5_0_downs_in_lane_form(tmp_path, monk
             five = [i for i, lay in enumerate(eng.store.layouts) if lay.down[0] == T.Q5_0]
             assert five and all(eng.store.layouts[i].down[2] % 256 for i in five)
             with torch.inference_mode():
-                logits = eng.model.forward(prompt, eng.kv, 0, all_logits=True)
+                logits = eng.forward(prompt, 0, all_logits=True)
             eng.kv.truncate(0)
             _, _, down = next(eng.cache.fetch(five[0], [0]))[1]
             return logits, eng.generate(prompt, 8, Sampler()).tokens, eng.store.slot_nbytes, down.kind

@@ -19,7 +19,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
-from moestream.models import moe
+from moestream.models import routed
 from moestream.models.common import KVCache, query_chunks
 from moestream.streaming.expert_cache import ExpertCache
 from moestream.streaming.expert_store import PER_EXPERT_TENSOR, is_routed_expert_tensor
@@ -82,11 +82,11 @@ def test_logits_match_transformers(tiny):
     eng = _engine(path)
     try:
         with torch.inference_mode():
-            ours = eng.model.forward(toks[:N_PROMPT], eng.kv, 0, all_logits=True)
+            ours = eng.forward(toks[:N_PROMPT], 0, all_logits=True)
             assert rel_error(ours, ref[:N_PROMPT]) < 1e-3
             assert max(rel_error(ours[i], ref[i]) for i in range(N_PROMPT)) < 1e-3
             for j in range(N_PROMPT, N_PROMPT + N_DECODE):
-                last = eng.model.forward([toks[j]], eng.kv, j)
+                last = eng.forward([toks[j]], j)
                 assert rel_error(last, ref[j]) < 1e-3, j
     finally:
         eng.close()
@@ -98,13 +98,13 @@ def test_whole_prompt_equals_token_by_token_and_micro_batches(tiny):
     eng = _engine(path)
     try:
         with torch.inference_mode():
-            whole = eng.model.forward(prompt, eng.kv, 0, all_logits=True)
+            whole = eng.forward(prompt, 0, all_logits=True)
             eng.kv.truncate(0)
-            steps = torch.stack([eng.model.forward([t], eng.kv, i) for i, t in enumerate(prompt)])
+            steps = torch.stack([eng.forward([t], i) for i, t in enumerate(prompt)])
             eng.kv.truncate(0)
             chunks = []
             for s in range(0, N_PROMPT, 13):  # ragged micro-batches (with checkpoints inside them)
-                chunks.append(eng.model.forward(prompt[s : s + 13], eng.kv, s, all_logits=True))
+                chunks.append(eng.forward(prompt[s : s + 13], s, all_logits=True))
             chunked = torch.cat(chunks)
     finally:
         eng.close()
@@ -203,7 +203,7 @@ def test_layer_major_prefill_equals_micro_batch_major(tiny, tmp_path, stream):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["cached", "streaming"])
 def test_a_span_summed_as_its_experts_come_is_bit_identical(tiny, stream, monkeypatch):
-    """A span whose experts are fetched in order and summed as they come (moe.InOrderSum) gives the very
+    """A span whose experts are fetched in order and summed as they come (routed.InOrderSum) gives the very
     logits of holding every (token, expert) result to the end, with every expert cached and under a budget
     that streams; the span's fetches did ask for the order."""
     _, path, toks, _, model = tiny
@@ -219,7 +219,7 @@ def test_a_span_summed_as_its_experts_come_is_bit_identical(tiny, stream, monkey
     monkeypatch.setattr(ExpertCache, "fetch_groups", spy)
     runs = {}
     for pairs in (0, 1 << 30):
-        monkeypatch.setattr(moe, "ORDERED_MIN_PAIRS", pairs)
+        monkeypatch.setattr(routed, "ORDERED_MIN_PAIRS", pairs)
         eng = Engine(path, EngineOptions(n_slots=slots, ubatch=8))
         keep = _KeepLogits()
         try:
@@ -259,7 +259,7 @@ def test_route_hook_replaces_the_routers_choice(tiny):
         return torch.tensor([[layer % 8, 7]] * n)
 
     try:
-        eng.model.route_hook = fixed
+        eng.route_hook = fixed
         eng.generate(toks[:20], 3, Sampler())
         assert eng.cache.stats.misses == 2 * eng.cfg.n_layers  # only the forced experts were ever read
         assert (0, 0, 20) in calls and (eng.cfg.n_layers - 1, 21, 1) in calls
@@ -295,7 +295,7 @@ def test_llama_cpp_reads_the_same_model(tiny):
     eng = _engine(path)
     try:
         with torch.inference_mode():
-            ours = eng.model.forward(toks[:40], eng.kv, 0, all_logits=True)
+            ours = eng.forward(toks[:40], 0, all_logits=True)
     finally:
         eng.close()
     assert rel_error(ours, ref) < 2e-3  # llama.cpp rounds some activations to F16
@@ -363,7 +363,7 @@ def test_tied_embeddings_omit_output(tmp_path, arch):
     try:
         toks = random_tokens(12, model.config.vocab_size)
         with torch.inference_mode(), torch.no_grad():
-            ours = eng.model.forward(toks, eng.kv, 0, all_logits=True)
+            ours = eng.forward(toks, 0, all_logits=True)
             ref = model(torch.tensor([toks])).logits[0].float()
         assert rel_error(ours, ref) < 1e-3
     finally:

@@ -1,5 +1,5 @@
 """A long prompt span asks for its experts in order (ExpertCache.fetch_groups(ordered=True)) and sums each as
-it comes (moe.InOrderSum): the groups come in request order whatever was cached, the cache decides exactly
+it comes (routed.InOrderSum): the groups come in request order whatever was cached, the cache decides exactly
 what it decides unordered, a cache smaller than the request still serves it, and the model's output is
 bit-identical to summing every (token, expert) result at the end."""
 
@@ -10,7 +10,7 @@ import torch
 
 from moestream.analysis.synth import write_synth
 from moestream.formats.gguf_file import GGUFFile
-from moestream.models import moe
+from moestream.models import routed
 from moestream.streaming.expert_cache import ExpertCache
 from moestream.streaming.expert_store import ExpertStore
 from moestream.streaming.read_ahead import ahead_experts
@@ -82,7 +82,7 @@ def test_in_order_sum_equals_the_sum_of_every_pair_at_the_end():
     Y.mul_(w.reshape(-1)[order, None])
     ref = torch.zeros(T, H).index_add_(0, rows, Y)
     for arrival in (needed, needed[::-1], needed[3:] + needed[:3]):
-        s = moe.InOrderSum(torch.zeros(T, H), needed, rows, w.reshape(-1)[order, None], starts, count)
+        s = routed.InOrderSum(torch.zeros(T, H), needed, rows, w.reshape(-1)[order, None], starts, count)
         for e in arrival:
             s.add(e, y_of[e][: count[e]].clone())
         assert torch.equal(s.result(), ref)

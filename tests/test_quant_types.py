@@ -178,7 +178,7 @@ def _run(paths_slots: list[tuple[str, int]], prompt: list[int]) -> list[tuple[to
         eng = Engine(path, EngineOptions(n_slots=slots, ubatch=16))
         try:
             with torch.inference_mode():
-                logits = eng.model.forward(prompt, eng.kv, 0, all_logits=True)
+                logits = eng.forward(prompt, 0, all_logits=True)
             assert torch.isfinite(logits).all()
             eng.kv.truncate(0)
             gen = eng.generate(prompt, 10, Sampler())

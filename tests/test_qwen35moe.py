@@ -170,7 +170,7 @@ def test_mtp_block_and_interval_only_metadata(tiny, tmp_path):
         try:
             assert eng.cfg.n_layers == 4 and eng.cfg.recurrent == [True, False, True, False]
             with torch.inference_mode():
-                ours = eng.model.forward(toks[:20], eng.kv, 0)
+                ours = eng.forward(toks[:20], 0)
             assert rel_error(ours, ref[19]) < 1e-3, kw
         finally:
             eng.close()

@@ -67,12 +67,12 @@ def test_f16_logits_match_transformers(tmp_path):
     eng = Engine(path, EngineOptions(n_slots=4))
     try:
         with torch.inference_mode():
-            ours = eng.model.forward(PROMPT, eng.kv, 0, all_logits=True)
+            ours = eng.forward(PROMPT, 0, all_logits=True)
             assert rel_error(ours, ref) < 1e-3
             # decoding token by token over the KV cache gives the same last-position logits
             eng.kv.truncate(0)
             for i, tok in enumerate(PROMPT):
-                last = eng.model.forward([tok], eng.kv, i)
+                last = eng.forward([tok], i)
             assert rel_error(last, ref[-1]) < 1e-3
     finally:
         eng.close()
@@ -88,7 +88,7 @@ def test_quantized_logits_match_gguf_reference(tmp_path, expert_type):
     eng = Engine(path, EngineOptions(n_slots=64))
     try:
         with torch.inference_mode():
-            ours = eng.model.forward(PROMPT, eng.kv, 0)
+            ours = eng.forward(PROMPT, 0)
         # bf16 activations on the quantized path: agreement at the bf16 level
         assert rel_error(ours, ref) < 3e-2
         assert int(ours.argmax()) == int(ref.argmax())

@@ -358,7 +358,7 @@ def test_qwen36_architecture_reads_the_same_in_llama_cpp(tmp_path, monkeypatch):
     eng = Engine(path, EngineOptions(n_slots=64, threads=1))
     try:
         with torch.inference_mode():
-            ours = eng.model.forward(prompt, eng.kv, 0, all_logits=True)
+            ours = eng.forward(prompt, 0, all_logits=True)
     finally:
         eng.close()
         torch.set_num_threads(threads)

@@ -304,7 +304,7 @@ def test_llama_cpp_computes_the_same_model(tmp_path, monkeypatch, name):
     eng = _engine(path)
     try:
         with torch.inference_mode():
-            ours = eng.model.forward(prompt, eng.kv, 0, all_logits=True)
+            ours = eng.forward(prompt, 0, all_logits=True)
     finally:
         eng.close()
     ref, theirs = _llama_run(llama_cpp, path, prompt, 12)
@@ -331,7 +331,7 @@ def test_llama_cpp_loads_the_glm_file(tmp_path, monkeypatch):
         eng = _engine(path)
         try:
             with torch.inference_mode():
-                ours = eng.model.forward(prompt, eng.kv, 0, all_logits=True)
+                ours = eng.forward(prompt, 0, all_logits=True)
         finally:
             eng.close()
         assert rel_error(ours, ref) < 2e-3

@@ -241,7 +241,7 @@ def test_llama_cpp_computes_the_same_model(tmp_path, monkeypatch, name, quant):
     eng = _engine(path)
     try:
         with torch.inference_mode():
-            ours = eng.model.forward(PROMPT, eng.kv, 0, all_logits=True)
+            ours = eng.forward(PROMPT, 0, all_logits=True)
     finally:
         eng.close()
     ref, theirs = _llama_run(llama_cpp, path, PROMPT, 12)
@@ -265,7 +265,7 @@ def test_llama_cpp_reads_the_mxfp4_experts(tmp_path, monkeypatch, quant):
     eng = _engine(path)
     try:
         with torch.inference_mode():
-            ours = eng.model.forward(PROMPT, eng.kv, 0, all_logits=True)
+            ours = eng.forward(PROMPT, 0, all_logits=True)
     finally:
         eng.close()
     ref, _ = _llama_run(llama_cpp, path, PROMPT)

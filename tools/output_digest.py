@@ -56,8 +56,8 @@ def forward(path: str, toks: list[int], slots: int) -> dict:
     eng = Engine(path, EngineOptions(n_slots=slots))
     try:
         with torch.inference_mode():
-            whole = eng.model.forward(toks[:40], eng.kv, 0, all_logits=True)
-            steps = [digest(eng.model.forward([t], eng.kv, 40 + j)) for j, t in enumerate(toks[40:48])]
+            whole = eng.forward(toks[:40], 0, all_logits=True)
+            steps = [digest(eng.forward([t], 40 + j)) for j, t in enumerate(toks[40:48])]
         return {"prompt": digest(whole), "steps": steps}
     finally:
         eng.close()

@@ -34,11 +34,9 @@ class BatchEngine(Protocol):
     batch_kvs: list[Any]
     prompt_cache: PromptCache | None
 
-    def _check_prompt(self, prompt: list[int]) -> None: ...
+    def check_prompt(self, prompt: list[int]) -> None: ...
 
-    def _forward_rows(
-        self, blocks: list[list[int]], kvs: list[Any], positions: list[int], prompt: bool
-    ) -> torch.Tensor: ...
+    def step(self, blocks: list[list[int]], kvs: list[Any], positions: list[int], prompt: bool) -> torch.Tensor: ...
 
 
 @dataclass(eq=False)
@@ -96,7 +94,7 @@ class Batch:
         self, prompt: list[int], max_new_tokens: int, sampler: Sampler | None = None, stop_ids: set[int] | None = None
     ) -> Sequence:
         """Queue a request; it starts at the next step with a free slot. Raises ContextError if it can't fit."""
-        self.engine._check_prompt(prompt)
+        self.engine.check_prompt(prompt)
         seq = Sequence(list(prompt), min(max_new_tokens, self.engine.ctx - len(prompt)), sampler or Sampler(),
                        stop_ids or set())  # fmt: skip
         seq.stats.prompt_tokens = len(prompt)
@@ -167,7 +165,7 @@ class Batch:
         decoding = [s.next_token is not None for s, _ in blocks]
         convs = [s.conversation for s, _ in blocks]
         assert all(c is not None for c in convs)
-        logits = self.engine._forward_rows(
+        logits = self.engine.step(
             [b for _, b in blocks],
             [c.kv for c in convs],  # type: ignore[union-attr]
             [s.pos for s, _ in blocks],

@@ -140,9 +140,8 @@ class Engine:
                 f"of {cfg.top_k} LRU slots, but the budget buys {n_slots}; raise --ram-budget-mb"
             )
         cache = ExpertCache(self.store, self.reader, n_slots, scratch_slots=scratch)
-        self.model.experts = cache
-        if o.route_trace is not None:
-            self.model.route_hook = RouteTrace(o.route_trace, cfg.n_experts, cfg.top_k)
+        # router choices replayed from a trace (--route-trace), handed to every forward step
+        self.route_hook = RouteTrace(o.route_trace, cfg.n_experts, cfg.top_k) if o.route_trace is not None else None
         if o.ram_budget_mb is not None:
             cache.prefault()
         growth = o.growth_slots or (prompt_slots(cfg.n_experts), decode_slots(cfg.top_k))
@@ -263,7 +262,7 @@ class Engine:
 
         A consumer may stop at any step (`break`, close()): the generation then ends as "cancelled", with
         the KV cache holding what was computed. Starting another generation ends an unfinished one."""
-        self._check_prompt(prompt)
+        self.check_prompt(prompt)
         self._finish_active()
         steps = self._steps(prompt, max_new_tokens, sampler or Sampler(), stop_ids or set(), GenerationStats())
         self._active = weakref.ref(steps)
@@ -277,7 +276,7 @@ class Engine:
         stop_ids: set[int] | None = None,
     ) -> Generation:
         """The whole generation at once (greedy unless a sampler says otherwise)."""
-        self._check_prompt(prompt)
+        self.check_prompt(prompt)
         self._finish_active()
         gen = Generation()
         for step in self._steps(prompt, max_new_tokens, sampler or Sampler(), stop_ids or set(), gen.stats):
@@ -294,7 +293,7 @@ class Engine:
         experts still to be read would no longer be the ones the resident weights belong to."""
         self.reader.check_file()
 
-    def _check_prompt(self, prompt: list[int]) -> None:
+    def check_prompt(self, prompt: list[int]) -> None:
         self.check_model_file()
         if not prompt:
             raise ContextError("the prompt is empty; give at least one token of text")
@@ -319,7 +318,6 @@ class Engine:
         st.reused_tokens = pos = self.conversation.resume(prompt, self.prompt_cache)
         n_tokens = 0
         t0 = time.perf_counter()
-        self.cache.phase = "prompt"
         try:
             with torch.inference_mode(), self.cache.generation():
                 logits = None
@@ -327,11 +325,10 @@ class Engine:
                     # layer-major: the span's tokens go through layer l, then l + 1, each layer's experts
                     # fetched once for all of them
                     chunk = prompt[pos : pos + self.span]
-                    logits = self._forward(chunk, pos)
+                    logits = self.step([chunk], [self.kv], [pos], prompt=True)[0]
                     pos += len(chunk)
                     self.conversation.tokens.extend(chunk)
                 st.prompt_s = time.perf_counter() - t0
-                self.cache.phase = "decode"
                 counters.decode_begins()
                 t1 = time.perf_counter()
                 assert logits is not None
@@ -350,7 +347,7 @@ class Engine:
                         st.finish_reason = "cancelled"
                         st.decode_s = time.perf_counter() - t1
                         raise
-                    logits = self._forward([tok], pos)
+                    logits = self.step([[tok]], [self.kv], [pos], prompt=False)[0]
                     self.conversation.tokens.append(tok)
                     pos += 1
                 st.decode_s = time.perf_counter() - t1
@@ -370,17 +367,16 @@ class Engine:
             return 1
         return self.threads
 
-    def _forward(self, tokens: list[int], pos: int, kv: Any = None) -> torch.Tensor:
-        """Run `tokens` at positions pos.. in `kv` (the engine's own conversation by default)."""
-        units = -(-len(tokens) // self.ubatch)  # the micro-batches this step stands for
-        self._begin_step(len(tokens), units, pos)
-        with self._heap_for(len(tokens) > 1):
-            return self.model.forward(tokens, self.kv if kv is None else kv, pos)
+    def forward(self, tokens: list[int], pos: int, kv: Any = None, all_logits: bool = False) -> torch.Tensor:
+        """Run `tokens` of one sequence at positions pos.. in `kv` (the engine's own conversation by default):
+        the step of a batch of one. The last position's logits [V] (all_logits: every position's [T, V])."""
+        logits = self.step([tokens], [self.kv if kv is None else kv], [pos], len(tokens) > 1, all_logits)
+        return logits if all_logits else logits[0]
 
-    def _forward_rows(
-        self, blocks: list[list[int]], kvs: list[Any], positions: list[int], prompt: bool
+    def step(
+        self, blocks: list[list[int]], kvs: list[Any], positions: list[int], prompt: bool, all_logits: bool = False
     ) -> torch.Tensor:
-        """One step of several sequences: block b (the token it decodes, or its next prompt span) at
+        """One forward step of several sequences: block b (the token it decodes, or its next prompt span) at
         positions[b] in kvs[b]; each block's last logits [B, V]. Each layer's experts are fetched once for the
         union of what all blocks route to. prompt: the step holds a prompt span, and so reads as a prompt
         micro-batch does."""
@@ -389,8 +385,10 @@ class Engine:
         # torch's ops run a block at a time, so the longest block sets their threads; the cache's growth
         # allowance counts the micro-batches of all the step's tokens
         self._begin_step(longest, -(-total // self.ubatch), positions[0])
-        with self._heap_for(prompt):
-            return self.model.forward_rows(blocks, kvs, positions)
+        with self._heap_for(prompt and total > 1):
+            return self.model.step(
+                blocks, kvs, positions, self.cache, route_hook=self.route_hook, all_logits=all_logits
+            )
 
     def _begin_step(self, n_tokens: int, units: int, pos: int) -> None:
         want = self._torch_threads_for(n_tokens)

@@ -388,6 +388,17 @@ class KVCache:
     def advance(self, length: int) -> None:
         self.length = length
 
+    # A forward step over this cache: begun at pos for n tokens, then ended (the positions now held) or, when
+    # it failed part-way (a read error, Ctrl-C), aborted, undoing what cannot be overwritten later.
+    def begin_step(self, pos: int, n: int) -> None:
+        pass
+
+    def end_step(self, pos: int, n: int) -> None:
+        self.advance(pos + n)
+
+    def abort_step(self, pos: int) -> None:
+        pass
+
     def truncate(self, length: int) -> int:
         """Forget positions >= length (a follow-up prompt that diverges there recomputes from it).
 

@@ -29,10 +29,11 @@ import torch
 
 from moestream.compute import linear
 from moestream.models.base import MoEModel
-from moestream.models.common import RoPE, rms_norm, yarn_inv_freq
+from moestream.models.common import RoPE, yarn_inv_freq
+from moestream.models.layer import DecoderLayer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.mla import MLACache, MLAttention
-from moestream.models.moe import MoE, Routing, dense_or_moe, transient_nbytes
+from moestream.models.moe import Routing, dense_or_moe, transient_nbytes
 
 ARCH = "deepseek2"
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
@@ -177,7 +178,7 @@ class DeepSeek2(MoEModel):
             attn_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
             attn = MLAttention(w, i, cfg)
             ffn_norm = w.vector(f"blk.{i}.ffn_norm.weight", H)
-            self.layers.append((attn_norm, attn, ffn_norm, dense_or_moe(w, i, cfg)))
+            self.layers.append(DecoderLayer(attn_norm, attn, ffn_norm, dense_or_moe(w, i, cfg)))
         self._load_head(w)
         inv = torch.tensor(cfg.rope_inv_freq, dtype=torch.float64) if cfg.rope_inv_freq else None
         self.rope = RoPE(cfg.qk_rope, cfg.rope_theta, max_pos=min(cfg.context_length, 4096), inv_freq=inv,
@@ -216,18 +217,3 @@ class DeepSeek2(MoEModel):
         cfg = self.cfg
         dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
         return MLACache(cfg.n_blocks, cfg.kv_lora_rank, cfg.qk_rope, ctx, dtype)
-
-    def forward(self, tokens: list[int], kv: MLACache, pos: int, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens at positions pos..pos+T-1; returns logits of the last position ([V]) or all ([T, V])."""
-        assert self.experts is not None, "no expert provider attached"
-        eps, T = self.cfg.rms_eps, len(tokens)
-        x = self.embed(tokens)
-        for i, (attn_norm, attn, ffn_norm, ffn) in enumerate(self.layers):
-            x = x + attn(rms_norm(x, attn_norm, eps), i, kv, pos, self.rope)
-            h = rms_norm(x, ffn_norm, eps)
-            if isinstance(ffn, MoE):
-                x = x + ffn(h, self.experts, self.forced_routes(ffn.expert_layer, pos, T))
-            else:
-                x = x + ffn(h)
-        kv.advance(pos + T)
-        return self.logits(x, all_logits)

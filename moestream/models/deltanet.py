@@ -12,13 +12,14 @@ Per value head h (which reads key head h % n_k: the converter stores value heads
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from moestream.compute import native
 from moestream.models.common import KVCache, KVSnapshot, rms_norm
+from moestream.models.layer import Mixer
 from moestream.models.loader import Weights
 
 CHUNK = 64  # prompt chunk of the delta rule (as transformers' torch_chunk_gated_delta_rule)
@@ -150,7 +151,7 @@ def delta_rule_span(
     return o.transpose(0, 1)
 
 
-class GatedDeltaNet:
+class GatedDeltaNet(Mixer):
     def __init__(self, w: Weights, i: int, cfg: DeltaNetConfig):
         p = f"blk.{i}."
         H, nv, dv = cfg.hidden, cfg.n_v_heads, cfg.v_head_dim
@@ -167,7 +168,11 @@ class GatedDeltaNet:
         self.qk_scale = torch.ones(2 * cfg.n_k_heads, 1)
         self.qk_scale[: cfg.n_k_heads] = cfg.k_head_dim**-0.5
 
-    def __call__(
+    def __call__(self, h: torch.Tensor, layer: int, kv: HybridCache, pos: int, rope: Any = None) -> torch.Tensor:
+        """T tokens of one sequence over its own recurrent state (the step's checkpoints taken on the way)."""
+        return self.mix(h, kv.conv[layer], kv.ssm[layer], kv.layer_cuts(layer), kv.query_chunk)
+
+    def mix(
         self,
         x: torch.Tensor,
         conv: torch.Tensor,
@@ -256,6 +261,7 @@ class HybridCache(KVCache):
         self.cfg = cfg
         self.conv, self.ssm = self._states()
         self.checkpoints = [Checkpoint(*self._states()) for _ in range(n_checkpoints)]
+        self.step_cuts: list[Cut] = []  # the checkpoints the running forward step takes
 
     def _states(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         c = self.cfg
@@ -287,6 +293,29 @@ class HybridCache(KVCache):
     def commit(self, pos: int, cuts: list[Cut]) -> None:
         for c in cuts:
             c.into.pos = pos + c.offset
+
+    def begin_step(self, pos: int, n: int) -> None:
+        """A step must start where the recurrent state stands; it takes the checkpoints plan_cuts chose."""
+        if pos != self.length:
+            raise ValueError(
+                f"the recurrent state holds {self.length} positions but the step is at {pos}; "
+                "truncate the cache first"
+            )
+        self.step_cuts = self.plan_cuts(pos, n)
+
+    def end_step(self, pos: int, n: int) -> None:
+        self.advance(pos + n)
+        self.commit(pos, self.step_cuts)
+        self.step_cuts = []
+
+    def abort_step(self, pos: int) -> None:
+        """The layers run so far moved their states past pos: back to the latest checkpoint at or before it."""
+        self.step_cuts = []
+        self.rewind(pos)
+
+    def layer_cuts(self, layer: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(offset, conv_into, S_into) of this step's checkpoints for one DeltaNet layer."""
+        return [(c.offset, c.into.conv[layer], c.into.ssm[layer]) for c in self.step_cuts]
 
     def truncate(self, length: int) -> int:
         if length < self.length:

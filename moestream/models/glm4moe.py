@@ -26,10 +26,11 @@ import torch
 
 from moestream.compute import linear
 from moestream.models.base import MoEModel
-from moestream.models.batch import Ops, split_call
 from moestream.models.common import KVCache, RoPE, rms_norm
+from moestream.models.layer import DecoderLayer, SplitMixer
 from moestream.models.loader import ArchMetadata, Weights
-from moestream.models.moe import MoE, Routing, dense_or_moe, transient_nbytes
+from moestream.models.moe import Routing, dense_or_moe, transient_nbytes
+from moestream.models.rows import Ops
 
 ARCH = "glm4moe"
 # llama.cpp's expert_gating_func values; a file without one (0) is sigmoid-gated for this architecture
@@ -135,7 +136,7 @@ def _rope_scale(m: ArchMetadata, md: Mapping[str, Any]) -> float:
     return factor
 
 
-class Attention:
+class Attention(SplitMixer):
     def __init__(self, w: Weights, i: int, cfg: Glm4MoeConfig):
         p = f"blk.{i}."
         H, D = cfg.hidden, cfg.head_dim
@@ -154,8 +155,6 @@ class Attention:
         self.k_norm = w.vector(p + "attn_k_norm.weight", D) if w.has(p + "attn_k_norm.weight") else None
         self.cfg = cfg
 
-    def __call__(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
-        return split_call(self, x, layer, kv, pos, rope)
 
     def project(self, x: torch.Tensor, ops: Ops) -> tuple[torch.Tensor]:
         qkv = ops.mm(self.qkv, x) if self.qkv is not None else torch.cat([ops.mm(lin, x) for lin in self.parts], dim=-1)
@@ -193,7 +192,7 @@ class Glm4Moe(MoEModel):
             attn_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
             attn = Attention(w, i, cfg)
             ffn_norm = w.vector(f"blk.{i}.post_attention_norm.weight", H)
-            self.layers.append((attn_norm, attn, ffn_norm, dense_or_moe(w, i, cfg)))
+            self.layers.append(DecoderLayer(attn_norm, attn, ffn_norm, dense_or_moe(w, i, cfg)))
         self._load_head(w)
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rope_dim, 2, dtype=torch.float64) / cfg.rope_dim))
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rope_dim, max_pos=min(cfg.context_length, 4096),
@@ -226,18 +225,3 @@ class Glm4Moe(MoEModel):
         cfg = self.cfg
         dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
         return KVCache([cfg.n_kv_heads] * cfg.n_blocks, cfg.head_dim, ctx, dtype)
-
-    def forward(self, tokens: list[int], kv: KVCache, pos: int, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens at positions pos..pos+T-1; returns logits of the last position ([V]) or all ([T, V])."""
-        assert self.experts is not None, "no expert provider attached"
-        eps, T = self.cfg.rms_eps, len(tokens)
-        x = self.embed(tokens)
-        for i, (attn_norm, attn, ffn_norm, ffn) in enumerate(self.layers):
-            x = x + attn(rms_norm(x, attn_norm, eps), i, kv, pos, self.rope)
-            h = rms_norm(x, ffn_norm, eps)
-            if isinstance(ffn, MoE):
-                x = x + ffn(h, self.experts, self.forced_routes(ffn.expert_layer, pos, T))
-            else:
-                x = x + ffn(h)
-        kv.advance(pos + T)
-        return self.logits(x, all_logits)

@@ -25,10 +25,11 @@ import torch
 
 from moestream.compute import linear
 from moestream.models.base import MoEModel
-from moestream.models.batch import Ops, split_call
-from moestream.models.common import SINK_SCORES_BYTES, KVCache, RoPE, attend_with_sinks, rms_norm, yarn_inv_freq
+from moestream.models.common import SINK_SCORES_BYTES, KVCache, RoPE, attend_with_sinks, yarn_inv_freq
+from moestream.models.layer import DecoderLayer, SplitMixer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.moe import MoE, Routing, transient_nbytes
+from moestream.models.rows import Ops
 
 ARCH = "gpt-oss"
 # GPT-OSS's clamped SwiGLU; neither is written to the GGUF (llama.cpp hard-codes them too)
@@ -94,7 +95,7 @@ class GptOssConfig:
         return self.sliding_window if layer % 2 == 0 else 0
 
 
-class Attention:
+class Attention(SplitMixer):
     def __init__(self, w: Weights, i: int, cfg: GptOssConfig):
         p = f"blk.{i}."
         H, D = cfg.hidden, cfg.head_dim
@@ -111,8 +112,6 @@ class Attention:
         self.window = cfg.window(i)
         self.cfg = cfg
 
-    def __call__(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
-        return split_call(self, x, layer, kv, pos, rope)
 
     def project(self, x: torch.Tensor, ops: Ops) -> tuple[torch.Tensor]:
         qkv = ops.mm(self.qkv, x) if self.qkv is not None else torch.cat([ops.mm(lin, x) for lin in self.parts], dim=-1)
@@ -159,7 +158,7 @@ class GptOss(MoEModel):
             moe = MoE(w, i, hidden=H, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
                       norm_topk=False, routing=Routing(gating="softmax_topk", norm=False),
                       clamped_swiglu=(SWIGLU_ALPHA, SWIGLU_LIMIT))  # fmt: skip
-            self.layers.append((attn_norm, attn, ffn_norm, moe))
+            self.layers.append(DecoderLayer(attn_norm, attn, ffn_norm, moe))
         self._load_head(w)
         self.rope = _rope(cfg)
 
@@ -192,14 +191,3 @@ class GptOss(MoEModel):
         cfg = self.cfg
         dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
         return KVCache([cfg.n_kv_heads] * cfg.n_layers, cfg.head_dim, ctx, dtype)
-
-    def forward(self, tokens: list[int], kv: KVCache, pos: int, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens at positions pos..pos+T-1; returns logits of the last position ([V]) or all ([T, V])."""
-        assert self.experts is not None, "no expert provider attached"
-        eps, T = self.cfg.rms_eps, len(tokens)
-        x = self.embed(tokens)
-        for i, (attn_norm, attn, ffn_norm, moe) in enumerate(self.layers):
-            x = x + attn(rms_norm(x, attn_norm, eps), i, kv, pos, self.rope)
-            x = x + moe(rms_norm(x, ffn_norm, eps), self.experts, self.forced_routes(i, pos, T))
-        kv.advance(pos + T)
-        return self.logits(x, all_logits)

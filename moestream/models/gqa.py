@@ -20,10 +20,11 @@ import torch
 
 from moestream.compute import linear
 from moestream.models.base import MoEModel
-from moestream.models.batch import Ops, split_call
 from moestream.models.common import KVCache, RoPE, rms_norm
+from moestream.models.layer import DecoderLayer, SplitMixer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.moe import MoE, transient_nbytes
+from moestream.models.rows import Ops
 
 
 @dataclass
@@ -81,7 +82,7 @@ def unpermute_rows(n_heads: int, head_dim: int) -> list[int]:
     return [h * head_dim + 2 * i + j for h in range(n_heads) for j in range(2) for i in range(half)]
 
 
-class GQAttention:
+class GQAttention(SplitMixer):
     def __init__(self, w: Weights, i: int, cfg: GQAMoEConfig, *, rope_pairs: bool = False, qk_norm: bool = False):
         """rope_pairs: the file is llama-arch (q/k rows permuted by the converter); qk_norm: RMSNorm over the
         whole q and k projections (OLMoE). Biases are loaded wherever the file has them, as llama.cpp does."""
@@ -113,8 +114,6 @@ class GQAttention:
             self.k_norm = w.vector(p + "attn_k_norm.weight", dims["k"])
         self.cfg = cfg
 
-    def __call__(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
-        return split_call(self, x, layer, kv, pos, rope)
 
     def project(self, x: torch.Tensor, ops: Ops) -> tuple[torch.Tensor]:
         """(q|k|v [T, nq + 2 nkv] with biases,)"""
@@ -162,7 +161,7 @@ class GQAMoEModel(MoEModel):
             moe = MoE(w, i, hidden=H, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
                       norm_topk=cfg.norm_topk_prob, shared_ffn=cfg.shared_ffn,
                       shared_gate=cfg.shared_gate)  # fmt: skip
-            self.layers.append((attn_norm, attn, ffn_norm, moe))
+            self.layers.append(DecoderLayer(attn_norm, attn, ffn_norm, moe))
         self._load_head(w)
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 4096))
 
@@ -193,14 +192,3 @@ class GQAMoEModel(MoEModel):
         cfg = self.cfg
         dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
         return KVCache([cfg.n_kv_heads] * cfg.n_layers, cfg.head_dim, ctx, dtype)
-
-    def forward(self, tokens: list[int], kv: KVCache, pos: int, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens at positions pos..pos+T-1; returns logits of the last position ([V]) or all ([T, V])."""
-        assert self.experts is not None, "no expert provider attached"
-        eps = self.cfg.rms_eps
-        x = self.embed(tokens)
-        for i, (attn_norm, attn, ffn_norm, moe) in enumerate(self.layers):
-            x = x + attn(rms_norm(x, attn_norm, eps), i, kv, pos, self.rope)
-            x = x + moe(rms_norm(x, ffn_norm, eps), self.experts, self.forced_routes(i, pos, len(tokens)))
-        kv.advance(pos + len(tokens))
-        return self.logits(x, all_logits)

@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from moestream.compute import native
-from moestream.models.batch import Ops, split_call
 from moestream.models.common import QUERY_CHUNK, KVCache, RoPE, causal_mask, query_chunks, wide_torch
+from moestream.models.layer import SplitMixer
 from moestream.models.loader import Weights
+from moestream.models.rows import Ops
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the native decode step reads
 # the per-head up-projections, held as dense arrays: bf16 unless exact (float32)
@@ -64,6 +65,9 @@ class MLACache:
     def rows(self) -> list[torch.Tensor]:
         return self.latent + self.rope
 
+    begin_step = KVCache.begin_step
+    end_step = KVCache.end_step
+    abort_step = KVCache.abort_step
     resumable = KVCache.resumable
     snapshot = KVCache.snapshot
     restore = KVCache.restore
@@ -74,7 +78,7 @@ def deinterleave(rope_dim: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
 
 
-class MLAttention:
+class MLAttention(SplitMixer):
     """One layer's attention. cfg: n_heads, q_lora_rank (0: one plain attn_q), kv_lora_rank, qk_nope, qk_rope,
     v_head_dim, hidden, rms_eps, kq_scale."""
 
@@ -105,8 +109,6 @@ class MLAttention:
         self.o = w.linear(p + "attn_output.weight", H, nh * v)
         self.perm = deinterleave(R)
 
-    def __call__(self, x: torch.Tensor, layer: int, cache: MLACache, pos: int, rope: RoPE) -> torch.Tensor:
-        return split_call(self, x, layer, cache, pos, rope)
 
     def project(self, x: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, ...]:
         """The row-wise part: (q [T, H * (nope + rope)], the kv compression [T, L + R], latent c [T, L])."""

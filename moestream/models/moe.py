@@ -9,22 +9,19 @@ adding a correction bias that steers the choice but not the weights, the weights
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from moestream.compute import linear
 from moestream.errors import ModelFileError
-from moestream.models.common import ExpertProvider, Fused, add_weighted_rows, f32_matmul, route_topk
+from moestream.models.common import Fused, f32_matmul, route_topk
+from moestream.models.layer import Step
 from moestream.models.loader import Weights
-
-# (token, expert) pairs past which a call's experts are fetched in id order and summed as they come: a
-# micro-batch's pairs are few, a long span's would otherwise all be held until the last expert arrives
-ORDERED_MIN_PAIRS = 1024
+from moestream.models.routed import run_routed, summed_as_they_come
+from moestream.models.rows import Spans, blockwise, f32_rows, fused_rows, linear_rows, per_row_pair
 
 # llama.cpp clamps the sum of the chosen weights to the smallest normal F16 before dividing by it
 MIN_WEIGHT_SUM = 6.103515625e-5
@@ -108,17 +105,6 @@ def route(
     return weights, forced
 
 
-def swiglu(expert, x: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) with x already in the expert's compute dtype; the cache may hand gate and
-    up over as one fused matrix (gate_up, None, down)."""
-    gate, up, down = expert
-    if up is None:
-        a, b = gate.mm(x).chunk(2, dim=-1)
-    else:
-        a, b = gate.mm(x), up.mm(x)
-    return down.mm((F.silu(a) * b).to(down.dtype))
-
-
 @dataclass(frozen=True, eq=False)
 class ClampedSwiGLU:
     """GPT-OSS's expert: biases on gate, up and down (resident [E, rows]: small next to the weights), the gate
@@ -148,85 +134,6 @@ class ClampedSwiGLU:
         return linear.ClampedAct(biases, self.alpha, self.limit)
 
 
-def lane_act(ffn: ClampedSwiGLU | None, ids: list[int]) -> linear.ClampedAct | None:
-    """lane_swiglu's `act` for experts `ids`: None for the plain SwiGLU."""
-    return None if ffn is None else ffn.lane(ids)
-
-
-def run_experts(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    layer: int,
-    experts: ExpertProvider,
-    ffn: ClampedSwiGLU | None = None,
-) -> torch.Tensor:
-    """sum_k w_k * expert_k(x) for each token, experts taken in whatever order the provider delivers them.
-
-    Results are summed in a fixed order (by expert id) once all are in, so the output does not depend on
-    which experts were cached: streaming must never change the result. Each group the provider hands over
-    (the cached experts, then misses as their reads complete) runs as one native call when the experts are in
-    the lane form; otherwise expert by expert, activations kept in the experts' compute dtype. `ffn` replaces
-    the plain SwiGLU (GPT-OSS's clamped one, its biases passed to the native call).
-    """
-    T = x.shape[0]
-    if T == 1:
-        id_list, w_list = ids[0].tolist(), weights[0].tolist()
-        by_id = sorted(range(len(id_list)), key=id_list.__getitem__)
-        order = {id_list[p]: r for r, p in enumerate(by_id)}
-        w_sorted = torch.tensor([w_list[p] for p in by_id], dtype=x.dtype)
-        outs = torch.empty(len(id_list), x.shape[1])
-        xc = x.contiguous()
-        for group in experts.fetch_groups(layer, id_list):
-            if all(linear.lane_swiglu_ok(w) for _, w in group):  # written straight into their rows of outs
-                linear.lane_swiglu(
-                    [w for _, w in group], [xc] * len(group), [outs[order[e] : order[e] + 1] for e, _ in group],
-                    lane_act(ffn, [e for e, _ in group]),
-                )  # fmt: skip
-                continue
-            for e, expert in group:
-                xe = x.to(expert[0].dtype)
-                outs[order[e]] = ffn(e, expert, xe)[0] if ffn is not None else swiglu(expert, xe)[0].float()
-        return (w_sorted @ outs)[None]  # one fixed-order reduction over the experts, whatever came first
-    # Every (token, slot) pair grouped by expert: expert e's rows are one contiguous range of the sorted
-    # order, its inputs one gather of x, and the final sum an index_add per expert in id order.
-    k = ids.shape[1]
-    order = torch.argsort(ids.reshape(-1), stable=True)
-    needed_t, counts_t = torch.unique_consecutive(ids.reshape(-1)[order], return_counts=True)
-    needed, counts = needed_t.tolist(), counts_t.tolist()
-    starts = dict(zip(needed, itertools.accumulate([0, *counts[:-1]]), strict=True))
-    count = dict(zip(needed, counts, strict=True))
-    rows = order // k
-    rows_np = rows.numpy()
-    total = InOrderSum(torch.zeros_like(x), needed, rows, weights.reshape(-1)[order, None], starts, count)
-    prepared: linear.PreparedRows | None = None  # x quantized once, when the first lane-form batch comes
-    for group in experts.fetch_groups(layer, needed, ordered=summed_as_they_come(rows.shape[0])):
-        for part in row_batches(group, count):
-            spans = [(starts[e], starts[e] + count[e]) for e, _ in part]
-            if all(linear.lane_swiglu_ok(w) for _, w in part):  # the native call copies its rows of `prepared`
-                prepared = prepared or linear.PreparedRows(x.contiguous())
-                sizes = [b - a for a, b in spans]
-                ys = list(torch.empty(sum(sizes), x.shape[1]).split(sizes))  # one allocation for the batch
-                inputs = linear.RowsOf(prepared, [rows_np[a:b] for a, b in spans])
-                linear.lane_swiglu([w for _, w in part], inputs, ys, lane_act(ffn, [e for e, _ in part]))
-            else:
-                # one gather for the batch (each torch op wakes its thread pool), then a view per expert
-                gathered = x[torch.from_numpy(np.concatenate([rows_np[a:b] for a, b in spans]))]
-                xs = list(gathered.split([b - a for a, b in spans]))
-                ys = [ffn(e, expert, xe.to(expert[0].dtype)) if ffn is not None
-                      else swiglu(expert, xe.to(expert[0].dtype)).float()
-                      for (e, expert), xe in zip(part, xs, strict=True)]  # fmt: skip
-            for (e, _), ye in zip(part, ys, strict=True):
-                total.add(e, ye)
-    return total.result()
-
-
-def summed_as_they_come(pairs: int) -> bool:
-    """Whether a call of this many (token, expert) pairs asks for its experts in order and sums each as it
-    comes (ORDERED_MIN_PAIRS): a micro-batch keeps computing cached experts while the misses are read."""
-    return pairs > ORDERED_MIN_PAIRS
-
-
 def transient_nbytes(
     tokens: int,
     *,
@@ -251,55 +158,6 @@ def transient_nbytes(
     else:
         mix = tokens * moe
     return 4 * (tokens * residual + max(att, mix)) * 3 // 2
-
-
-class InOrderSum:
-    """sum_k w_k * expert_k(x_t) for each token t, added expert by expert in ascending id order (the order the
-    sorted pairs give), however the experts arrive: an expert's weighted rows wait only while an earlier id
-    is missing. With the experts yielded in order nothing waits, so a prompt span holds its output and one
-    batch of rows, not a row for every (token, expert) pair."""
-
-    def __init__(
-        self,
-        out: torch.Tensor,
-        needed: list[int],
-        rows: torch.Tensor,
-        weights: torch.Tensor,
-        starts: dict[int, int],
-        count: dict[int, int],
-    ):
-        self.out, self.needed, self.rows, self.weights = out, needed, rows, weights
-        self.starts, self.count = starts, count
-        self.waiting: dict[int, torch.Tensor] = {}
-        self.next = 0
-
-    def add(self, e: int, y: torch.Tensor) -> None:
-        """Expert e's outputs for its rows of the sorted pairs (held until the earlier ids are in)."""
-        self.waiting[e] = y
-        while self.next < len(self.needed) and self.needed[self.next] in self.waiting:
-            e = self.needed[self.next]
-            a, b = self.starts[e], self.starts[e] + self.count[e]
-            add_weighted_rows(self.out, self.rows[a:b], self.waiting.pop(e), self.weights[a:b])
-            self.next += 1
-
-    def result(self) -> torch.Tensor:
-        assert not self.waiting and self.next == len(self.needed), "an expert was never delivered"
-        return self.out
-
-
-def row_batches(group: list, count: dict[int, int]) -> list[list]:
-    """A group's experts in consecutive batches of at most SWIGLU_MAX_ROWS rows (an expert with more alone),
-    as lane_swiglu splits its calls: the rows gathered for one batch bound the inputs held at once."""
-    batches: list[list] = []
-    rows = 0
-    for item in group:
-        n = count[item[0]]
-        if not batches or rows + n > linear.SWIGLU_MAX_ROWS:
-            batches.append([])
-            rows = 0
-        batches[-1].append(item)
-        rows += n
-    return batches
 
 
 def expect_experts(w: Weights, p: str, n_experts: int, ffn: int, hidden: int) -> None:
@@ -381,18 +239,49 @@ class MoE:
             return route(logits[:, :E], self.top_k, self.norm_topk, forced, self.layer)
         return route_general(logits[:, :E], self.top_k, self.routing, self.bias, forced, self.layer)
 
-    def __call__(self, x: torch.Tensor, experts: ExpertProvider, forced: torch.Tensor | None = None) -> torch.Tensor:
-        """forced [T, k]: expert ids that replace the router's choice (route traces); weights stay its own."""
-        E = self.n_experts
-        logits = self.router_logits(f32_matmul(x, self.gates))
-        weights, ids = self.route(logits, forced)
+    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """The block on a step's blocks of x [N, hidden] (normed): each block routed (or its recorded routes
+        taken: the weights stay the router's own), the union of all blocks' experts run once (routed.py)."""
+        E, spans = self.n_experts, step.spans
+        logits = self.router_blocks(x, spans)
+        forced = step.forced(self.expert_layer)
+        routes = [self.route(logits[b], forced[b]) for b in range(len(spans))]
+        mixed = run_routed(x, spans, routes, self.expert_layer, step.experts, self.ffn)
         if self.shared is None:
-            return run_experts(x, weights, ids, self.expert_layer, experts, self.ffn)
+            return mixed[0] if len(spans) == 1 else torch.cat(mixed)
+        shared = blockwise(x, spans, lambda _bs, xr: self._shared_rows(xr), lambda _b, xb: self._shared(xb))
+        out = []
+        for b, ((a, e), m) in enumerate(zip(spans, mixed, strict=True)):
+            s = shared[a:e]
+            if self.shared_gate:
+                s = s * torch.sigmoid(logits[b][:, E:])
+            out.append(m + s)
+        return out[0] if len(spans) == 1 else torch.cat(out)
+
+    def router_blocks(self, x: torch.Tensor, spans: Spans) -> list[torch.Tensor]:
+        """Each block's router logits [T_b, E(+1)]: the one-token blocks' rows together (the gemv is
+        row-invariant), a longer block's alone (torch's GEMM past GEMV_ROWS rows)."""
+        singles = [a for a, e in spans if e - a == 1]
+        if singles:
+            rows = self.router_logits(f32_rows(x if len(singles) == x.shape[0] else x[singles], self.gates))
+        out, j = [], 0
+        for a, e in spans:
+            if e - a == 1:
+                out.append(rows[j : j + 1])
+                j += 1
+            else:
+                out.append(self.router_logits(f32_matmul(x[a:e], self.gates)))
+        return out
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.shared is not None
         gate, up = self.shared(x)
-        shared = self.shared_down(F.silu(gate) * up)
-        if self.shared_gate:
-            shared = shared * torch.sigmoid(logits[:, E:])
-        return run_experts(x, weights, ids, self.expert_layer, experts, self.ffn) + shared
+        return self.shared_down(F.silu(gate) * up)
+
+    def _shared_rows(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.shared is not None
+        gate, up = fused_rows(self.shared, x)
+        return linear_rows(self.shared_down, per_row_pair(gate, up))
 
 
 class DenseFFN:
@@ -403,9 +292,16 @@ class DenseFFN:
         self.gate_up = w.fused([(p + "ffn_gate.weight", ffn, hidden), (p + "ffn_up.weight", ffn, hidden)])
         self.down = w.linear(p + "ffn_down.weight", hidden, ffn)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        return blockwise(x, step.spans, lambda _bs, xr: self._rows(xr), lambda _b, xb: self._alone(xb))
+
+    def _alone(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
         return self.down(F.silu(gate) * up)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = fused_rows(self.gate_up, x)
+        return linear_rows(self.down, per_row_pair(gate, up))
 
 
 def dense_or_moe(w: Weights, i: int, cfg: Any) -> DenseFFN | MoE:

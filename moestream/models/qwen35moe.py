@@ -28,6 +28,7 @@ from moestream.compute import linear
 from moestream.models.base import MoEModel
 from moestream.models.common import KVCache, RoPE, by_query_chunks, rms_norm
 from moestream.models.deltanet import CHUNK, N_CHECKPOINTS, GatedDeltaNet, HybridCache
+from moestream.models.layer import DecoderLayer, Mixer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.moe import MoE, transient_nbytes
 
@@ -125,7 +126,7 @@ class Qwen35MoeConfig:
 # ---- layers --------------------------------------------------------------------------------------
 
 
-class GatedAttention:
+class GatedAttention(Mixer):
     def __init__(self, w: Weights, i: int, cfg: Qwen35MoeConfig):
         p = f"blk.{i}."
         H, q_dim, kv_dim = cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -168,7 +169,7 @@ class Qwen35Moe(MoEModel):
             ffn_norm = w.vector(f"blk.{i}.post_attention_norm.weight", H)
             moe = MoE(w, i, hidden=H, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
                       norm_topk=True, shared_ffn=cfg.shared_ffn, shared_gate=True)  # fmt: skip
-            self.layers.append((attn_norm, mixer, ffn_norm, moe))
+            self.layers.append(DecoderLayer(attn_norm, mixer, ffn_norm, moe))
         self._load_head(w)
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rot_dim, max_pos=min(cfg.context_length, 4096))
 
@@ -211,70 +212,3 @@ class Qwen35Moe(MoEModel):
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> HybridCache:
         dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
         return HybridCache(self.cfg, ctx, dtype)
-
-    def forward(self, tokens: list[int], kv: HybridCache, pos: int, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens at positions pos..pos+T-1; returns logits of the last position ([V]) or all ([T, V])."""
-        assert self.experts is not None, "no expert provider attached"
-        if pos != kv.length:
-            raise ValueError(
-                f"the recurrent state holds {kv.length} positions but the call starts at {pos}; "
-                "truncate the cache first"
-            )
-        eps = self.cfg.rms_eps
-        cuts = kv.plan_cuts(pos, len(tokens))
-        x = self.embed(tokens)
-        try:
-            for i, (attn_norm, mixer, ffn_norm, moe) in enumerate(self.layers):
-                h = rms_norm(x, attn_norm, eps)
-                if isinstance(mixer, GatedDeltaNet):
-                    h = mixer(h, kv.conv[i], kv.ssm[i], [(c.offset, c.into.conv[i], c.into.ssm[i]) for c in cuts],
-                              kv.query_chunk)  # fmt: skip
-                else:
-                    h = mixer(h, i, kv, pos, self.rope)
-                x = x + h
-                forced = self.forced_routes(i, pos, len(tokens))
-                x = x + moe(rms_norm(x, ffn_norm, eps), self.experts, forced)
-        except BaseException:  # a read error, Ctrl-C: the layers run so far moved their states past pos
-            kv.rewind(pos)
-            raise
-        kv.advance(pos + len(tokens))
-        kv.commit(pos, cuts)
-        return self.logits(x, all_logits)
-
-    def mix_rows(self, i: int, x: torch.Tensor, kvs: list, positions: list[int]) -> torch.Tensor:
-        """Each row's DeltaNet step (its own recurrent state) or attention, as forward runs one token."""
-        norm, mixer = self.layers[i][0], self.layers[i][1]
-        rows = []
-        for b, (kv, p) in enumerate(zip(kvs, positions, strict=True)):
-            h = rms_norm(x[b : b + 1], norm, self.cfg.rms_eps)
-            if isinstance(mixer, GatedDeltaNet):
-                rows.append(mixer(h, kv.conv[i], kv.ssm[i], []))
-            else:
-                rows.append(mixer(h, i, kv, p, self.rope))
-        return torch.cat(rows)
-
-    def mix_block(self, i: int, x: torch.Tensor, kv: HybridCache, pos: int, cuts: list) -> torch.Tensor:
-        """Block i's mixer on T tokens of one sequence, as forward runs it (cuts: the checkpoints to take)."""
-        norm, mixer = self.layers[i][0], self.layers[i][1]
-        h = rms_norm(x, norm, self.cfg.rms_eps)
-        if isinstance(mixer, GatedDeltaNet):
-            return mixer(h, kv.conv[i], kv.ssm[i], [(c.offset, c.into.conv[i], c.into.ssm[i]) for c in cuts],
-                         kv.query_chunk)  # fmt: skip
-        return mixer(h, i, kv, pos, self.rope)
-
-    def begin_rows(self, kvs: list, positions: list[int], lengths: list[int]) -> list:
-        for kv, p in zip(kvs, positions, strict=True):
-            if p != kv.length:
-                raise ValueError(
-                    f"the recurrent state holds {kv.length} positions but the step is at {p}; truncate the cache first"
-                )
-        return [kv.plan_cuts(p, n) for kv, p, n in zip(kvs, positions, lengths, strict=True)]
-
-    def end_rows(self, kvs: list, positions: list[int], lengths: list[int], aux: list) -> None:
-        for kv, p, n, cuts in zip(kvs, positions, lengths, aux, strict=True):
-            kv.advance(p + n)
-            kv.commit(p, cuts)
-
-    def abort_rows(self, kvs: list, positions: list[int]) -> None:
-        for kv, p in zip(kvs, positions, strict=True):  # the layers run so far moved the states past p
-            kv.rewind(p)

@@ -19,6 +19,7 @@ import torch
 from moestream.compute import linear, native
 from moestream.models.base import MoEModel
 from moestream.models.common import KVCache, RoPE, by_query_chunks, rms_norm
+from moestream.models.layer import DecoderLayer, Mixer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.moe import MoE, transient_nbytes
 
@@ -71,7 +72,7 @@ class Qwen3MoeConfig:
         )
 
 
-class Attention:
+class Attention(Mixer):
     def __init__(self, w: Weights, i: int, cfg: Qwen3MoeConfig):
         p = f"blk.{i}."
         H, q_dim, kv_dim = cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -85,16 +86,27 @@ class Attention:
         self.k_norm = w.vector(p + "attn_k_norm.weight", cfg.head_dim)
         self.cfg = cfg
 
-    def fused_decode(self, x: torch.Tensor, norm: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE):
-        """The whole block for one token in one native call (norm included), or None when the forms don't allow."""
-        return self.fused_decode_rows(x, norm, layer, [kv], [pos], rope)
+    def rows(
+        self, x: torch.Tensor, norm: torch.Tensor, eps: float, layer: int, kvs: list, positions: list[int], rope: RoPE
+    ) -> torch.Tensor:
+        """One token of each of B sequences: the fused native block on all rows at once where the forms
+        allow, else each row's own fused block, else the plain path."""
+        a = self.fused_decode_rows(x, norm, layer, kvs, positions, rope)
+        if a is not None or len(kvs) == 1:
+            return a if a is not None else self(rms_norm(x, norm, eps), layer, kvs[0], positions[0], rope)
+        rows = []
+        for b, (kv, p) in enumerate(zip(kvs, positions, strict=True)):  # the rows' caches may differ in form
+            xb = x[b : b + 1]
+            a = self.fused_decode_rows(xb, norm, layer, [kv], [p], rope)
+            rows.append(a if a is not None else self(rms_norm(xb, norm, eps), layer, kv, p, rope))
+        return torch.cat(rows)
 
     def fused_decode_rows(
         self, x: torch.Tensor, norm: torch.Tensor, layer: int, kvs: list[KVCache], positions: list[int], rope: RoPE
     ) -> torch.Tensor | None:
-        """fused_decode for rows of x [B, hidden], each over its own cache at its own position, in one native
-        call that reads the projections once for all rows (each row's result as it is alone); None when the
-        forms don't allow."""
+        """The whole block (norm included) for rows of x [B, hidden], each over its own cache at its own
+        position, in one native call that reads the projections once for all rows (each row's result as it is
+        alone); None when the forms don't allow."""
         lib = native.lib()
         qkv, o, cfg = self.qkv, self.o, self.cfg
         caches = [(kv.k[layer], kv.v[layer]) for kv in kvs]
@@ -162,7 +174,7 @@ class Qwen3Moe(MoEModel):
             ffn_norm = w.vector(f"blk.{i}.ffn_norm.weight", H)
             moe = MoE(w, i, hidden=H, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
                       norm_topk=cfg.norm_topk_prob, shared_ffn=cfg.shared_ffn)  # fmt: skip
-            self.layers.append((attn_norm, attn, ffn_norm, moe))
+            self.layers.append(DecoderLayer(attn_norm, attn, ffn_norm, moe))
         self._load_head(w)
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 4096))
 
@@ -202,30 +214,3 @@ class Qwen3Moe(MoEModel):
         cfg = self.cfg
         dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
         return KVCache([cfg.n_kv_heads] * cfg.n_layers, cfg.head_dim, ctx, dtype)
-
-    def forward(self, tokens: list[int], kv: KVCache, pos: int, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens at positions pos..pos+T-1; returns logits of the last position ([V]) or all ([T, V])."""
-        assert self.experts is not None, "no expert provider attached"
-        x = self.embed(tokens)
-        for i, (attn_norm, attn, ffn_norm, moe) in enumerate(self.layers):
-            a = attn.fused_decode(x, attn_norm, i, kv, pos, self.rope) if len(tokens) == 1 else None
-            if a is None:
-                a = attn(rms_norm(x, attn_norm, self.cfg.rms_eps), i, kv, pos, self.rope)
-            x = x + a
-            forced = self.forced_routes(i, pos, len(tokens))
-            x = x + moe(rms_norm(x, ffn_norm, self.cfg.rms_eps), self.experts, forced)
-        kv.advance(pos + len(tokens))
-        return self.logits(x, all_logits)
-
-    def mix_rows(self, i: int, x: torch.Tensor, kvs: list, positions: list[int]) -> torch.Tensor:
-        """Attention for rows of x: the fused native block on all rows at once where the forms allow."""
-        attn_norm, attn = self.layers[i][0], self.layers[i][1]
-        a = attn.fused_decode_rows(x, attn_norm, i, kvs, positions, self.rope)
-        if a is not None:
-            return a
-        rows = []
-        for b, (kv, p) in enumerate(zip(kvs, positions, strict=True)):
-            xb = x[b : b + 1]
-            a = attn.fused_decode(xb, attn_norm, i, kv, p, self.rope)
-            rows.append(a if a is not None else attn(rms_norm(xb, attn_norm, self.cfg.rms_eps), i, kv, p, self.rope))
-        return torch.cat(rows)
