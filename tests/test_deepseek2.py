@@ -42,7 +42,7 @@ def test_absorbed_attention_equals_the_naive_form(v3):
     _, path = v3
     eng = Engine(path, EngineOptions(n_slots=8))
     try:
-        attn = eng.model.layers[1][1]
+        attn = eng.model.layers[1].mixer
         cfg = eng.cfg
         g = torch.Generator().manual_seed(0)
         T, S, pos = 7, 30, 23  # a micro-batch at positions 23..29 over a span of 30
@@ -65,7 +65,7 @@ def test_native_decode_step_reads_bf16_weights_and_cache(v3):
     _, path = v3
     eng = Engine(path, EngineOptions(n_slots=8))
     try:
-        attn, cfg = eng.model.layers[1][1], eng.cfg
+        attn, cfg = eng.model.layers[1].mixer, eng.cfg
         g = torch.Generator().manual_seed(1)
         S = 37
         q_nope = torch.randn(1, cfg.n_heads, cfg.qk_nope, generator=g)
@@ -92,7 +92,7 @@ def test_both_kv_b_forms_give_the_same_logits(v3, tmp_path):
     for path in (split, legacy):
         eng = Engine(path, EngineOptions(n_slots=16))
         try:
-            assert eng.model.layers[0][1].k_b.shape == (4, 128, 64)
+            assert eng.model.layers[0].mixer.k_b.shape == (4, 128, 64)
             with torch.inference_mode():
                 out.append(eng.forward(toks, 0, all_logits=True))
         finally:

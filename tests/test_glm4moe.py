@@ -118,7 +118,7 @@ def test_routing_and_rope_read_from_the_header(glm):
         assert (r.gating, r.norm, r.scale, r.n_group, r.topk_group) == ("sigmoid", True, 2.5, 2, 1)
         assert r.group_score == "top2"
         assert eng.model.rope.rot_dim == cfg.rope_dim == 32 and cfg.head_dim == 64
-        attn = eng.model.layers[1][1]
+        attn = eng.model.layers[1].mixer
         assert attn.q_norm is not None and attn.k_norm is not None and attn.bias is not None
     finally:
         eng.close()
@@ -164,7 +164,7 @@ def test_air_has_no_qk_norm_and_no_groups(tmp_path):
     f.close()
     eng = Engine(str(path), EngineOptions(n_slots=4))
     try:
-        assert eng.model.layers[1][1].q_norm is None
+        assert eng.model.layers[1].mixer.q_norm is None
         assert (eng.cfg.routing.n_group, eng.cfg.routing.scale) == (1, 1.0)
     finally:
         eng.close()

@@ -3,6 +3,8 @@ metadata variants. Logits against transformers and streaming are in test_models.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -144,7 +146,7 @@ def test_checkpoint_at_the_calls_first_token(tiny, monkeypatch, use_native):
     try:
         if not use_native:
             monkeypatch.setattr(native, "lib", lambda extra_flags=(): None)
-        mixer = eng.model.layers[0][1]  # layer 0 is a Gated DeltaNet layer
+        mixer = eng.model.layers[0].mixer  # layer 0 is a Gated DeltaNet layer
         g = torch.Generator().manual_seed(1)
         x = torch.randn(5, eng.model.cfg.hidden, generator=g)
         conv0 = torch.randn(eng.model.cfg.conv_kernel - 1, eng.model.cfg.conv_dim, generator=g)
@@ -152,8 +154,8 @@ def test_checkpoint_at_the_calls_first_token(tiny, monkeypatch, use_native):
         conv_a, S_a, conv_b, S_b = conv0.clone(), S0.clone(), conv0.clone(), S0.clone()
         conv_cut, S_cut = torch.empty_like(conv0), torch.empty_like(S0)
         with torch.inference_mode():
-            cut = mixer(x, conv_a, S_a, [(0, conv_cut, S_cut)])
-            plain = mixer(x, conv_b, S_b, [])
+            cut = mixer.mix(x, conv_a, S_a, [(0, conv_cut, S_cut)])
+            plain = mixer.mix(x, conv_b, S_b, [])
         assert torch.equal(conv_cut, conv0) and torch.equal(S_cut, S0)
         assert torch.equal(cut, plain) and torch.equal(S_a, S_b) and torch.equal(conv_a, conv_b)
     finally:
@@ -238,7 +240,7 @@ def test_failed_call_leaves_a_usable_state(tiny):
         def interrupted(*args):
             raise KeyboardInterrupt
 
-        layers[2] = (*saved[:3], interrupted)  # layers 0 and 1 have run when layer 2's MoE raises
+        layers[2] = dataclasses.replace(saved, ffn=interrupted)  # layers 0 and 1 have run when layer 2's MoE raises
         with pytest.raises(KeyboardInterrupt):
             eng.generate(toks[:40] + toks[50:60], 4, Sampler())
         layers[2] = saved
@@ -272,7 +274,7 @@ def test_a_span_mixes_its_deltanet_by_chunks_as_one_call(tiny, chunk):
     eng = _engine(path, ubatch=16)
     try:
         layer = next(i for i, r in enumerate(eng.cfg.recurrent) if r)
-        mixer = eng.model.layers[layer][1]
+        mixer = eng.model.layers[layer].mixer
         T = 70
         x = torch.randn(T, eng.cfg.hidden, generator=torch.Generator().manual_seed(3))
         conv0 = torch.randn_like(eng.kv.conv[layer])
@@ -281,7 +283,7 @@ def test_a_span_mixes_its_deltanet_by_chunks_as_one_call(tiny, chunk):
         def run(c):
             conv, S = conv0.clone(), S0.clone()
             cuts = [(off, torch.empty_like(conv), torch.empty_like(S)) for off in (16, 37, 48)]
-            out = mixer(x, conv, S, cuts, c)
+            out = mixer.mix(x, conv, S, cuts, c)
             return out, conv, S, cuts
 
         out1, conv1, S1, cuts1 = run(None)

@@ -233,7 +233,7 @@ def test_full_width_v2_lite_slice_runs(tmp_path):
         eng = _engine(path)
         try:
             assert (eng.cfg.n_experts, eng.cfg.kv_lora_rank, eng.cfg.q_lora_rank, eng.cfg.top_k) == (64, 512, 0, 6)
-            assert eng.model.layers[1][1].k_b.dtype == torch.bfloat16  # the up-projections of a quantized file
+            assert eng.model.layers[1].mixer.k_b.dtype == torch.bfloat16  # the up-projections of a quantized file
             m = open_model(path)
             try:  # the plan counts them at what they take
                 assert eng.model.dense_nbytes == dense_estimate(m.gguf, m.exact, trunk_blocks(m.cfg))

@@ -74,11 +74,14 @@ class BatchEvent:
 class Batch:
     """The sequences of one engine that generate together; `step()` advances all of them by one token."""
 
-    def __init__(self, engine: BatchEngine):
+    def __init__(self, engine: BatchEngine, slots: list[Conversation] | None = None):
+        """slots: the conversations sequences run in (default: the engine's own and one per batch KV cache).
+        Every slot keeps its conversation after the request ends, so a request that extends it (a chat's next
+        turn) lands on that slot and prefills only its new tokens."""
         self.engine = engine
-        # every sequence slot's KV cache keeps its conversation after the request ends, so a request that
-        # extends it (a chat's next turn) lands on that slot and prefills only its new tokens
-        self.free: list[Conversation] = [engine.conversation, *(Conversation(kv) for kv in engine.batch_kvs)]
+        if slots is None:
+            slots = [engine.conversation, *(Conversation(kv) for kv in engine.batch_kvs)]
+        self.free: list[Conversation] = list(slots)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.decode_batch_sizes: Counter[int] = Counter()  # decode steps by the rows they ran
@@ -91,12 +94,18 @@ class Batch:
         return len(self.waiting) + len(self.running)
 
     def add(
-        self, prompt: list[int], max_new_tokens: int, sampler: Sampler | None = None, stop_ids: set[int] | None = None
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        sampler: Sampler | None = None,
+        stop_ids: set[int] | None = None,
+        stats: GenerationStats | None = None,
     ) -> Sequence:
-        """Queue a request; it starts at the next step with a free slot. Raises ContextError if it can't fit."""
+        """Queue a request; it starts at the next step with a free slot. Raises ContextError if it can't fit.
+        stats: the object its stats are kept in (a new one by default)."""
         self.engine.check_prompt(prompt)
         seq = Sequence(list(prompt), min(max_new_tokens, self.engine.ctx - len(prompt)), sampler or Sampler(),
-                       stop_ids or set())  # fmt: skip
+                       stop_ids or set(), stats or GenerationStats())  # fmt: skip
         seq.stats.prompt_tokens = len(prompt)
         self.waiting.append(seq)
         return seq

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 import weakref
 from collections.abc import Generator, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -312,52 +311,34 @@ class Engine:
     def _steps(
         self, prompt: list[int], max_new_tokens: int, sampler: Sampler, stop_ids: set[int], st: GenerationStats
     ) -> Generator[GenerationStep, None, None]:
-        max_new_tokens = min(max_new_tokens, self.ctx - len(prompt))
+        """One sequence generating alone: the scheduler serve runs (Batch), with this engine's own conversation
+        as its one slot."""
+        batch = Batch(self, slots=[self.conversation])
+        seq = batch.add(prompt, max_new_tokens, sampler, stop_ids, stats=st)
         counters = _Counters(self.cache.stats, st)
-        st.prompt_tokens = len(prompt)
-        st.reused_tokens = pos = self.conversation.resume(prompt, self.prompt_cache)
-        n_tokens = 0
-        t0 = time.perf_counter()
+        held: int | None = None  # the token sampled last, yielded once the next step has been asked for
         try:
-            with torch.inference_mode(), self.cache.generation():
-                logits = None
-                while pos < len(prompt):
-                    # layer-major: the span's tokens go through layer l, then l + 1, each layer's experts
-                    # fetched once for all of them
-                    chunk = prompt[pos : pos + self.span]
-                    logits = self.step([chunk], [self.kv], [pos], prompt=True)[0]
-                    pos += len(chunk)
-                    self.conversation.tokens.extend(chunk)
-                st.prompt_s = time.perf_counter() - t0
-                counters.decode_begins()
-                t1 = time.perf_counter()
-                assert logits is not None
-                while n_tokens < max_new_tokens:
-                    tok = sampler(logits)
-                    n_tokens += 1
-                    st.decode_tokens, st.decode_s = n_tokens, time.perf_counter() - t1
-                    counters.update()
-                    reason = "stop" if tok in stop_ids else "length" if n_tokens >= max_new_tokens else None
-                    if reason is not None:
-                        st.finish_reason = reason
+            while seq.finish_reason is None:
+                events = batch.step()
+                if counters.b1 is None and not seq.prefilling:
+                    counters.decode_begins()
+                counters.update()
+                for ev in events:
+                    if ev.finish_reason is not None:
+                        held = ev.token
                         break
                     try:
-                        yield GenerationStep(tok, st)
+                        yield GenerationStep(ev.token, st)
                     except GeneratorExit:
-                        st.finish_reason = "cancelled"
-                        st.decode_s = time.perf_counter() - t1
+                        batch.cancel(seq)
                         raise
-                    logits = self.step([[tok]], [self.kv], [pos], prompt=False)[0]
-                    self.conversation.tokens.append(tok)
-                    pos += 1
-                st.decode_s = time.perf_counter() - t1
         finally:
             counters.update()
             st.n_slots = self.cache.n_slots
             st.peak_rss = peak_rss_bytes()
-        if n_tokens:
+        if held is not None:
             # the last token after the generation's context closed: a consumer that stops here changes nothing
-            yield GenerationStep(tok, st, st.finish_reason)
+            yield GenerationStep(held, st, st.finish_reason)
 
     def _torch_threads_for(self, n_tokens: int) -> int:
         """torch's thread count for a step. A decode step whose heavy matmuls all run in the lane kernels gives

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moestream.compute import linear, native
+from moestream.compute import kernels, linear, native
 from moestream.compute.linear import QLinear
 from moestream.errors import ComputeError, ModelFileError
 from moestream.formats import quants
@@ -71,13 +71,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             f"a norm weight of shape {tuple(weight.shape)} for rows of {x.shape[-1]} values; "
             "the model file is broken (its tensor shapes do not match its hyperparameters)"
         )
-    lib = native.lib()
-    if lib is not None and x.dtype == torch.float32 and weight.dtype == torch.float32:
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        dim = x.shape[-1]
-        lib.ms_rms_norm_rows(x.data_ptr(), weight.contiguous().data_ptr(), x.numel() // dim, dim, eps, out.data_ptr())
-        return out
+    if kernels.available() and x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return kernels.rms_norm_rows(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
@@ -85,9 +80,8 @@ def add_weighted_rows(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, w:
     """out[rows[i]] += y[i] * w[i] for each i in order (rows: int64 [n], y [n, h], w [n, 1]); the same bits as
     out.index_add_(0, rows, y * w). The native loop runs on the caller's thread: torch's index_add_ wakes its
     thread pool for each call, and a prompt span makes one call per expert of every layer."""
-    lib = native.lib()
     if (
-        lib is not None
+        kernels.available()
         and out.dtype == y.dtype == w.dtype == torch.float32
         and out.is_contiguous()
         and out.dim() == y.dim() == 2
@@ -95,10 +89,7 @@ def add_weighted_rows(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, w:
         and rows.shape == (y.shape[0],)
         and w.numel() == y.shape[0]
     ):
-        rows, y, w = rows.to(torch.int64).contiguous(), y.contiguous(), w.contiguous()
-        lib.ms_add_weighted_rows(
-            out.data_ptr(), out.shape[0], out.shape[1], rows.data_ptr(), y.data_ptr(), w.data_ptr(), y.shape[0]
-        )
+        kernels.add_weighted_rows(out, rows, y, w)
         return
     out.index_add_(0, rows, y * w)
 
@@ -113,15 +104,9 @@ def route_topk(
     where = "" if layer is None else f"layer {layer}: "
     if not 1 <= k <= logits.shape[-1]:
         raise ModelFileError(f"{where}{k} experts per token of {logits.shape[-1]}; the model file is broken")
-    lib = native.lib()
-    if lib is not None and logits.dtype == torch.float32 and logits.numel() <= SMALL_OP:
-        logits = logits.contiguous()
-        ids = torch.empty(logits.shape[0], k, dtype=torch.int64)
-        weights = torch.empty(logits.shape[0], k)
+    if kernels.available() and logits.dtype == torch.float32 and logits.numel() <= SMALL_OP:
         try:
-            lib.ms_route_topk(logits.data_ptr(), logits.shape[0], logits.shape[1], k, int(norm), ids.data_ptr(),
-                              weights.data_ptr())  # fmt: skip
-            return weights, ids
+            return kernels.route_topk(logits, k, norm)
         except ComputeError as exc:
             if exc.code != native.NOT_FINITE:
                 raise
@@ -139,12 +124,8 @@ def route_topk(
 def f32_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w.T for a float32 w [N, K] (routers: kept exact). A few rows run on the lane pool with the
     weight prefetched (2x torch's single thread, the decode setting); more rows go to torch's GEMM."""
-    lib = native.lib()
-    if lib is not None and x.shape[0] <= 4 and x.dtype == torch.float32 and w.is_contiguous():
-        x = x.contiguous()
-        y = torch.empty(x.shape[0], w.shape[0])
-        lib.ms_gemv_f32(w.data_ptr(), w.shape[0], w.shape[1], x.data_ptr(), x.shape[0], y.data_ptr())
-        return y
+    if kernels.available() and x.shape[0] <= 4 and x.dtype == torch.float32 and w.is_contiguous():
+        return kernels.gemv_f32(x, w)
     return x @ w.T
 
 
@@ -210,25 +191,16 @@ class RoPE:
         if n > self._cos.shape[0]:
             self._table(max(n, 2 * self._cos.shape[0]))
 
-    def cos_ptr(self, pos: int) -> int:
-        """Address of position pos's cos row (float32 [rot/2]) for the native kernels."""
-        return self._cos.data_ptr() + pos * (self.rot_dim // 2) * 4
-
-    def sin_ptr(self, pos: int) -> int:
-        return self._sin.data_ptr() + pos * (self.rot_dim // 2) * 4
+    def table_rows(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Position pos's (cos, sin) rows (float32 [1, rot/2]) onwards, for the native kernels."""
+        return self._cos[pos], self._sin[pos]
 
     def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         """x [T, heads, head_dim] at positions pos..pos+T-1."""
         T = x.shape[0]
         self.ensure(pos + T)
-        lib = native.lib()
-        if lib is not None and x.dtype == torch.float32 and x.numel() <= SMALL_OP:
-            y = x.contiguous().clone()
-            lib.ms_rope_neox(
-                y.data_ptr(), T, y.shape[1], y.shape[2], self.rot_dim,
-                self.cos_ptr(pos), self.sin_ptr(pos),
-            )  # fmt: skip
-            return y
+        if kernels.available() and x.dtype == torch.float32 and x.numel() <= SMALL_OP:
+            return kernels.rope_neox(x, *self.table_rows(pos), self.rot_dim)
         cos = self._cos[pos : pos + T]
         sin = self._sin[pos : pos + T]
         r = self.rot_dim
@@ -352,11 +324,11 @@ class KVCache:
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int) -> torch.Tensor:
         """Causal attention of q [T, H, D] (positions pos..) over keys/values [S, Hkv, D]; returns [T, H, D]."""
-        T, S = q.shape[0], keys.shape[0]
-        lib = native.lib()
+        T = q.shape[0]
+        native_ok = kernels.available()
         if (
             T == 1
-            and lib is not None
+            and native_ok
             and q.dtype == torch.float32
             and keys.dtype in (torch.bfloat16, torch.float32)
             and keys.dtype == values.dtype
@@ -364,25 +336,13 @@ class KVCache:
             and values.is_contiguous()
         ):
             # one decode token: the native loop (pool over kv heads) instead of ~10 torch ops of dispatch
-            q1 = q.contiguous()
-            out = torch.empty_like(q1)
-            H, D = q.shape[1], q.shape[2]
-            rc = lib.ms_attn_decode(
-                q1.data_ptr(), keys.data_ptr(), values.data_ptr(), S, H, keys.shape[1], D,
-                int(keys.dtype == torch.bfloat16), 1.0 / math.sqrt(D), out.data_ptr(),
-            )  # fmt: skip
-            if rc == 0:
+            out = kernels.attn_decode(q, keys, values)
+            if out is not None:
                 return out
-        if T > 1 and lib is not None and native_prefill_ok(q, keys, values, pos):
+        if T > 1 and native_ok and native_prefill_ok(q, keys, values, pos):
             # a prompt chunk: the native flash attention (ms_attn_prefill), whose rows do not depend on how the
             # prompt was cut into chunks, so a span and its micro-batches give the same bits
-            q1 = q.contiguous()
-            out = torch.empty_like(q1)
-            lib.ms_attn_prefill(
-                q1.data_ptr(), keys.data_ptr(), values.data_ptr(), T, S, q.shape[1], keys.shape[1], q.shape[2],
-                pos, int(keys.dtype == torch.bfloat16), 1.0 / math.sqrt(q.shape[2]), out.data_ptr(),
-            )  # fmt: skip
-            return out
+            return kernels.attn_prefill(q, keys, values, pos)
         return attend_sdpa(q, keys, values, pos, self.query_chunk)
 
     def advance(self, length: int) -> None:

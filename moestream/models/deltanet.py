@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from moestream.compute import native
+from moestream.compute import kernels
 from moestream.models.common import KVCache, KVSnapshot, rms_norm
 from moestream.models.layer import Mixer
 from moestream.models.loader import Weights
@@ -107,14 +107,9 @@ def causal_conv(buf: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     """The causal depthwise convolution of buf [K - 1 + T, C] (the kept inputs, then the new ones) with the
     filter w_t [K, C]: [T, C]. A native loop over channels where it runs: torch's unfold-multiply-sum makes a
     [T, C, K] temporary and takes ~20x longer."""
-    K, C = w_t.shape
-    T = buf.shape[0] - K + 1
-    lib = native.lib()
-    if lib is not None and buf.dtype == w_t.dtype == torch.float32 and w_t.is_contiguous():
-        buf = buf.contiguous()
-        out = torch.empty(T, C)
-        lib.ms_causal_conv(buf.data_ptr(), T, C, K, w_t.data_ptr(), out.data_ptr())
-        return out
+    K = w_t.shape[0]
+    if kernels.available() and buf.dtype == w_t.dtype == torch.float32 and w_t.is_contiguous():
+        return kernels.causal_conv(buf, w_t)
     return (buf.unfold(0, K, 1) * w_t.T).sum(-1)
 
 
@@ -133,19 +128,14 @@ def delta_rule_span(
     the pool, a head's chunk in cache) where it runs, else chunk_delta_rule in torch."""
     T, _, dk = qk.shape
     Hv, dv = v.shape[1:]
-    lib = native.lib()
     if (
-        lib is not None
+        kernels.available()
         and dk % 8 == 0
         and dv % 8 == 0
         and all(t.dtype == torch.float32 for t in (qk, v, g, beta, S))
         and S.is_contiguous()
     ):
-        qk, v, g, beta = (t.contiguous() for t in (qk, v, g, beta))
-        out = torch.empty(T, Hv, dv)
-        lib.ms_delta_rule(T, n_k, Hv, dk, dv, qk.data_ptr(), qk[:, n_k:].data_ptr(), qk.shape[1] * dk,
-                          v.data_ptr(), g.data_ptr(), beta.data_ptr(), S.data_ptr(), out.data_ptr())  # fmt: skip
-        return out
+        return kernels.delta_rule(qk, v, g, beta, S, n_k)
     q, k = value_heads(qk, n_k, Hv)
     o = chunk_delta_rule(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), S)
     return o.transpose(0, 1)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moestream.compute import native
+from moestream.compute import kernels
 from moestream.models.common import QUERY_CHUNK, KVCache, RoPE, causal_mask, query_chunks, wide_torch
 from moestream.models.layer import SplitMixer
 from moestream.models.loader import Weights
@@ -152,8 +152,10 @@ class MLAttention(SplitMixer):
         """Attention over the cached latents without decompressing them; returns [T, H, v]."""
         scale = self.cfg.kq_scale
         T = q_nope.shape[0]
-        if T == 1 and (lib := native.lib()) is not None and latents.dtype == keys.dtype in NATIVE_DTYPES:
-            return self._decode_native(lib, q_nope, q_pe, latents, keys)
+        if T == 1 and kernels.available() and latents.dtype == keys.dtype in NATIVE_DTYPES:
+            # the decode step in one C call on the lane pool (no torch op, so torch can stay at one thread),
+            # reading the cache and the up-projections in their own dtypes
+            return kernels.mla_decode(q_nope, q_pe, self.k_b, self.v_b, latents, keys, self.cfg.v_head_dim, scale)
         lat, kpe = latents.float(), keys.float()
         k_b, v_b = self.k_b.float(), self.v_b.float()
         q_lat = torch.bmm(q_nope.transpose(0, 1), k_b.transpose(1, 2))  # [H, T, L]
@@ -169,20 +171,6 @@ class MLAttention(SplitMixer):
                 q, k, lat[None, None], attn_mask=causal_mask(T, lat.shape[0], pos), scale=scale, enable_gqa=True
             )[0]  # [H, T, L]
             return torch.bmm(o_lat, v_b.transpose(1, 2)).transpose(0, 1)
-
-    def _decode_native(self, lib: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor,
-                       keys: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """The decode step's absorbed attention in one C call on the lane pool (no torch op, so torch can stay
-        at one thread); reads the cache and the up-projections in their own dtypes. Returns [1, H, v]."""
-        cfg = self.cfg
-        qn, qp = q_nope.float().contiguous(), q_pe.float().contiguous()
-        lat, kpe = latents.contiguous(), keys.contiguous()
-        out = torch.empty(1, cfg.n_heads, cfg.v_head_dim)
-        lib.ms_mla_decode(qn.data_ptr(), qp.data_ptr(), self.k_b.data_ptr(), self.v_b.data_ptr(),
-                          int(self.k_b.dtype == torch.bfloat16), lat.data_ptr(), kpe.data_ptr(),
-                          int(lat.dtype == torch.bfloat16), lat.shape[0], cfg.n_heads, cfg.kv_lora_rank,
-                          cfg.qk_rope, cfg.qk_nope, cfg.v_head_dim, cfg.kq_scale, out.data_ptr())  # fmt: skip
-        return out
 
     def naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor,
               pos: int) -> torch.Tensor:  # fmt: skip

@@ -9,14 +9,13 @@ everything else is resident.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from moestream.compute import linear, native
+from moestream.compute import kernels, linear
 from moestream.models.base import MoEModel
 from moestream.models.common import KVCache, RoPE, by_query_chunks, rms_norm
 from moestream.models.layer import DecoderLayer, Mixer
@@ -107,12 +106,11 @@ class Attention(Mixer):
         """The whole block (norm included) for rows of x [B, hidden], each over its own cache at its own
         position, in one native call that reads the projections once for all rows (each row's result as it is
         alone); None when the forms don't allow."""
-        lib = native.lib()
         qkv, o, cfg = self.qkv, self.o, self.cfg
         caches = [(kv.k[layer], kv.v[layer]) for kv in kvs]
         dtypes = {kc.dtype if kc is not None else None for kc, _ in caches}
         if (
-            lib is None
+            not kernels.available()
             or qkv is None
             or qkv.kind != "lane"
             or o.kind != "lane"
@@ -122,22 +120,10 @@ class Attention(Mixer):
         ):
             return None
         rope.ensure(max(positions) + 1)
-        half = rope.rot_dim // 2
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        B = len(kvs)
-        ptrs = ctypes.c_void_p * B
-        rc = lib.ms_attn_block_decode_rows(
-            B, x.data_ptr(), norm.data_ptr(), cfg.hidden, cfg.rms_eps, qkv.ggml_type, qkv.weight.data_ptr(),
-            self.q_norm.data_ptr(), self.k_norm.data_ptr(), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-            ptrs(*(rope.cos_ptr(p) for p in positions)), ptrs(*(rope.sin_ptr(p) for p in positions)), 2 * half,
-            ptrs(*(kc.data_ptr() for kc, _ in caches)), ptrs(*(vc.data_ptr() for _, vc in caches)),
-            int(caches[0][0].dtype == torch.bfloat16), (ctypes.c_int64 * B)(*positions), o.ggml_type,
-            o.weight.data_ptr(), out.data_ptr(),
+        return kernels.attn_block_decode_rows(
+            x, norm, cfg.rms_eps, qkv, self.q_norm, self.k_norm, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
+            [rope.table_rows(p) for p in positions], caches, positions, o,
         )  # fmt: skip
-        if rc != 0:
-            raise RuntimeError(f"ms_attn_block_decode_rows failed ({rc}) at layer {layer}")
-        return out
 
     def __call__(self, x: torch.Tensor, layer: int, kv: KVCache, pos: int, rope: RoPE) -> torch.Tensor:
         return by_query_chunks(x, kv, pos, lambda xc, p: self._attend(xc, layer, kv, p, rope))

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moestream.compute import native
+from moestream.compute import kernels
 from moestream.compute.linear import QLinear
 from moestream.models.common import Fused, f32_matmul, rms_norm
 
@@ -54,7 +54,7 @@ def fused_rows(f: Fused, x: torch.Tensor) -> list[torch.Tensor]:
 def norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm of each row of x [B, dim], each with the bits it gets alone (the native loop gives them in
     one call; torch's norm, without the library or for other dtypes, is taken a row at a time)."""
-    if native.lib() is None or x.dtype != torch.float32 or w.dtype != torch.float32:
+    if not kernels.available() or x.dtype != torch.float32 or w.dtype != torch.float32:
         return per_row(lambda r: rms_norm(r, w, eps), x)
     return rms_norm(x, w, eps)
 
@@ -62,7 +62,7 @@ def norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def f32_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """f32_matmul of each row of x [B, K] (routers), up to GEMV_ROWS rows a call where one row takes the
     native gemv."""
-    if native.lib() is None or x.dtype != torch.float32 or not w.is_contiguous():
+    if not kernels.available() or x.dtype != torch.float32 or not w.is_contiguous():
         return per_row(lambda r: f32_matmul(r, w), x)
     return torch.cat([f32_matmul(x[a : a + GEMV_ROWS], w) for a in range(0, x.shape[0], GEMV_ROWS)])
 

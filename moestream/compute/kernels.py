@@ -1,0 +1,167 @@
+"""Typed entry points of the native kernels that model code calls: tensors in, tensors out. The pointers,
+counts and flags the C functions take are marshalled here, so model and streaming code never touch ctypes or
+addresses. Each function assumes what its caller checked (`available()` and the dtypes and layouts its
+docstring names); the C side checks sizes again and refuses with ComputeError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from moestream.compute import native
+
+
+def available() -> bool:
+    return native.lib() is not None
+
+
+def _is_bf16(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of float32 x with a float32 weight (each row's bits whatever the rows)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    native.lib().ms_rms_norm_rows(x.data_ptr(), weight.contiguous().data_ptr(), x.numel() // dim, dim, eps,
+                                  out.data_ptr())  # fmt: skip
+    return out
+
+
+def add_weighted_rows(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> None:
+    """out[rows[i]] += y[i] * w[i] in order, all float32, out contiguous [N, h]."""
+    rows, y, w = rows.to(torch.int64).contiguous(), y.contiguous(), w.contiguous()
+    native.lib().ms_add_weighted_rows(out.data_ptr(), out.shape[0], out.shape[1], rows.data_ptr(), y.data_ptr(),
+                                      w.data_ptr(), y.shape[0])  # fmt: skip
+
+
+def route_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k of float32 logits [T, E]: (weights, ids) [T, k]; ComputeError(NOT_FINITE) on a NaN/inf."""
+    logits = logits.contiguous()
+    ids = torch.empty(logits.shape[0], k, dtype=torch.int64)
+    weights = torch.empty(logits.shape[0], k)
+    native.lib().ms_route_topk(logits.data_ptr(), logits.shape[0], logits.shape[1], k, int(norm), ids.data_ptr(),
+                               weights.data_ptr())  # fmt: skip
+    return weights, ids
+
+
+def gemv_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w.T for float32 x and a contiguous float32 w [N, K], a row at a time."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.shape[0])
+    native.lib().ms_gemv_f32(w.data_ptr(), w.shape[0], w.shape[1], x.data_ptr(), x.shape[0], y.data_ptr())
+    return y
+
+
+def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
+    """x float32 [T, heads, head_dim] rotated (halves) by the contiguous float32 tables' rows [T, 1, rot/2]."""
+    y = x.contiguous().clone()
+    native.lib().ms_rope_neox(y.data_ptr(), y.shape[0], y.shape[1], y.shape[2], rot_dim, cos.data_ptr(),
+                              sin.data_ptr())  # fmt: skip
+    return y
+
+
+def attn_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
+    """One query [1, H, D] (float32) over contiguous keys/values [S, Hkv, D] (bf16 or float32); None where
+    the kernel declines the shape."""
+    q1 = q.contiguous()
+    out = torch.empty_like(q1)
+    S, H, D = keys.shape[0], q.shape[1], q.shape[2]
+    rc = native.lib().ms_attn_decode(q1.data_ptr(), keys.data_ptr(), values.data_ptr(), S, H, keys.shape[1], D,
+                                     _is_bf16(keys), 1.0 / math.sqrt(D), out.data_ptr())  # fmt: skip
+    return out if rc == 0 else None
+
+
+def attn_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int) -> torch.Tensor:
+    """Causal flash attention of q [T, H, D] (positions pos..) over keys/values [S, Hkv, D]."""
+    q1 = q.contiguous()
+    out = torch.empty_like(q1)
+    T, H, D = q.shape
+    native.lib().ms_attn_prefill(q1.data_ptr(), keys.data_ptr(), values.data_ptr(), T, keys.shape[0], H,
+                                 keys.shape[1], D, pos, _is_bf16(keys), 1.0 / math.sqrt(D),
+                                 out.data_ptr())  # fmt: skip
+    return out
+
+
+def causal_conv(buf: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """The causal depthwise convolution of float32 buf [K - 1 + T, C] with a contiguous filter w_t [K, C]."""
+    K, C = w_t.shape
+    T = buf.shape[0] - K + 1
+    buf = buf.contiguous()
+    out = torch.empty(T, C)
+    native.lib().ms_causal_conv(buf.data_ptr(), T, C, K, w_t.data_ptr(), out.data_ptr())
+    return out
+
+
+def delta_rule(
+    qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, S: torch.Tensor, n_k: int
+) -> torch.Tensor:
+    """The gated delta rule over T tokens (float32; S [Hv, dk, dv] contiguous, updated in place): o [T, Hv, dv]."""
+    T, _, dk = qk.shape
+    Hv, dv = v.shape[1:]
+    qk, v, g, beta = (t.contiguous() for t in (qk, v, g, beta))
+    out = torch.empty(T, Hv, dv)
+    native.lib().ms_delta_rule(T, n_k, Hv, dk, dv, qk.data_ptr(), qk[:, n_k:].data_ptr(), qk.shape[1] * dk,
+                               v.data_ptr(), g.data_ptr(), beta.data_ptr(), S.data_ptr(), out.data_ptr())  # fmt: skip
+    return out
+
+
+def mla_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_b: torch.Tensor,
+    v_b: torch.Tensor,
+    latents: torch.Tensor,
+    keys: torch.Tensor,
+    v_head_dim: int,
+    kq_scale: float,
+) -> torch.Tensor:
+    """One query's absorbed latent attention: q_nope [1, H, nope], q_pe [1, H, rope] over the cache's latents
+    [S, L] and rotary keys [S, R] (their own dtypes), with the up-projections k_b [H, nope, L], v_b [H, v, L]."""
+    qn, qp = q_nope.float().contiguous(), q_pe.float().contiguous()
+    lat, kpe = latents.contiguous(), keys.contiguous()
+    H, nope, rope = qn.shape[1], qn.shape[2], qp.shape[2]
+    out = torch.empty(1, H, v_head_dim)
+    native.lib().ms_mla_decode(qn.data_ptr(), qp.data_ptr(), k_b.data_ptr(), v_b.data_ptr(), _is_bf16(k_b),
+                               lat.data_ptr(), kpe.data_ptr(), _is_bf16(lat), lat.shape[0], H, lat.shape[1], rope,
+                               nope, v_head_dim, kq_scale, out.data_ptr())  # fmt: skip
+    return out
+
+
+def attn_block_decode_rows(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    qkv,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    heads: tuple[int, int, int],
+    rope_rows: list[tuple[torch.Tensor, torch.Tensor]],
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    positions: list[int],
+    o,
+) -> torch.Tensor:
+    """A whole grouped-query attention block (norm, fused q/k/v in the lane form, q/k norms, rotary, attention
+    over each row's own cache, output projection) for rows of x [B, hidden], in one call that reads the
+    projections once. heads: (query heads, kv heads, head dim); rope_rows: each row's (cos, sin) table rows;
+    caches: each row's (keys, values) [ctx, Hkv, D], all bf16 or all float32."""
+    B = x.shape[0]
+    n_heads, n_kv_heads, head_dim = heads
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    ptrs = ctypes.c_void_p * B
+    rc = native.lib().ms_attn_block_decode_rows(
+        B, x.data_ptr(), norm.data_ptr(), x.shape[1], eps, qkv.ggml_type, qkv.weight.data_ptr(),
+        q_norm.data_ptr(), k_norm.data_ptr(), n_heads, n_kv_heads, head_dim,
+        ptrs(*(c.data_ptr() for c, _ in rope_rows)), ptrs(*(s.data_ptr() for _, s in rope_rows)),
+        2 * (rope_rows[0][0].shape[-1]),
+        ptrs(*(kc.data_ptr() for kc, _ in caches)), ptrs(*(vc.data_ptr() for _, vc in caches)),
+        _is_bf16(caches[0][0]), (ctypes.c_int64 * B)(*positions), o.ggml_type, o.weight.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"ms_attn_block_decode_rows failed ({rc})")
+    return out
