@@ -16,12 +16,10 @@ Without glibc (musl, macOS) every call here is a no-op and allocation behaves as
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from moestream.streaming.libc import libc
+from moestream.streaming import libc
 
 # mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -33,39 +31,15 @@ GLIBC_MMAP_MAX = 32 << 20
 GLIBC_TRIM_AT_MAX = 2 * GLIBC_MMAP_MAX
 
 
-class _Glibc:
-    """The C library's heap calls, where it has them (loaded once)."""
-
-    def __init__(self) -> None:
-        self.trim = self.mallopt = None
-        try:
-            lib = libc()
-        except OSError:
-            return
-        if hasattr(lib, "malloc_trim"):
-            self.trim = lib.malloc_trim
-            self.trim.argtypes, self.trim.restype = [ctypes.c_size_t], ctypes.c_int
-        if hasattr(lib, "mallopt"):
-            self.mallopt = lib.mallopt
-            self.mallopt.argtypes, self.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-
-
-@functools.cache
-def _lib() -> _Glibc:
-    return _Glibc()
-
-
 def release_free_heap() -> None:
     """Give the C heap's free pages back to the OS (glibc malloc_trim), so RSS measures what is really held.
 
     Loading reads every dense tensor into a buffer and frees it after packing; glibc keeps much of that
-    freed memory (28 MB after an 8-layer qwen3-30b-a3b load), which would be counted as resident and then
+    freed memory, which would be counted as resident and then
     reused by the first prompt's buffers: the budget would be both too high and inconsistent with the
     estimate made before loading.
     """
-    lib = _lib()
-    if lib.trim is not None:
-        lib.trim(0)
+    libc.malloc_trim(0)
 
 
 class FreedHeap:
@@ -74,21 +48,20 @@ class FreedHeap:
     def __init__(self, limit: int):
         self.limit = min(limit, MALLOPT_MAX)  # the mmap threshold while a prompt step runs
         self.trims = 0  # prompt steps whose free heap went back to the OS
-        self.active = _lib().mallopt is not None and self.limit > GLIBC_MMAP_MAX
+        self.active = libc.has("mallopt") and self.limit > GLIBC_MMAP_MAX
 
     @contextmanager
     def prompt_step(self) -> Iterator[None]:
         """Around a prompt step: its freed blocks stay for its next layers, and go back when it ends."""
-        lib = _lib()
         if not self.active:
             yield
             return
-        lib.mallopt(M_MMAP_THRESHOLD, self.limit)
-        lib.mallopt(M_TRIM_THRESHOLD, MALLOPT_MAX)
+        libc.mallopt(M_MMAP_THRESHOLD, self.limit)
+        libc.mallopt(M_TRIM_THRESHOLD, MALLOPT_MAX)
         try:
             yield
         finally:
-            lib.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_MAX)
-            lib.mallopt(M_TRIM_THRESHOLD, GLIBC_TRIM_AT_MAX)
+            libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_MAX)
+            libc.mallopt(M_TRIM_THRESHOLD, GLIBC_TRIM_AT_MAX)
             release_free_heap()
             self.trims += 1

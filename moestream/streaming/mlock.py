@@ -14,7 +14,6 @@ limit to raise.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
@@ -27,8 +26,8 @@ import numpy as np
 import torch
 
 from moestream.formats.gguf_file import GGUFFile
+from moestream.streaming import libc
 from moestream.streaming.expert_store import is_routed_expert_tensor
-from moestream.streaming.libc import libc
 
 PAGE = mmap.PAGESIZE
 CAP_IPC_LOCK = 14  # with it the kernel ignores RLIMIT_MEMLOCK
@@ -121,12 +120,6 @@ def _page_range(addr: int, n: int) -> tuple[int, int]:
     return start, end - start
 
 
-def _libc() -> ctypes.CDLL:
-    lib = libc()
-    lib.mlock.argtypes = lib.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return lib
-
-
 def has_cap_ipc_lock() -> bool:
     try:
         with open("/proc/self/status") as f:
@@ -176,9 +169,7 @@ def lock_dense(model: Resident, routed: int = 0, enabled: bool = True) -> LockRe
     if not enabled:
         report.failed_bytes = total  # shown as "can be evicted" in the line
         return report
-    try:
-        libc = _libc()
-    except (OSError, AttributeError):  # no C library with mlock (Windows)
+    if not libc.has("mlock"):  # no C library with mlock (Windows)
         report.failed_bytes, report.error = total, "mlock is not available on this system"
         return report
     pages = sum(_page_range(a, n)[1] for a, n in ranges)
@@ -188,8 +179,8 @@ def lock_dense(model: Resident, routed: int = 0, enabled: bool = True) -> LockRe
         return report
     for i, (addr, n) in enumerate(ranges):
         start, length = _page_range(addr, n)
-        if libc.mlock(ctypes.c_void_p(start), ctypes.c_size_t(length)) != 0:
-            err = ctypes.get_errno()
+        err = libc.mlock(start, length)
+        if err:
             report.failed_bytes = sum(m for _, m in ranges[i:])
             report.error = _mlock_error(err)
             break
@@ -201,9 +192,8 @@ def lock_dense(model: Resident, routed: int = 0, enabled: bool = True) -> LockRe
 
 
 def _munlock(ranges: list[tuple[int, int]]) -> None:
-    libc = _libc()
     for addr, n in ranges:
-        libc.munlock(ctypes.c_void_p(addr), ctypes.c_size_t(n))
+        libc.munlock(addr, n)
 
 
 def _mlock_error(err: int) -> str:
