@@ -13,6 +13,13 @@ from moestream.errors import MoestreamError
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, type=values.input_file, help="GGUF model file")
+    _add_memory_args(p)
+    _add_read_args(p)
+    _add_cache_policy_args(p)
+
+
+def _add_memory_args(p: argparse.ArgumentParser) -> None:
+    """The budget, the context and what runs at once: threads, micro-batches, prompt spans, locking."""
     p.add_argument(
         "--ram-budget-mb",
         type=values.megabytes,
@@ -44,6 +51,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="lock the dense weights in RAM so memory pressure cannot evict them; routed experts are never "
         "locked (default: on where RLIMIT_MEMLOCK allows, else a line says which limit to raise)",
     )
+
+
+def _add_read_args(p: argparse.ArgumentParser) -> None:
+    """How experts are read from disk, and what is recorded or replayed of the routes."""
     p.add_argument("--buffered", action="store_true", help="read experts with buffered I/O instead of O_DIRECT")
     p.add_argument(
         "--trace",
@@ -51,20 +62,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=values.output_file,
         metavar="FILE",
         help="write one CSV row per expert access (see moestream/analysis/trace.py for the format)",
-    )
-    p.add_argument(
-        "--pin-profile",
-        default=None,
-        type=values.input_file,
-        metavar="PROFILE",
-        help="pin the hottest experts of a profile (moestream profile) in RAM at start",
-    )
-    p.add_argument("--pin-mb", type=values.megabytes, default=None, help="MB of the cache for the pinned profile part")
-    p.add_argument(
-        "--prompt-admit",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="let prompt processing admit and refresh experts in the decode LRU (default on)",
     )
     p.add_argument(
         "--read-ahead",
@@ -80,6 +77,31 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "per GB read); --no-run-reads reads one matrix at a time (default on)",
     )
     p.add_argument(
+        "--route-trace",
+        default=None,
+        type=values.input_file,
+        metavar="FILE",
+        help="take the router's top-k choices from a recorded trace (benchmarks on synthetic models)",
+    )
+
+
+def _add_cache_policy_args(p: argparse.ArgumentParser) -> None:
+    """What the expert cache keeps: pinned profiles, admission, elasticity."""
+    p.add_argument(
+        "--pin-profile",
+        default=None,
+        type=values.input_file,
+        metavar="PROFILE",
+        help="pin the hottest experts of a profile (moestream profile) in RAM at start",
+    )
+    p.add_argument("--pin-mb", type=values.megabytes, default=None, help="MB of the cache for the pinned profile part")
+    p.add_argument(
+        "--prompt-admit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let prompt processing admit and refresh experts in the decode LRU (default on)",
+    )
+    p.add_argument(
         "--admit-min-hits",
         type=values.count,
         default=0,
@@ -90,13 +112,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=values.megabytes,
         default=None,
         help="elastic cache: give expert slots back when available RAM falls below this",
-    )
-    p.add_argument(
-        "--route-trace",
-        default=None,
-        type=values.input_file,
-        metavar="FILE",
-        help="take the router's top-k choices from a recorded trace (benchmarks on synthetic models)",
     )
 
 
