@@ -36,7 +36,7 @@ def test_compute_bytes_are_the_recorded_ones(case, monkeypatch):
     monkeypatch.setattr(linear, "kernel_scratch_bytes", lambda *args: asked.append(list(args)) or 0)
     for ubatch, ctx, chunk, ordered, nbytes, scratch_args in case["compute"]:
         asked.clear()
-        got = arch.compute_nbytes(cfg, ubatch, ctx, chunk=chunk, ordered=ordered)
+        got = arch.memory(cfg).compute_nbytes(ubatch, ctx, chunk=chunk, ordered=ordered)
         assert (got, asked) == (nbytes, [scratch_args]), (ubatch, ctx, chunk, ordered)
 
 
@@ -44,4 +44,4 @@ def test_compute_bytes_are_the_recorded_ones(case, monkeypatch):
 def test_kv_bytes_are_the_recorded_ones(case):
     arch, cfg = _arch_and_config(case)
     for ctx, exact, nbytes in case["kv"]:
-        assert arch.kv_nbytes(cfg, ctx, exact) == nbytes, (ctx, exact)
+        assert arch.memory(cfg).kv_nbytes(ctx, exact) == nbytes, (ctx, exact)

@@ -227,32 +227,6 @@ def summed_as_they_come(pairs: int) -> bool:
     return pairs > ORDERED_MIN_PAIRS
 
 
-def transient_nbytes(
-    tokens: int,
-    *,
-    residual: int,
-    attn: int,
-    moe: int,
-    top_k: int,
-    hidden: int,
-    chunk: int | None = None,
-    ordered: bool = False,
-) -> int:
-    """The per-token part of an architecture's compute_nbytes, with its 1.5 margin: `residual` float32 values
-    a token over all `tokens` (the residual stream and its temporaries), and the wider of two moments on top:
-    attention (`attn` a token, over `chunk` queries at a time where by_query_chunks runs it so, else every
-    token) and the MoE (`moe` a token, of which 2 x top_k x hidden are the (token, expert) rows gathered
-    and their results: with `ordered`, the engine's assurance that a long span's fetch keeps its order,
-    those are one row batch's and the span holds only its output and its quantized inputs besides)."""
-    att = min(tokens, chunk or tokens) * attn
-    if ordered and summed_as_they_come(tokens * top_k):
-        # the span's output, its tokens quantized once (1.625 bytes a value: half a float counted), a batch
-        mix = tokens * (moe - 2 * top_k * hidden + hidden + hidden // 2) + 2 * linear.SWIGLU_MAX_ROWS * hidden
-    else:
-        mix = tokens * moe
-    return 4 * (tokens * residual + max(att, mix)) * 3 // 2
-
-
 class InOrderSum:
     """sum_k w_k * expert_k(x_t) for each token t, added expert by expert in ascending id order (the order the
     sorted pairs give), however the experts arrive: an expert's weighted rows wait only while an earlier id
