@@ -56,7 +56,8 @@ def model_facts(path: str) -> ModelFacts:
         tok = tokenizer_if_any(m.gguf)
         if tok is None:
             raise SystemExit(f"error: {path} has no tokenizer; long prompts need one")
-        at_1k, at_2k = (m.arch.kv_nbytes(m.cfg, n, m.exact) for n in (1024, 2048))
+        memory = m.arch.memory(m.cfg)
+        at_1k, at_2k = (memory.kv_nbytes(n, m.exact) for n in (1024, 2048))
         per_token = (at_2k - at_1k) // 1024
         return ModelFacts(path, tok, routed_nbytes(m.gguf), per_token, at_1k - 1024 * per_token)
     finally:

@@ -78,10 +78,10 @@ def test_choose_span_takes_the_longest_whose_activations_fit_a_share_of_the_room
 
 def test_compute_estimate_grows_with_the_micro_batch_not_with_a_score_matrix():
     cfg = Qwen3MoeConfig(48, 2048, 32, 4, 128, 128, 8, 768, 151936, 40960)
-    sizes = [Qwen3Moe.compute_nbytes(cfg, ub, 4096) for ub in (16, 32, 64, 128)]
+    sizes = [Qwen3Moe.memory(cfg).compute_nbytes(ub, 4096) for ub in (16, 32, 64, 128)]
     assert sizes == sorted(sizes)
     # SDPA's flash kernel never holds [T, S] scores: a 32k context costs its float keys, not T x S x heads.
-    long_ctx = Qwen3Moe.compute_nbytes(cfg, 128, 32768)
+    long_ctx = Qwen3Moe.memory(cfg).compute_nbytes(128, 32768)
     assert long_ctx - sizes[-1] == 2 * (32768 - 4096) * cfg.n_kv_heads * cfg.head_dim * 4
 
 
@@ -97,7 +97,8 @@ def test_engine_picks_the_micro_batch_the_budget_fits(tiny):
         assert eng.ubatch <= eng.span == eng.plan.span <= 512
         # the span's attention by micro-batch chunks, its MoE summed in order where the cache keeps the order
         ordered = eng.plan.n_slots >= ORDERED_ROOM * eng.cfg.n_experts
-        assert eng.plan.compute == Qwen3Moe.compute_nbytes(eng.cfg, eng.span, 512, chunk=eng.ubatch, ordered=ordered)
+        memory = Qwen3Moe.memory(eng.cfg)
+        assert eng.plan.compute == memory.compute_nbytes(eng.span, 512, chunk=eng.ubatch, ordered=ordered)
         assert f"(prompt span {eng.span} tokens)" in eng.plan.describe()
     finally:
         eng.close()

@@ -185,9 +185,9 @@ def test_v3_header_and_its_latent_cache_size():
     assert cfg.kq_scale == pytest.approx((1 + 0.1 * torch.log(torch.tensor(40.0)).item()) ** 2 / 192**0.5)
     assert cfg.rope_mscale == 1.0
     # 576 values (512 latent + 64 rope) a token a block, bf16: what llama.cpp's MLA cache holds at F16
-    assert DeepSeek2.kv_nbytes(cfg, 1, False) == 61 * 576 * 2
+    assert DeepSeek2.memory(cfg).kv_nbytes(1, False) == 61 * 576 * 2
     full_kv = 61 * 128 * (192 + 128) * 2  # full keys and values a token, as without MLA
-    assert full_kv / DeepSeek2.kv_nbytes(cfg, 1, False) > 70
+    assert full_kv / DeepSeek2.memory(cfg).kv_nbytes(1, False) > 70
 
 
 def test_mtp_blocks_are_not_part_of_the_trunk():

@@ -195,7 +195,7 @@ def test_glm45_header_and_its_cache_size():
     r = cfg.routing
     assert (r.gating, r.norm, r.scale, r.n_group) == ("sigmoid", True, 2.5, 1)
     # keys and values of 8 kv heads x 128 in each of the 92 trunk blocks (not the MTP block), bf16
-    assert Glm4Moe.kv_nbytes(cfg, 1, False) == 92 * 2 * 8 * 128 * 2
+    assert Glm4Moe.memory(cfg).kv_nbytes(1, False) == 92 * 2 * 8 * 128 * 2
 
 
 @pytest.mark.parametrize("key,value,what", [

@@ -157,12 +157,12 @@ def test_bad_files_are_refused_in_one_line(tmp_path, tiny_file, metadata, tensor
 
 
 def test_kv_and_compute_budget_cover_a_long_prompt(tiny_file):
-    """The score chunks attend_with_sinks holds are in compute_nbytes: a 2k-token micro-batch at 4k context
+    """The score chunks attend_with_sinks holds are in the compute account: a 2k-token micro-batch at 4k context
     with gpt-oss-120b's heads stays far above the chunk size."""
     cfg = GptOssConfig(n_layers=36, hidden=2880, n_heads=64, n_kv_heads=8, head_dim=64, n_experts=128, top_k=4,
                        expert_ffn=2880, vocab_size=201088, context_length=131072, sliding_window=128)  # fmt: skip
-    assert GptOss.compute_nbytes(cfg, 2048, 4096) > 2 * 32 << 20
-    assert GptOss.kv_nbytes(cfg, 4096, False) == 2 * 36 * 4096 * 8 * 64 * 2
+    assert GptOss.memory(cfg).compute_nbytes(2048, 4096) > 2 * 32 << 20
+    assert GptOss.memory(cfg).kv_nbytes(4096, False) == 2 * 36 * 4096 * 8 * 64 * 2
 
 
 def test_llama_cpp_reads_the_mxfp4_file(mxfp4_model):

@@ -271,7 +271,7 @@ def test_kv_memory_is_what_the_budget_counts(tiny):
     _, path, *_ = tiny
     eng = _engine(path, ctx=256)
     try:
-        assert eng.kv.nbytes == type(eng.model).kv_nbytes(eng.cfg, 256, eng.exact)
+        assert eng.kv.nbytes == type(eng.model).memory(eng.cfg).kv_nbytes(256, eng.exact)
     finally:
         eng.close()
 

@@ -350,4 +350,4 @@ def test_full_size_headers_load_in_the_deepseek2_config(name):
     assert (cfg.n_experts, cfg.top_k, cfg.shared_ffn) == (s.n_experts, s.top_k, s.n_shared * s.expert_ffn)
     assert cfg.routing.n_group == s.n_group and cfg.routing.gating == ("sigmoid" if s.gating == 2 else "softmax")
     if not name.startswith("tiny"):
-        assert DeepSeek2.kv_nbytes(cfg, 1, exact=False) == s.n_layers * 576 * 2
+        assert DeepSeek2.memory(cfg).kv_nbytes(1, exact=False) == s.n_layers * 576 * 2

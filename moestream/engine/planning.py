@@ -73,7 +73,7 @@ def _plan_args(model: OpenModel, ctx: int, io_threads: int, ubatch: int, budget_
     cfg = model.cfg
     return dict(
         budget_mb=budget_mb,
-        compute=model.arch.compute_nbytes(cfg, ubatch, ctx),
+        compute=model.arch.memory(cfg).compute_nbytes(ubatch, ctx),
         reader=reader_nbytes(cfg, model.store, io_threads, False),
         slot_nbytes=model.store.slot_nbytes,
         min_slots=cfg.top_k,
@@ -86,6 +86,7 @@ class SlotPlanner:
 
     def __init__(self, model: OpenModel, ctx: int, options: EngineOptions):
         self.model, self.ctx, self.options = model, ctx, options
+        self.memory = model.arch.memory(model.cfg)
         # Until the micro-batch is chosen, plan with the smallest one it could be, and without the read-ahead's
         # buffers (added in plan() where the budget leaves the cache room to read ahead at all).
         self.kw = _plan_args(
@@ -113,14 +114,14 @@ class SlotPlanner:
         kw, one = self.kw, self._estimate(1)
         fixed = one + kw["compute"] + kw["reader"] + kw["reserve_mb"] * MB + kw["min_slots"] * kw["slot_nbytes"]
         room = budget_bytes(kw["budget_mb"], one) - fixed
-        kv = max(1, self.model.arch.kv_nbytes(self.model.cfg, self.ctx, self.model.exact))
+        kv = max(1, self.memory.kv_nbytes(self.ctx, self.model.exact))
         return max(1, min(DEFAULT_BATCH, 1 + int(BATCH_KV_SHARE * room) // kv))
 
     def _estimate(self, batch: int) -> int:
         """The resident size once the dense weights and `batch` KV caches are loaded, from the header."""
         m = self.model
         dense = dense_estimate(m.gguf, m.exact, trunk_blocks(m.cfg))
-        return rss_bytes() + dense + batch * m.arch.kv_nbytes(m.cfg, self.ctx, m.exact) + LOAD_SLACK
+        return rss_bytes() + dense + batch * self.memory.kv_nbytes(self.ctx, m.exact) + LOAD_SLACK
 
     def plan(self, read_ahead: bool) -> tuple[BudgetPlan, int, bool]:
         """(the plan, the micro-batch, whether the read-ahead runs), measured with the weights loaded; the
@@ -180,9 +181,7 @@ class SlotPlanner:
     def _compute(self, tokens: int) -> int:
         """Compute buffers of a forward call over `tokens` prompt tokens: its attention by micro-batch chunks
         of queries once the micro-batch is chosen, its MoE summed as the experts come where plan() allows."""
-        return self.model.arch.compute_nbytes(
-            self.model.cfg, tokens, self.ctx, chunk=self._chunk, ordered=self._ordered
-        )
+        return self.memory.compute_nbytes(tokens, self.ctx, chunk=self._chunk, ordered=self._ordered)
 
 
 def budget_for_slots(
@@ -199,7 +198,7 @@ def budget_for_slots(
         total = (
             rss_bytes()
             + dense_estimate(m.gguf, m.exact, trunk_blocks(cfg))
-            + m.arch.kv_nbytes(cfg, ctx, m.exact)
+            + m.arch.memory(cfg).kv_nbytes(ctx, m.exact)
             + kw["compute"]
             + kw["reader"]
             + DEFAULT_RESERVE_MB * MB

@@ -27,13 +27,13 @@ from typing import Any
 
 import torch
 
-from moestream.compute import linear
 from moestream.models.base import MoEModel
 from moestream.models.common import RoPE, yarn_inv_freq
 from moestream.models.layer import DecoderLayer
 from moestream.models.loader import ArchMetadata, Weights
+from moestream.models.memory import LatentAttentionMemory, ModelMemory, MoEMemory
 from moestream.models.mla import MLACache, MLAttention
-from moestream.models.moe import Routing, dense_or_moe, transient_nbytes
+from moestream.models.moe import Routing, dense_or_moe
 
 ARCH = "deepseek2"
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values
@@ -185,33 +185,12 @@ class DeepSeek2(MoEModel):
                          mscale=cfg.rope_mscale)  # fmt: skip
 
     @staticmethod
-    def kv_nbytes(cfg: DeepSeek2Config, ctx: int, exact: bool) -> int:
-        """The latent cache: kv_lora_rank + qk_rope values a token a block (576 for V3)."""
-        return MLACache.bytes_for(cfg.n_blocks, cfg.kv_lora_rank, cfg.qk_rope, ctx, exact)
-
-    @staticmethod
-    def compute_nbytes(
-        cfg: DeepSeek2Config, ubatch: int, ctx: int, chunk: int | None = None, ordered: bool = False
-    ) -> int:
-        """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions.
-
-        Attention holds the span's latents and rotary keys in float32, and per token and head either the
-        absorbed query, its [latent | rope] key-sized copy and the latent-sized output, or (the naive form,
-        chosen only while it is no larger) the decompressed keys and values; SDPA's flash kernel never
-        builds the [T, S] scores. The MoE's per-token part is Qwen3Moe's plus the shared experts.
-        """
-        L, R, nh = cfg.kv_lora_rank, cfg.qk_rope, cfg.n_heads
-        span = 2 * ctx * (L + R) * 4
-        max_in = max(cfg.hidden, nh * cfg.v_head_dim, cfg.q_lora_rank, cfg.shared_ffn, cfg.dense_ffn)
-        scratch = linear.kernel_scratch_bytes(ubatch, cfg.top_k, cfg.hidden, cfg.expert_ffn, max_in)
-        residual = 6 * cfg.hidden
-        attn = 2 * nh * (cfg.qk_nope + R) + 2 * nh * (2 * L + R) + nh * cfg.v_head_dim + cfg.q_lora_rank + L + R
-        moe = (2 * cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2
-               + 3 * max(cfg.shared_ffn, cfg.dense_ffn))  # fmt: skip
-        mixing = transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
-                                  hidden=cfg.hidden, chunk=chunk, ordered=ordered)  # fmt: skip
-        runtime = 4 * 1024 * 1024  # attention's per-thread blocks, masks, rope tables
-        return span + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
+    def memory(cfg: DeepSeek2Config) -> ModelMemory:
+        """What one sequence's latent cache and a prompt's compute hold (models/memory.py)."""
+        mla = LatentAttentionMemory(cfg.n_blocks, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope,
+                                    cfg.qk_rope, cfg.v_head_dim)  # fmt: skip
+        moe = MoEMemory(cfg.n_experts, cfg.top_k, cfg.expert_ffn, always_on_ffn=max(cfg.shared_ffn, cfg.dense_ffn))
+        return ModelMemory(cfg.hidden, cfg.vocab_size, (mla,), moe)
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> MLACache:
         cfg = self.cfg

@@ -29,7 +29,8 @@ from moestream.models.base import MoEModel
 from moestream.models.common import KVCache, RoPE, rms_norm
 from moestream.models.layer import DecoderLayer, SplitMixer
 from moestream.models.loader import ArchMetadata, Weights
-from moestream.models.moe import Routing, dense_or_moe, transient_nbytes
+from moestream.models.memory import AttentionMemory, ModelMemory, MoEMemory
+from moestream.models.moe import Routing, dense_or_moe
 from moestream.models.rows import Ops
 
 ARCH = "glm4moe"
@@ -199,27 +200,11 @@ class Glm4Moe(MoEModel):
                          inv_freq=inv / cfg.rope_scale)  # fmt: skip
 
     @staticmethod
-    def kv_nbytes(cfg: Glm4MoeConfig, ctx: int, exact: bool) -> int:
-        return 2 * cfg.n_blocks * ctx * cfg.n_kv_heads * cfg.head_dim * (4 if exact else 2)
-
-    @staticmethod
-    def compute_nbytes(
-        cfg: Glm4MoeConfig, ubatch: int, ctx: int, chunk: int | None = None, ordered: bool = False
-    ) -> int:
-        """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions: Qwen3Moe's
-        account (keys and values of the span in float32, the widest per-token moment of attention or the
-        MoE on top of the residual stream) with the shared expert's or dense FFN's intermediates added."""
-        keys = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4
-        max_in = max(cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.shared_ffn, cfg.dense_ffn)
-        scratch = linear.kernel_scratch_bytes(ubatch, cfg.top_k, cfg.hidden, cfg.expert_ffn, max_in)
-        residual = 6 * cfg.hidden
-        attn = 3 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-        moe = (2 * cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2
-               + 3 * max(cfg.shared_ffn, cfg.dense_ffn))  # fmt: skip
-        mixing = transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
-                                  hidden=cfg.hidden, chunk=chunk, ordered=ordered)  # fmt: skip
-        runtime = 4 * 1024 * 1024  # attention's per-thread blocks, masks, rope tables
-        return keys + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
+    def memory(cfg: Glm4MoeConfig) -> ModelMemory:
+        """What one sequence's KV cache and a prompt's compute hold (models/memory.py)."""
+        attention = AttentionMemory(cfg.n_blocks, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+        moe = MoEMemory(cfg.n_experts, cfg.top_k, cfg.expert_ffn, always_on_ffn=max(cfg.shared_ffn, cfg.dense_ffn))
+        return ModelMemory(cfg.hidden, cfg.vocab_size, (attention,), moe)
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
         cfg = self.cfg

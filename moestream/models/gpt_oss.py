@@ -25,10 +25,11 @@ import torch
 
 from moestream.compute import linear
 from moestream.models.base import MoEModel
-from moestream.models.common import SINK_SCORES_BYTES, KVCache, RoPE, attend_with_sinks, yarn_inv_freq
+from moestream.models.common import KVCache, RoPE, attend_with_sinks, yarn_inv_freq
 from moestream.models.layer import DecoderLayer, SplitMixer
 from moestream.models.loader import ArchMetadata, Weights
-from moestream.models.moe import MoE, Routing, transient_nbytes
+from moestream.models.memory import AttentionMemory, ModelMemory, MoEMemory
+from moestream.models.moe import MoE, Routing
 from moestream.models.rows import Ops
 
 ARCH = "gpt-oss"
@@ -163,29 +164,11 @@ class GptOss(MoEModel):
         self.rope = _rope(cfg)
 
     @staticmethod
-    def kv_nbytes(cfg: GptOssConfig, ctx: int, exact: bool) -> int:
-        return 2 * cfg.n_layers * ctx * cfg.n_kv_heads * cfg.head_dim * (4 if exact else 2)
-
-    @staticmethod
-    def compute_nbytes(
-        cfg: GptOssConfig, ubatch: int, ctx: int, chunk: int | None = None, ordered: bool = False
-    ) -> int:
-        """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions: Qwen3Moe's
-        account (the layer's keys and values in float32, the widest per-token moment of attention or the MoE
-        on top of the residual stream) plus the score chunk attend_with_sinks holds (twice: the scores and
-        their softmax)."""
-        keys = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4
-        scores = 2 * min(SINK_SCORES_BYTES + 4 * cfg.n_heads * (ctx + 1), 4 * cfg.n_heads * ubatch * (ctx + 1))
-        scratch = linear.kernel_scratch_bytes(
-            ubatch, cfg.top_k, cfg.hidden, cfg.expert_ffn, max(cfg.hidden, cfg.n_heads * cfg.head_dim)
-        )
-        residual = 6 * cfg.hidden
-        attn = 4 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-        moe = 2 * cfg.top_k * cfg.hidden + cfg.n_experts + 4 * cfg.expert_ffn + cfg.hidden
-        mixing = transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
-                                  hidden=cfg.hidden, chunk=chunk, ordered=ordered)  # fmt: skip
-        runtime = 4 * 1024 * 1024  # rope tables, masks, per-thread blocks
-        return keys + scores + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
+    def memory(cfg: GptOssConfig) -> ModelMemory:
+        """What one sequence's KV cache and a prompt's compute hold (models/memory.py)."""
+        attention = AttentionMemory(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, sinks=True)
+        moe = MoEMemory(cfg.n_experts, cfg.top_k, cfg.expert_ffn, clamped=True)
+        return ModelMemory(cfg.hidden, cfg.vocab_size, (attention,), moe)
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
         cfg = self.cfg

@@ -23,7 +23,8 @@ from moestream.models.base import MoEModel
 from moestream.models.common import KVCache, RoPE, rms_norm
 from moestream.models.layer import DecoderLayer, SplitMixer
 from moestream.models.loader import ArchMetadata, Weights
-from moestream.models.moe import MoE, transient_nbytes
+from moestream.models.memory import AttentionMemory, ModelMemory, MoEMemory
+from moestream.models.moe import MoE
 from moestream.models.rows import Ops
 
 
@@ -166,27 +167,12 @@ class GQAMoEModel(MoEModel):
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 4096))
 
     @staticmethod
-    def kv_nbytes(cfg: GQAMoEConfig, ctx: int, exact: bool) -> int:
-        return 2 * cfg.n_layers * ctx * cfg.n_kv_heads * cfg.head_dim * (4 if exact else 2)
-
-    @staticmethod
-    def compute_nbytes(
-        cfg: GQAMoEConfig, ubatch: int, ctx: int, chunk: int | None = None, ordered: bool = False
-    ) -> int:
-        """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions: Qwen3Moe's
-        account (the layer's keys and values in float32 for the prompt's attention, kernel scratch, per token
-        the wider of attention and the MoE with a 1.5 margin), plus the shared expert's intermediates."""
-        keys = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4
-        max_in = max(cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.shared_ffn)
-        scratch = linear.kernel_scratch_bytes(ubatch, cfg.top_k, cfg.hidden, cfg.expert_ffn, max_in)
-        residual = 6 * cfg.hidden
-        attn = 3 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-        moe = (2 * cfg.top_k * cfg.hidden + cfg.n_experts + 1 + (cfg.hidden + 3 * cfg.expert_ffn) // 2
-               + 3 * cfg.shared_ffn)  # fmt: skip
-        mixing = transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
-                                  hidden=cfg.hidden, chunk=chunk, ordered=ordered)  # fmt: skip
-        runtime = 4 * 1024 * 1024  # attention's per-thread blocks, masks, rope tables
-        return keys + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
+    def memory(cfg: GQAMoEConfig) -> ModelMemory:
+        """What one sequence's KV cache and a prompt's compute hold (models/memory.py); the shared expert's
+        gate logit is counted whether or not the file has one."""
+        attention = AttentionMemory(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+        moe = MoEMemory(cfg.n_experts, cfg.top_k, cfg.expert_ffn, always_on_ffn=cfg.shared_ffn, gate_logits=1)
+        return ModelMemory(cfg.hidden, cfg.vocab_size, (attention,), moe)
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
         cfg = self.cfg

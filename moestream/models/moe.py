@@ -20,7 +20,7 @@ from moestream.errors import ModelFileError
 from moestream.models.common import Fused, f32_matmul, route_topk
 from moestream.models.layer import Step
 from moestream.models.loader import Weights
-from moestream.models.routed import run_routed, summed_as_they_come
+from moestream.models.routed import run_routed
 from moestream.models.rows import Spans, blockwise, f32_rows, fused_rows, linear_rows, per_row_pair
 
 # llama.cpp clamps the sum of the chosen weights to the smallest normal F16 before dividing by it
@@ -132,32 +132,6 @@ class ClampedSwiGLU:
         """The same experts' biases and activation for lane_swiglu (one native call for a group)."""
         biases = [(self.gate_bias[e], self.up_bias[e], self.down_bias[e]) for e in ids]
         return linear.ClampedAct(biases, self.alpha, self.limit)
-
-
-def transient_nbytes(
-    tokens: int,
-    *,
-    residual: int,
-    attn: int,
-    moe: int,
-    top_k: int,
-    hidden: int,
-    chunk: int | None = None,
-    ordered: bool = False,
-) -> int:
-    """The per-token part of an architecture's compute_nbytes, with its 1.5 margin: `residual` float32 values
-    a token over all `tokens` (the residual stream and its temporaries), and the wider of two moments on top:
-    attention (`attn` a token, over `chunk` queries at a time where by_query_chunks runs it so, else every
-    token) and the MoE (`moe` a token, of which 2 x top_k x hidden are the (token, expert) rows gathered
-    and their results: with `ordered`, the engine's assurance that a long span's fetch keeps its order,
-    those are one row batch's and the span holds only its output and its quantized inputs besides)."""
-    att = min(tokens, chunk or tokens) * attn
-    if ordered and summed_as_they_come(tokens * top_k):
-        # the span's output, its tokens quantized once (1.625 bytes a value: half a float counted), a batch
-        mix = tokens * (moe - 2 * top_k * hidden + hidden + hidden // 2) + 2 * linear.SWIGLU_MAX_ROWS * hidden
-    else:
-        mix = tokens * moe
-    return 4 * (tokens * residual + max(att, mix)) * 3 // 2
 
 
 def expect_experts(w: Weights, p: str, n_experts: int, ffn: int, hidden: int) -> None:

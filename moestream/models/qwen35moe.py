@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from moestream.compute import linear
 from moestream.models.base import MoEModel
 from moestream.models.common import KVCache, RoPE, by_query_chunks, rms_norm
-from moestream.models.deltanet import CHUNK, N_CHECKPOINTS, GatedDeltaNet, HybridCache
+from moestream.models.deltanet import GatedDeltaNet, HybridCache
 from moestream.models.layer import DecoderLayer, Mixer
 from moestream.models.loader import ArchMetadata, Weights
-from moestream.models.moe import MoE, transient_nbytes
+from moestream.models.memory import AttentionMemory, DeltaNetMemory, ModelMemory, MoEMemory
+from moestream.models.moe import MoE
 
 ARCH = "qwen35moe"
 
@@ -174,40 +174,13 @@ class Qwen35Moe(MoEModel):
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rot_dim, max_pos=min(cfg.context_length, 4096))
 
     @staticmethod
-    def kv_nbytes(cfg: Qwen35MoeConfig, ctx: int, exact: bool) -> int:
-        n_attn = cfg.n_layers - cfg.n_linear
-        kv = 2 * n_attn * ctx * cfg.n_kv_heads * cfg.head_dim * (4 if exact else 2)
-        return kv + (1 + N_CHECKPOINTS) * cfg.state_nbytes
-
-    @staticmethod
-    def compute_nbytes(
-        cfg: Qwen35MoeConfig, ubatch: int, ctx: int, chunk: int | None = None, ordered: bool = False
-    ) -> int:
-        """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions.
-
-        As Qwen3Moe.compute_nbytes (the prompt's flash attention holds float keys, not scores), with the DeltaNet
-        layer as the widest moment per token: the conv's [K, conv_dim] windows and its outputs, the q/k/v
-        head copies of the chunked delta rule and its chunk-by-chunk decay matrices. Measured peaks on
-        the qwen3.6-35b-a3b synth shape (ubatch 128 and 512, ctx 4096) were ~0.6x of this.
-        """
-        keys = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4
-        max_in = max(cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.n_v_heads * cfg.v_head_dim, cfg.shared_ffn)
-        scratch = linear.kernel_scratch_bytes(ubatch, cfg.top_k, cfg.hidden, cfg.expert_ffn, max_in)
-        residual = 6 * cfg.hidden
-        attn = 3 * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim  # the query comes with its gate
-        head = max(cfg.k_head_dim, cfg.v_head_dim)
-        deltanet = (cfg.conv_kernel + 3) * cfg.conv_dim + cfg.n_v_heads * (12 * head + 3 * min(CHUNK, ubatch))
-        # X and Y of the routed experts (moe.run_experts), the router, one expert's and the shared
-        # expert's intermediates
-        moe = 2 * cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2 + 3 * cfg.shared_ffn
-        # the gated attention runs by query chunks (by_query_chunks), the DeltaNet layers by chunks of as many
-        # tokens, the span holding their output
-        mixed = min(ubatch, chunk or ubatch)
-        mixing = max(transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
-                                      hidden=cfg.hidden, chunk=chunk, ordered=ordered),
-                     4 * (ubatch * (residual + cfg.hidden) + mixed * deltanet) * 3 // 2)  # fmt: skip
-        runtime = 4 * 1024 * 1024  # attention's per-thread blocks, masks, rope tables
-        return keys + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
+    def memory(cfg: Qwen35MoeConfig) -> ModelMemory:
+        """What one sequence's KV cache and recurrent state and a prompt's compute hold (models/memory.py)."""
+        attention = AttentionMemory(cfg.n_layers - cfg.n_linear, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, gated=True)
+        deltanet = DeltaNetMemory(cfg.conv_kernel, cfg.conv_dim, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim,
+                                  cfg.state_nbytes)  # fmt: skip
+        moe = MoEMemory(cfg.n_experts, cfg.top_k, cfg.expert_ffn, always_on_ffn=cfg.shared_ffn)
+        return ModelMemory(cfg.hidden, cfg.vocab_size, (attention, deltanet), moe)
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> HybridCache:
         dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)

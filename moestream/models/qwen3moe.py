@@ -20,7 +20,8 @@ from moestream.models.base import MoEModel
 from moestream.models.common import KVCache, RoPE, by_query_chunks, rms_norm
 from moestream.models.layer import DecoderLayer, Mixer
 from moestream.models.loader import ArchMetadata, Weights
-from moestream.models.moe import MoE, transient_nbytes
+from moestream.models.memory import AttentionMemory, ModelMemory, MoEMemory
+from moestream.models.moe import MoE
 
 ARCH = "qwen3moe"
 
@@ -165,36 +166,12 @@ class Qwen3Moe(MoEModel):
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 4096))
 
     @staticmethod
-    def kv_nbytes(cfg: Qwen3MoeConfig, ctx: int, exact: bool) -> int:
-        return 2 * cfg.n_layers * ctx * cfg.n_kv_heads * cfg.head_dim * (4 if exact else 2)
-
-    @staticmethod
-    def compute_nbytes(
-        cfg: Qwen3MoeConfig, ubatch: int, ctx: int, chunk: int | None = None, ordered: bool = False
-    ) -> int:
-        """Peak transient memory of one micro-batch of `ubatch` tokens at up to `ctx` positions.
-
-        A prompt's attention (attn.c's flash attention, or SDPA's flash kernel without the native library)
-        never builds the [T, S] score matrix: what it holds is the layer's keys and values in float32. Per
-        token, the widest moment is either attention (q, k, v and their normed/rotated copies) or the MoE
-        (every chosen expert's output row kept until the fixed-order sum, the router, one expert's
-        intermediates), on top of the residual stream and its norm temporaries. Measured peaks (first
-        micro-batch in a fresh process, 1-8 threads, ub 16..512, ctx 2048/4096, the qwen3-30b-a3b and qwen3.6
-        synth shapes) were 0.55-0.8x of this; the 1.5 on the per-token part keeps that margin. A prompt span
-        of `ubatch` tokens runs its attention `chunk` queries at a time and, `ordered`, sums its experts as
-        they come (transient_nbytes).
-        """
-        keys = 2 * ctx * cfg.n_kv_heads * cfg.head_dim * 4
-        scratch = linear.kernel_scratch_bytes(
-            ubatch, cfg.top_k, cfg.hidden, cfg.expert_ffn, max(cfg.hidden, cfg.n_heads * cfg.head_dim)
-        )
-        residual = 6 * cfg.hidden
-        attn = 3 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-        moe = 2 * cfg.top_k * cfg.hidden + cfg.n_experts + (cfg.hidden + 3 * cfg.expert_ffn) // 2  # X and Y
-        mixing = transient_nbytes(ubatch, residual=residual, attn=attn, moe=moe, top_k=cfg.top_k,
-                                  hidden=cfg.hidden, chunk=chunk, ordered=ordered)  # fmt: skip
-        runtime = 4 * 1024 * 1024  # attention's per-thread blocks, masks, rope tables
-        return keys + scratch + mixing + cfg.vocab_size * 4 * 2 + runtime
+    def memory(cfg: Qwen3MoeConfig) -> ModelMemory:
+        """What one sequence's KV cache and a prompt's compute hold (models/memory.py). A shared expert (the
+        synthetic Qwen3.6-shaped files) is not in the account: the plans for those files stay as they were."""
+        attention = AttentionMemory(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+        moe = MoEMemory(cfg.n_experts, cfg.top_k, cfg.expert_ffn)
+        return ModelMemory(cfg.hidden, cfg.vocab_size, (attention,), moe)
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
         cfg = self.cfg

@@ -1,10 +1,10 @@
 """How many expert slots a RAM budget buys.
 
 The budget covers everything the process holds. Sizing happens after the dense weights are loaded and the
-KV cache is allocated at the full context, so those are measured, not guessed (an expert-streaming pager
-built on llama.cpp found that buffers that grow after the cache is sized push the process past its
-budget). What cannot be measured yet (prompt compute buffers at the chosen micro-batch, the reader's
-buffers) is estimated from the shapes and a reserve covers the allocator's slack.
+KV cache is allocated at the full context, so those are measured, not guessed: buffers that grew after the
+cache is sized would push the process past its budget. What cannot be measured yet (prompt compute buffers
+at the chosen micro-batch, from models/memory.py; the reader's buffers) is estimated from the shapes, and a
+reserve covers the allocator's slack.
 """
 
 from __future__ import annotations
@@ -19,13 +19,11 @@ import psutil
 from moestream.errors import BudgetError
 
 MB = 1 << 20
-# Covers what no estimate names: the runtime's growth on the first forward (~10 MB measured: kernels, thread
-# pools) and allocator slack. In runs of 600-token prompts + 200-1000 tokens at the minimum budget, peak RSS
-# stayed 150-170 MB under the budget, i.e. the reserve was never touched (tests/test_budget.py checks peak <=
-# budget); shrink it only after measuring on a real model with many threads.
+# Covers what no estimate names: the runtime's growth on the first forward (kernels, thread pools) and the
+# allocator's slack. A design choice on the safe side (tests/test_budget.py checks peak RSS <= budget); shrink
+# it only after measuring peak RSS on a real model with many threads.
 DEFAULT_RESERVE_MB = 160
-# Prompt micro-batches tried by choose_ubatch, largest first (128 measured best by
-# an expert-streaming pager built on llama.cpp).
+# Prompt micro-batches tried by choose_ubatch, largest first: their compute buffers grow with the micro-batch.
 UBATCH_CHOICES = (128, 64, 32, 16)
 # The share of the room beside the minimum expert slots that a prompt span's activations may take (choose_span):
 # a longer span reads each expert once for more tokens, but what it holds is memory the cache does not get.
@@ -156,9 +154,8 @@ def choose_ubatch(
 ) -> int:
     """The largest prompt micro-batch whose compute buffers fit the budget beside the minimum expert slots.
 
-    Prompt compute buffers grow linearly with the micro-batch (in an expert-streaming pager built on
-    llama.cpp, 512 crashed an 8 GB machine, 128 ran), so a tight budget gets a smaller one instead of a
-    refusal. When none fits this returns the smallest, and plan_slots then says how much budget it needs.
+    Prompt compute buffers grow linearly with the micro-batch, so a tight budget gets a smaller one instead
+    of a refusal. When none fits this returns the smallest, and plan_slots then says how much budget it needs.
     """
     budget = budget_bytes(budget_mb, resident)
     fixed = resident + reader + reserve_mb * MB + min_slots * slot_nbytes
