@@ -94,9 +94,7 @@ def add_weighted_rows(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, w:
     out.index_add_(0, rows, y * w)
 
 
-def route_topk(
-    logits: torch.Tensor, k: int, norm: bool, layer: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(logits: torch.Tensor, k: int, norm: bool, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax router over logits [T, E]: the k most probable experts per token and their weights (renormalised
     over the k when norm), largest first. One native call for a decode step instead of four torch ops.
 

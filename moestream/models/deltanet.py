@@ -289,8 +289,7 @@ class HybridCache(KVCache):
         """A step must start where the recurrent state stands; it takes the checkpoints plan_cuts chose."""
         if pos != self.length:
             raise ValueError(
-                f"the recurrent state holds {self.length} positions but the step is at {pos}; "
-                "truncate the cache first"
+                f"the recurrent state holds {self.length} positions but the step is at {pos}; truncate the cache first"
             )
         self.step_cuts = self.plan_cuts(pos, n)
 
