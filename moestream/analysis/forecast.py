@@ -110,9 +110,9 @@ def _bandwidth_at(probe: ProbeResult, size: int, inflight: float, direct: bool) 
         raise MoestreamError(
             f"the probe has no {mode} rows at the segment size; forecast with --{other} or probe again"
         )
-    # The running maximum over depths: a short probe row can dip well below both its neighbours (seen here:
-    # 1038 MB/s at 4 in flight between 1749 at 2 and 1314 at 8, over ~0.1 s each), and one such row would
-    # otherwise set the whole forecast; the engine's reads at depth q did reach the shallower rows' figure.
+    # The running maximum over depths: a short probe row can dip well below both its neighbours, and one such
+    # row would otherwise set the whole forecast; the engine's reads at depth q did reach the shallower rows'
+    # figure (bench/RESULTS.md, "Forecast vs measured").
     rows = [(q, max(b for _q, b in rows[: i + 1])) for i, (q, _b) in enumerate(rows)]
     if inflight <= rows[0][0]:
         return rows[0][1]
@@ -162,7 +162,8 @@ class Forecast:
 # the Qwen3-30B-A3B shape: 24 of the 26 int4 matmuls of a layer; the rest is attention and the router).
 EXPERT_SHARE = 0.7
 # Packing one expert that was read on the model's thread, when the forecast cannot measure it
-# (engine.calibrate.measure_pack_ms): the torch int4 form took ~0.5 ms warm here, the lane form ~0.15 ms.
+# (engine.calibrate.measure_pack_ms): about what the torch int4 form takes, the slower of the two forms (the
+# lane form packs faster), so that a forecast without a measurement errs on the slow side.
 DEFAULT_PACK_MS = 0.5
 
 

@@ -8,9 +8,9 @@ same tensor names, shapes, types and expert layout as a converted GGUF of that m
 Speed matters (a Qwen3-30B-A3B shape is ~17 GB): quantized tensors are made directly as valid random
 blocks (synth_blocks.py), so no float ever goes through a quantizer.
 
-Scales follow our measurements (notes/measured-facts.md): embeddings std 1, attention-out and
-expert-down std 0.002, so the residual stream stays dominated by the current token's embedding,
-routing differs from token to token, and greedy decoding does not collapse onto one token.
+Scales: embeddings std 1, attention-out and expert-down std 0.002, so the residual stream stays dominated
+by the current token's embedding, routing differs from token to token, and greedy decoding does not
+collapse onto one token.
 """
 
 from __future__ import annotations

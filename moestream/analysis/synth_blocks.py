@@ -149,7 +149,7 @@ def _random_mxfp4(n_elems: int, std: float, bitgen: np.random.SFC64) -> Iterator
 
 def random_blocks(ggml_type: T, n_elems: int, std: float, seed: Any) -> Iterator[np.ndarray]:
     """Raw GGUF bytes of `n_elems` random weights with std ~`std`, in chunks of ~CHUNK_BYTES."""
-    bitgen = np.random.SFC64(np.random.SeedSequence(seed))  # SFC64.random_raw: ~3 GB/s of bits
+    bitgen = np.random.SFC64(np.random.SeedSequence(seed))  # SFC64: a fast generator, read raw
     if ggml_type in (T.F32, T.F16, T.BF16):
         yield from _random_floats(ggml_type, n_elems, std, np.random.Generator(bitgen))
         return
@@ -171,7 +171,7 @@ def random_blocks(ggml_type: T, n_elems: int, std: float, seed: Any) -> Iterator
 
 
 def _random_floats(ggml_type: T, n_elems: int, std: float, rng: np.random.Generator) -> Iterator[np.ndarray]:
-    a = std * math.sqrt(3.0)  # uniform(-a, a) has std a/sqrt(3); uniform floats are 4x cheaper than normals
+    a = std * math.sqrt(3.0)  # uniform(-a, a) has std a/sqrt(3); uniform floats cost far less than normals
     step = CHUNK_BYTES // 4
     for start in range(0, n_elems, step):
         x = rng.random(min(step, n_elems - start), dtype=np.float32)

@@ -24,8 +24,8 @@ latency_us  read latency in microseconds (0 for hits)
 
 One (step, layer) pair is one `ExpertCache.fetch` call, a *group* in the replay's terms.
 
-Recording must not slow decoding: `record` appends a tuple to a list (well under a microsecond); a writer
-thread formats and writes the rows in batches of a few thousand.
+Recording must not slow decoding: `record` only appends a tuple to a list; a writer thread formats and
+writes the rows in batches of a few thousand.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def read_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], np.ndarray
     n_rows = data.count(b"\n")
     for text, code in _CODES:
         data = data.replace(text, code)
-    # Every field is now an integer: one flat parse is ~3x faster than np.loadtxt. fromstring stops quietly
+    # Every field is now an integer: one flat parse is much faster than np.loadtxt. fromstring stops quietly
     # (or raises) at the first field it cannot parse, so the count is checked.
     try:
         with warnings.catch_warnings():

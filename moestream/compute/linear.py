@@ -8,8 +8,8 @@ Four forms, picked per tensor by `compute_kind`:
         and rows of a multiple of 256 (of 32 for Q4_0 / Q8_0 / Q5_0 / Q5_1 /
         MXFP4, whose scales are per 32 weights); else one of:
   int4  Q4_0 / Q4_K kept at 4 bits in torch's CPU int4pack layout and multiplied with
-        `_weight_int4pack_mm_for_cpu` (the fastest CPU matvec we measured; both formats map onto it
-        exactly up to bf16 rounding of each group's scale and zero).
+        `_weight_int4pack_mm_for_cpu` (torch's fastest CPU matvec for 4-bit weights; both formats map onto
+        it exactly up to bf16 rounding of each group's scale and zero).
   bf16  every other quantized type (and BF16): decoded once, F.linear in bf16 (in float32 on exact copies, a
         slice at a time, where the CPU has no bf16 GEMM: `linear_bf16`). The types the C library
         cannot decode (the 1-3 bit K/IQ/ternary types, IQ4: `DECODED_TYPES`) are decoded by numpy,
@@ -42,8 +42,8 @@ INT4_BLOCK_N = 64  # rows an int4 weight is a multiple of: the larger of torch's
 ALIGN = 64
 
 # From this many rows of activations on, expanding the int4 form to bf16 and running a bf16 GEMM beats
-# the int4 kernel. Measured on 768x2048, one thread: int4 ~36 us per row; expansion ~0.5 ms once plus
-# ~13 us per row of GEMM (crossover ~30 rows); with two threads the crossover moves to ~45.
+# the int4 kernel: the expansion costs a fixed amount per weight, then each row of GEMM costs less than a row
+# of the int4 kernel. The crossover lies further out with more threads; this is past the two-thread one.
 INT4_GEMM_MIN_ROWS = 48
 EXPAND_SCRATCH_BYTES = 8 << 20  # bf16 scratch for one slice of an expanded weight
 # fewer rows than this: a bf16 GEMM even where it is emulated, as converting the weight would cost more
@@ -82,7 +82,7 @@ class QLinear:
         if self.kind == "lane":
             return self.mm(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
         if self.kind == "int4":
-            # the int4 kernel's fast path takes bf16 activations (float32 ones hit a ~25x slower path)
+            # the int4 kernel's fast path takes bf16 activations (float32 ones go to a far slower path)
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
             if x2.shape[0] >= INT4_GEMM_MIN_ROWS and (lib := _int4_expander()) is not None:
                 y = self._expanded_mm(x2, lib)
@@ -423,7 +423,7 @@ def pack_int4_rows(
         part = scratch[(n, k)] = torch.empty(k // GROUP, n, 2, dtype=torch.bfloat16)
     _pack_int4(src, ggml_type, n, k, packed, part)
     # A numpy copy, not torch's: a parallel torch op called from a reader thread starts another OpenMP
-    # team there, whose spinning threads then slow every later op of the model's thread (seen: decode -25%).
+    # team there, whose spinning threads then take the cores from every later op of the model's thread.
     sz.view(torch.int16).numpy()[:, row0 : row0 + n] = part.view(torch.int16).numpy()
 
 

@@ -104,9 +104,9 @@ def _as_bytes(chunk: Chunk) -> memoryview:
 class _DiskWriter:
     """Appends bytes to the file from a background thread, so producing the next chunk overlaps the write.
 
-    Writes go through O_DIRECT when the filesystem allows: on the measured VM that is ~1.7x faster
-    than buffered writes and leaves no 17 GB of dirty page cache behind to evict everything else
-    (benchmarks that follow want a cold cache anyway). O_DIRECT needs page-aligned memory, offsets
+    Writes go through O_DIRECT when the filesystem allows: that is faster than buffered writes and leaves
+    no model-sized dirty page cache behind to evict everything else (benchmarks that follow want a cold
+    cache anyway). O_DIRECT needs page-aligned memory, offsets
     and lengths, so chunks are copied into an aligned staging buffer that starts at the page holding
     the end of the header.
     """

@@ -64,8 +64,8 @@ class ExpertProvider(Protocol):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim. float32 inputs go to the native loop, spread over the lane pool: a decode
-    step's norms skip torch's ~10-30 us of dispatch a call (~200 calls a token), a prompt span's skip its
-    passes over temporaries; each row has the same bits however many rows come in the call."""
+    step's many small norms skip torch's per-call dispatch, which outweighs their arithmetic, a prompt span's
+    skip its passes over temporaries; each row has the same bits however many rows come in the call."""
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or x.shape[-1] == 0:
         raise ModelFileError(
             f"a norm weight of shape {tuple(weight.shape)} for rows of {x.shape[-1]} values; "
@@ -94,9 +94,7 @@ def add_weighted_rows(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, w:
     out.index_add_(0, rows, y * w)
 
 
-def route_topk(
-    logits: torch.Tensor, k: int, norm: bool, layer: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(logits: torch.Tensor, k: int, norm: bool, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax router over logits [T, E]: the k most probable experts per token and their weights (renormalised
     over the k when norm), largest first. One native call for a decode step instead of four torch ops.
 
@@ -123,7 +121,8 @@ def route_topk(
 
 def f32_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w.T for a float32 w [N, K] (routers: kept exact). A few rows run on the lane pool with the
-    weight prefetched (2x torch's single thread, the decode setting); more rows go to torch's GEMM."""
+    weight prefetched (faster than torch on its single thread, the decode setting); more rows go to torch's
+    GEMM."""
     if kernels.available() and x.shape[0] <= 4 and x.dtype == torch.float32 and w.is_contiguous():
         return kernels.gemv_f32(x, w)
     return x @ w.T

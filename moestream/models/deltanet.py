@@ -106,7 +106,8 @@ def chunk_delta_rule(
 def causal_conv(buf: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     """The causal depthwise convolution of buf [K - 1 + T, C] (the kept inputs, then the new ones) with the
     filter w_t [K, C]: [T, C]. A native loop over channels where it runs: torch's unfold-multiply-sum makes a
-    [T, C, K] temporary and takes ~20x longer."""
+    [T, C, K] temporary and is several times slower (bench/RESULTS.md, "The Gated DeltaNet's prompt path in C").
+    """
     K = w_t.shape[0]
     if kernels.available() and buf.dtype == w_t.dtype == torch.float32 and w_t.is_contiguous():
         return kernels.causal_conv(buf, w_t)
@@ -288,8 +289,7 @@ class HybridCache(KVCache):
         """A step must start where the recurrent state stands; it takes the checkpoints plan_cuts chose."""
         if pos != self.length:
             raise ValueError(
-                f"the recurrent state holds {self.length} positions but the step is at {pos}; "
-                "truncate the cache first"
+                f"the recurrent state holds {self.length} positions but the step is at {pos}; truncate the cache first"
             )
         self.step_cuts = self.plan_cuts(pos, n)
 

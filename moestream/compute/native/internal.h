@@ -93,8 +93,8 @@
 #define MS_LANE 1
 #endif
 
-/* Software prefetch into L2, 16 KiB ahead: with only the hardware prefetcher a core streamed weights from RAM
- * at about half the rate it computes them (16 vs 32 G weights/s measured on the 2-core EPYC). */
+/* Software prefetch into L2, 16 KiB ahead: with only the hardware prefetcher a core streams weights from RAM
+ * well below the rate at which it computes with them, so a one-token matvec would wait on memory. */
 #define PF_DIST 16384
 #define PF_HINT _MM_HINT_T1
 

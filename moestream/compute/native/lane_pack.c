@@ -39,8 +39,8 @@ static inline void put_nibble_lane(const uint8_t qs[16], uint8_t *nib, int L, in
 
 #ifdef MS_LANE
 /* Four lanes j..j+3 at once: their 16-byte rows transposed as 4x4 dwords, so each chunk gets one 16-byte
- * store (the miss path packs every expert read from disk: this runs at memory speed, the scalar loop did
- * ~5 GB/s). */
+ * store (the miss path packs every expert read from disk: this runs at memory speed, which the scalar loop
+ * fell well short of). */
 static inline void put_nibble_lanes4(__m128i r0, __m128i r1, __m128i r2, __m128i r3, uint8_t *nib, int L, int j) {
     __m128 a = _mm_castsi128_ps(r0), b = _mm_castsi128_ps(r1), c = _mm_castsi128_ps(r2), d = _mm_castsi128_ps(r3);
     _MM_TRANSPOSE4_PS(a, b, c, d);

@@ -37,7 +37,7 @@ static inline __m512 at16(const void *p, int bf16, int64_t i) {
 #endif
 
 /* sum_j a[off + j] b[j] over n values; pf: a is a weight streamed from RAM, prefetched PF_DIST ahead (as the
- * lane kernels do: the hardware prefetcher alone streams at about half the rate) */
+ * lane kernels do: the hardware prefetcher alone streams it slower than this loop consumes it) */
 static inline float dot(const void *a, int bf16, int64_t off, const float *b, int64_t n, int pf) {
     int64_t j = 0;
     float s = 0;

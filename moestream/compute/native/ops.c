@@ -38,8 +38,8 @@ static inline vf vf_load_bf16(const uint16_t *p) {
 #endif
 
 /* ---------------------------------------------------------------------------------------------------- */
-/* float32 helpers for the decode step's small ops (torch spends ~25 us of dispatch on a 2048-float norm), and
- * RMSNorm over a prompt span's rows on the lane pool */
+/* float32 helpers for the decode step's small ops (torch's dispatch per call costs more than a decode step's
+ * small norms compute), and RMSNorm over a prompt span's rows on the lane pool */
 
 /* rows [r0, r1) of out = x / sqrt(mean(x^2) + eps) * w, rows of `dim` floats (out may be x) */
 static void rms_rows(const float *x, const float *w, int64_t r0, int64_t r1, int64_t dim, float eps, float *out) {

@@ -39,9 +39,9 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* How long an idle worker spins before sleeping on the futex. Long in decode (the next call comes within
- * a few hundred us, and waking from the futex costs more than that here); short when other threads need
- * the cores between calls (reader threads packing a prompt's misses). */
+/* How long an idle worker spins before sleeping on the futex. Long in decode (a step's calls follow each other
+ * closely, and waking from the futex would cost more than spinning until the next one); short when other
+ * threads need the cores between calls (reader threads packing a prompt's misses). */
 static _Atomic double spin_s = 2e-3;
 
 void ms_set_spin_us(double us) { atomic_store(&spin_s, us >= 0 && us <= 1e6 ? us * 1e-6 : us > 1e6 ? 1.0 : 0.0); }
@@ -64,7 +64,7 @@ static void *worker(void *arg) {
             if (t0 == 0) t0 = now_s();
             else el = now_s() - t0;
             /* past the first 50 us, offer the core to any runnable thread (reader threads submitting reads
-             * or packing) while still answering the next call within a few us */
+             * or packing) while still answering the next call without a futex wake-up */
             if (el > 50e-6) sched_yield();
             if (el > atomic_load_explicit(&spin_s, memory_order_relaxed)) {
                 atomic_fetch_add(&P.sleepers, 1);
