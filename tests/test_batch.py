@@ -15,8 +15,9 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.formats import quants
 from moestream.models import rows as row_ops
-from moestream.models.common import f32_matmul, rms_norm, route_topk
 from moestream.models.moe import ClampedSwiGLU
+from moestream.models.ops import f32_matmul, rms_norm
+from moestream.models.routing import route_topk
 from tests.hf_gguf import n_experts, one_torch_thread, random_tokens
 from tests.test_models import ARCH_CASES
 

@@ -12,7 +12,7 @@ from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.errors import ModelFileError
 from moestream.models.deepseek2 import DeepSeek2, DeepSeek2Config
-from moestream.models.moe import Routing, route_general
+from moestream.models.routing import Routing, route_general
 from tests.hf_gguf import one_torch_thread, random_tokens, rel_error, rewrite_gguf
 from tests.hf_gguf_deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from tests.hf_gguf_deepseek import write_deepseek2_from_hf as write

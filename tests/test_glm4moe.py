@@ -15,7 +15,7 @@ from moestream.engine.sampling import Sampler
 from moestream.errors import ModelFileError
 from moestream.formats.gguf_file import GGUFFile
 from moestream.models.glm4moe import Glm4Moe, Glm4MoeConfig
-from moestream.models.moe import Routing, route_general
+from moestream.models.routing import Routing, route_general
 from tests.hf_gguf import one_torch_thread, random_tokens, rel_error, rewrite_gguf
 from tests.hf_gguf_glm import GLM4MOE, GLM45_AIR
 from tests.hf_gguf_glm import write_glm4moe_from_hf as write

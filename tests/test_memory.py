@@ -16,7 +16,7 @@ import pytest
 
 from moestream.compute import linear
 from moestream.models import ARCHITECTURES
-from moestream.models.moe import Routing
+from moestream.models.routing import Routing
 
 PINS = json.loads((Path(__file__).parent / "memory_pins.json").read_text())
 

@@ -20,7 +20,8 @@ from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
 from moestream.models import routed
-from moestream.models.common import KVCache, query_chunks
+from moestream.models.attention import query_chunks
+from moestream.models.kv_cache import KVCache
 from moestream.streaming.expert_cache import ExpertCache
 from moestream.streaming.expert_store import PER_EXPERT_TENSOR, is_routed_expert_tensor
 from tests.hf_gguf import (

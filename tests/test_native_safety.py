@@ -18,7 +18,8 @@ from gguf import GGMLQuantizationType as T
 from moestream.compute import linear, native
 from moestream.errors import ComputeError, ModelFileError
 from moestream.formats import quants
-from moestream.models.common import add_weighted_rows, rms_norm, route_topk
+from moestream.models.ops import add_weighted_rows, rms_norm
+from moestream.models.routing import route_topk
 from tests.fuzz.gguf_cases import load_seeds, make_case, materialize, write_seeds
 
 needs_native = pytest.mark.skipif(native.lib() is None, reason="needs the native library (a C compiler)")

@@ -25,7 +25,7 @@ from moestream.engine.sampling import Sampler
 from moestream.engine.stats import EngineSnapshot, Generation, GenerationStats, GenerationStep
 from moestream.errors import BudgetError, ContextError
 from moestream.formats.tokenizer import Tokenizer
-from moestream.models import common
+from moestream.models import ops
 from moestream.models.loader import GGUFWeights
 from moestream.streaming.budget import MB, BudgetPlan, peak_rss_bytes
 from moestream.streaming.elastic import ElasticWatcher
@@ -102,7 +102,7 @@ class Engine:
             torch.set_num_threads(threads)
         self.threads = threads or torch.get_num_threads()
         native.set_threads(self.threads)  # the lane kernels' own pool
-        common.set_wide_threads(self.threads)
+        ops.set_wide_threads(self.threads)
         # Small activations times small weights produce denormals, which the CPU handles far more slowly.
         torch.set_flush_denormal(True)
 

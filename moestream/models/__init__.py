@@ -1,9 +1,13 @@
-"""The model math. One file per architecture (its config, attention, block and forward); the GGUF
-`general.architecture` string picks the class. Shared once: loader.py (weights and metadata as the model
-names them, checked), base.py (embedding, head, engine attachments), moe.py (router and experts),
-deltanet.py (Gated DeltaNet and the hybrid cache), mla.py (multi-head latent attention and its cache),
-common.py (norms, RoPE, KV cache, routing), gqa.py (the plain GQA decoder Mixtral, OLMoE and Qwen2-MoE
-share)."""
+"""The model math. An architecture is one file: its config (read from GGUF metadata), the tensors it names,
+and which mixer and FFN each of its decoder blocks uses; the GGUF `general.architecture` string picks the
+class. Shared once: base.py (embedding, head, the one forward step), layer.py (the decoder block, the mixer
+interface, a step's context), rows.py (row-wise ops of a step of several sequences), moe.py (the MoE block:
+router, routed and shared experts), routed.py (the one executor of routed experts), routing.py (routers),
+attention.py and kv_cache.py (attention over a cache, the KV cache), rope.py, ops.py (norms and small ops),
+mla.py (latent attention and its cache), deltanet.py (Gated DeltaNet and the hybrid cache), gqa.py (the plain
+grouped-query decoder Mixtral, OLMoE and Qwen2-MoE share), memory.py (the bytes a model's KV cache and prompt
+steps take), loader.py (weights and metadata as the model names them, checked), common.py (the expert
+provider, embedding, fused projections, resident tensors)."""
 
 from moestream.models.deepseek2 import DeepSeek2
 from moestream.models.glm4moe import Glm4Moe

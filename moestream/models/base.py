@@ -9,9 +9,10 @@ import numpy as np
 import torch
 
 from moestream.compute import linear
-from moestream.models.common import ExpertProvider, RouteHook, resident_tensors, rms_norm, wide_torch
+from moestream.models.common import ExpertProvider, RouteHook, resident_tensors
 from moestream.models.layer import DecoderLayer, Step
 from moestream.models.loader import Weights
+from moestream.models.ops import rms_norm, wide_torch
 from moestream.models.rows import linear_rows, norm_blocks, norm_rows, spans_of
 
 

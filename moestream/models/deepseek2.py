@@ -28,12 +28,13 @@ from typing import Any
 import torch
 
 from moestream.models.base import MoEModel
-from moestream.models.common import RoPE, yarn_inv_freq
 from moestream.models.layer import DecoderLayer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.memory import LatentAttentionMemory, ModelMemory, MoEMemory
 from moestream.models.mla import MLACache, MLAttention
-from moestream.models.moe import Routing, dense_or_moe
+from moestream.models.moe import dense_or_moe
+from moestream.models.rope import RoPE, yarn_inv_freq
+from moestream.models.routing import Routing
 
 ARCH = "deepseek2"
 GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func values

@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from moestream.compute import kernels
-from moestream.models.common import KVCache, KVSnapshot, rms_norm
+from moestream.models.kv_cache import KVCache, KVSnapshot
 from moestream.models.layer import Mixer
 from moestream.models.loader import Weights
+from moestream.models.ops import rms_norm
 
 CHUNK = 64  # prompt chunk of the delta rule (as transformers' torch_chunk_gated_delta_rule)
 N_CHECKPOINTS = 3  # saved recurrent states per sequence: ~63 MB each for the 35B-A3B, so few

@@ -26,11 +26,14 @@ import torch
 
 from moestream.compute import linear
 from moestream.models.base import MoEModel
-from moestream.models.common import KVCache, RoPE, rms_norm
+from moestream.models.kv_cache import KVCache
 from moestream.models.layer import DecoderLayer, SplitMixer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.memory import AttentionMemory, ModelMemory, MoEMemory
-from moestream.models.moe import Routing, dense_or_moe
+from moestream.models.moe import dense_or_moe
+from moestream.models.ops import rms_norm
+from moestream.models.rope import RoPE
+from moestream.models.routing import Routing
 from moestream.models.rows import Ops
 
 ARCH = "glm4moe"

@@ -24,12 +24,15 @@ from typing import Any
 import torch
 
 from moestream.compute import linear
+from moestream.models.attention import attend_with_sinks
 from moestream.models.base import MoEModel
-from moestream.models.common import KVCache, RoPE, attend_with_sinks, yarn_inv_freq
+from moestream.models.kv_cache import KVCache
 from moestream.models.layer import DecoderLayer, SplitMixer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.memory import AttentionMemory, ModelMemory, MoEMemory
-from moestream.models.moe import MoE, Routing
+from moestream.models.moe import MoE
+from moestream.models.rope import RoPE, yarn_inv_freq
+from moestream.models.routing import Routing
 from moestream.models.rows import Ops
 
 ARCH = "gpt-oss"

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-from moestream.models.common import ExpertProvider, RouteHook, by_query_chunks, rms_norm
+from moestream.models.attention import by_query_chunks
+from moestream.models.common import ExpertProvider, RouteHook
+from moestream.models.ops import rms_norm
 from moestream.models.rows import ALONE, ROWS, Ops, Spans, blockwise, norm_rows
 
 

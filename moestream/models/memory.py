@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moestream.compute import linear
-from moestream.models.common import SINK_SCORES_BYTES
+from moestream.models.attention import SINK_SCORES_BYTES
 from moestream.models.deltanet import CHUNK, N_CHECKPOINTS
 from moestream.models.mla import MLACache
 from moestream.models.routed import summed_as_they_come

@@ -21,9 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from moestream.compute import kernels
-from moestream.models.common import QUERY_CHUNK, KVCache, RoPE, causal_mask, query_chunks, wide_torch
+from moestream.models.attention import causal_mask, query_chunks
+from moestream.models.kv_cache import QUERY_CHUNK, KVCache
 from moestream.models.layer import SplitMixer
 from moestream.models.loader import Weights
+from moestream.models.ops import wide_torch
+from moestream.models.rope import RoPE
 from moestream.models.rows import Ops
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the native decode step reads

@@ -24,13 +24,16 @@ from typing import Any
 
 import torch
 
+from moestream.models.attention import by_query_chunks
 from moestream.models.base import MoEModel
-from moestream.models.common import KVCache, RoPE, by_query_chunks, rms_norm
 from moestream.models.deltanet import GatedDeltaNet, HybridCache
+from moestream.models.kv_cache import KVCache
 from moestream.models.layer import DecoderLayer, Mixer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.memory import AttentionMemory, DeltaNetMemory, ModelMemory, MoEMemory
 from moestream.models.moe import MoE
+from moestream.models.ops import rms_norm
+from moestream.models.rope import RoPE
 
 ARCH = "qwen35moe"
 

@@ -16,12 +16,15 @@ from typing import Any
 import torch
 
 from moestream.compute import kernels, linear
+from moestream.models.attention import by_query_chunks
 from moestream.models.base import MoEModel
-from moestream.models.common import KVCache, RoPE, by_query_chunks, rms_norm
+from moestream.models.kv_cache import KVCache
 from moestream.models.layer import DecoderLayer, Mixer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.memory import AttentionMemory, ModelMemory, MoEMemory
 from moestream.models.moe import MoE
+from moestream.models.ops import rms_norm
+from moestream.models.rope import RoPE
 
 ARCH = "qwen3moe"
 

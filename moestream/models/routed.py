@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from moestream.compute import linear
-from moestream.models.common import ExpertProvider, add_weighted_rows
+from moestream.models.common import ExpertProvider
+from moestream.models.ops import add_weighted_rows
 from moestream.models.rows import Spans
 
 # (token, expert) pairs past which a block's experts are fetched in id order and summed as they come: a

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from moestream.compute import kernels
 from moestream.compute.linear import QLinear
-from moestream.models.common import Fused, f32_matmul, rms_norm
+from moestream.models.common import Fused
+from moestream.models.ops import f32_matmul, rms_norm
 
 GEMV_ROWS = 4  # rows up to which f32_matmul takes the native gemv (one row at a time) instead of torch
 
