@@ -3,44 +3,35 @@
 from __future__ import annotations
 
 import gc
-import os
 import weakref
 from collections.abc import Generator, Iterator
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from moestream.analysis.profile import load_profile
 from moestream.analysis.routes import RouteTrace
-from moestream.analysis.trace import TraceWriter
-from moestream.compute import native
 from moestream.engine.batch import Batch
-from moestream.engine.model_file import open_model, tokenizer_if_any
+from moestream.engine.expert_tier import open_cache, open_reader, preload
+from moestream.engine.model_file import load_resident, open_model, tokenizer_if_any
 from moestream.engine.options import EngineOptions
-from moestream.engine.planning import DEFAULT_UBATCH, SlotPlanner, read_buffers
+from moestream.engine.planning import DEFAULT_UBATCH, SlotPlanner
 from moestream.engine.prompt_cache import Conversation, PromptCache
 from moestream.engine.sampling import Sampler
 from moestream.engine.stats import EngineSnapshot, Generation, GenerationStats, GenerationStep
-from moestream.errors import BudgetError, ContextError
+from moestream.engine.threads import StepThreads
+from moestream.errors import ContextError
 from moestream.formats.tokenizer import Tokenizer
-from moestream.models import ops
-from moestream.models.loader import GGUFWeights
 from moestream.streaming.budget import MB, BudgetPlan, peak_rss_bytes
 from moestream.streaming.elastic import ElasticWatcher
-from moestream.streaming.expert_cache import ExpertCache
-from moestream.streaming.heap import FreedHeap, release_free_heap
-from moestream.streaming.mlock import LockReport, lock_dense, routed_nbytes
-from moestream.streaming.read_ahead import decode_slots, prompt_slots
-from moestream.streaming.reader import ExpertReader
+from moestream.streaming.heap import FreedHeap
 
 
 class Engine:
     def __init__(self, model_path: str, options: EngineOptions | None = None, tokenizer: Tokenizer | None = None):
         """tokenizer: one already built from this file's metadata (run builds it to count its prompt first)."""
         o = self.options = options or EngineOptions()
-        self._set_threads(o.threads)
+        self.threads = StepThreads(o.threads)
         self.file = open_model(model_path, o.exact)
         self.gguf, self.store, self.exact, self.model_path = (
             self.file.gguf,
@@ -58,7 +49,7 @@ class Engine:
         self.max_batch = planner.batch_size()
         if o.n_slots is None:
             planner.refuse(self.max_batch)
-        self._load_model()
+        self.model, self.lock_report = load_resident(self.file, o)
         self.cfg = self.model.cfg
         self.kv = self.model.new_kv(self.ctx)
         self.conversation = Conversation(self.kv)
@@ -75,17 +66,13 @@ class Engine:
         self.prompt_cache = PromptCache(cache_mb * MB) if cache_mb else None
         for kv in [self.kv, *self.batch_kvs]:  # a span's attention runs a micro-batch of queries at a time
             kv.query_chunk = self.ubatch
-        self.reader = self._open_reader(read_ahead)
-        self.cache = self._open_cache(n_slots, read_ahead)
+        self.reader = open_reader(self.file, self.cfg, o, read_ahead)
+        self.cache, self._trace = open_cache(self.file, self.reader, self.cfg, o, n_slots, read_ahead, model_path)
+        # router choices replayed from a trace (--route-trace), handed to every forward step
+        self.route_hook = RouteTrace(o.route_trace, cfg.n_experts, cfg.top_k) if o.route_trace is not None else None
         # what a prompt step frees is kept for its next layers, within the activations' room the plan counts
         self.heap = FreedHeap(self.plan.compute) if self.plan is not None else None
         self.elastic = ElasticWatcher(self.cache, o.keep_free_mb).start() if o.keep_free_mb is not None else None
-        # forward steps so far in micro-batch units: a prompt span counts its micro-batches (the cache's growth
-        # allowance, which the replay reads back from the steps' numbers in a trace), a decoded token one
-        self._step = 0
-        self._torch_threads = 0  # set by the first forward call
-        self._spin_us = 0
-        self._token = 0  # session index of the first token of the current forward call
         # the generation a stream() consumer has not finished yet; weak, so that a consumer's `break` drops
         # the last reference and ends it at once
         self._active: weakref.ref[Generator] | None = None
@@ -94,100 +81,6 @@ class Engine:
         # Garbage is collected first (frozen, it would never be), and close() hands them back.
         gc.collect()
         gc.freeze()
-
-    # -- construction steps -----------------------------------------------------------------------------
-
-    def _set_threads(self, threads: int | None) -> None:
-        if threads:
-            torch.set_num_threads(threads)
-        self.threads = threads or torch.get_num_threads()
-        native.set_threads(self.threads)  # the lane kernels' own pool
-        ops.set_wide_threads(self.threads)
-        # Small activations times small weights produce denormals, which the CPU handles far more slowly.
-        torch.set_flush_denormal(True)
-
-    def _load_model(self) -> None:
-        """The dense weights, resident (and locked where allowed): everything but the routed experts."""
-        f = self.file
-        self.model = f.arch(f.cfg, GGUFWeights(f.gguf, f.exact))
-        release_free_heap()  # the loader's freed read buffers would otherwise be measured as resident
-        # Locked before sizing, so the budget measures the locked skeleton (mlock leaves RSS as it is).
-        self.lock_report: LockReport = lock_dense(
-            self.model, routed_nbytes(f.gguf), enabled=self.options.mlock is not False
-        )
-
-    def _open_reader(self, read_ahead: bool) -> ExpertReader:
-        o, seg = self.options, self.store.max_segment_nbytes
-        single, runs = read_buffers(self.cfg, self.store, o.io_threads, read_ahead, o.run_reads)
-        return ExpertReader(
-            self.gguf.path,
-            seg,
-            threads=o.io_threads,
-            direct=o.direct,
-            buffers=single,
-            run_buffers=runs,
-            run_len=self.store.run_len,
-        )
-
-    def _open_cache(self, n_slots: int, read_ahead: bool) -> ExpertCache:
-        o, cfg = self.options, self.cfg
-        # Admission rules that can turn a miss away need scratch slots for it (carved out of the budget).
-        scratch = cfg.top_k if (not o.admit_prompt or o.min_hits > 0) else 0
-        if n_slots - scratch < cfg.top_k:
-            raise BudgetError(
-                f"with --no-prompt-admit or --admit-min-hits the cache needs {cfg.top_k} scratch slots on top "
-                f"of {cfg.top_k} LRU slots, but the budget buys {n_slots}; raise --ram-budget-mb"
-            )
-        cache = ExpertCache(self.store, self.reader, n_slots, scratch_slots=scratch)
-        # router choices replayed from a trace (--route-trace), handed to every forward step
-        self.route_hook = RouteTrace(o.route_trace, cfg.n_experts, cfg.top_k) if o.route_trace is not None else None
-        if o.ram_budget_mb is not None:
-            cache.prefault()
-        growth = o.growth_slots or (prompt_slots(cfg.n_experts), decode_slots(cfg.top_k))
-        self._trace = None
-        if o.trace_path is not None:
-            self._trace = TraceWriter(o.trace_path, self._trace_header(n_slots - scratch, scratch, read_ahead, growth))
-        cache.configure(
-            min_slots=cfg.top_k,
-            prompt_slots=growth[0],
-            decode_slots=growth[1],
-            admit_prompt=o.admit_prompt,
-            read_ahead=read_ahead,
-            min_hits=o.min_hits,
-            trace=self._trace_record if self._trace is not None else None,
-        )
-        if o.pin_profile is not None:
-            self._pin_from_profile(cache, o.pin_profile, o.pin_mb, o.progress)
-        return cache
-
-    def _trace_header(self, lru_slots: int, scratch: int, read_ahead: bool, growth: tuple[int, int]) -> dict:
-        """The options, then what the run made of them: replay reads these keys to reproduce the run."""
-        return {
-            **asdict(self.options),
-            "model": os.path.basename(self.model_path),
-            "n_slots": lru_slots,
-            "scratch_slots": scratch,
-            "policy": "lru",
-            "read_ahead": read_ahead,
-            "read_run_len": self.reader.run_len,
-            "prompt_slots": growth[0],
-            "decode_slots": growth[1],
-            "layers": self.cfg.n_layers,
-            "experts": self.cfg.n_experts,
-            "top_k": self.cfg.top_k,
-            "expert_bytes": max(self.store.expert_file_nbytes),
-        }
-
-    def _pin_from_profile(self, cache: ExpertCache, path: str, pin_mb: int | None, progress: bool) -> None:
-        """The profile part of the RAM tier: the hottest experts of a profile, loaded now, never evicted."""
-        keys = [(int(layer), int(e)) for layer, e in load_profile(path).ranked()]
-        keys = [k for k in keys if k[0] < self.cfg.n_layers and k[1] < self.cfg.n_experts]
-        n = len(keys) if pin_mb is None else pin_mb * MB // self.store.slot_nbytes
-        cache.pin(keys[:n], progress=progress)
-
-    def _trace_record(self, layer: int, expert: int, rank: int, source: str, nbytes: int, latency: float) -> None:
-        assert self._trace is not None
-        self._trace.record(self._token, self.cache.phase, self._step, layer, expert, rank, source, nbytes, latency)
 
     # -- what front-ends see ----------------------------------------------------------------------------
 
@@ -224,24 +117,9 @@ class Engine:
             prompt_cache_bytes=self.prompt_cache.nbytes if self.prompt_cache is not None else 0,
         )
 
-    def wait_prefault(self) -> None:
-        """Block until the expert cache's memory is committed (with a budget it is, in the background)."""
-        self.cache.wait_prefault()
-
     def preload(self) -> int:
-        """Read experts into the LRU until it is full, layer by layer (benchmarks: compute without reads).
-        A trace does not record these reads, and the reader's counters start again after them: neither is
-        the model's doing."""
-        n = 0
-        with self.cache.untraced():
-            for layer in range(self.cfg.n_layers):
-                room = min(self.cfg.n_experts, self.cache.capacity - self.cache.pinned_slots - n)
-                if room <= 0:
-                    break
-                for _e, _w in self.cache.fetch(layer, list(range(room))):
-                    n += 1
-        self.reader.busy_s, self.reader.bytes_read = 0.0, 0
-        return n
+        """Fill the expert cache before a prompt (benchmarks: compute without disk reads); the experts read."""
+        return preload(self.cache, self.reader, self.cfg)
 
     def reset(self) -> None:
         """Forget the conversation held in the KV cache."""
@@ -340,14 +218,6 @@ class Engine:
             # the last token after the generation's context closed: a consumer that stops here changes nothing
             yield GenerationStep(held, st, st.finish_reason)
 
-    def _torch_threads_for(self, n_tokens: int) -> int:
-        """torch's thread count for a step. A decode step whose heavy matmuls all run in the lane kernels gives
-        torch one thread: its idle OpenMP threads spin for a while after each op and take the cores the lane
-        pool needs. Prompt steps keep every thread for their big torch ops (attention, norms, elementwise)."""
-        if n_tokens == 1 and native.lane_ok() and getattr(self.model, "lane_decode", False):
-            return 1
-        return self.threads
-
     def forward(self, tokens: list[int], pos: int, kv: Any = None, all_logits: bool = False) -> torch.Tensor:
         """Run `tokens` of one sequence at positions pos.. in `kv` (the engine's own conversation by default):
         the step of a batch of one. The last position's logits [V] (all_logits: every position's [T, V])."""
@@ -362,33 +232,20 @@ class Engine:
         union of what all blocks route to. prompt: the step holds a prompt span, and so reads as a prompt
         micro-batch does."""
         longest, total = max(len(b) for b in blocks), sum(len(b) for b in blocks)
-        self.cache.phase = "prompt" if prompt else "decode"
-        # torch's ops run a block at a time, so the longest block sets their threads; the cache's growth
-        # allowance counts the micro-batches of all the step's tokens
-        self._begin_step(longest, -(-total // self.ubatch), positions[0])
-        with self._heap_for(prompt and total > 1):
+        phase = "prompt" if prompt else "decode"
+        self.threads.begin_step(longest, self.model.lane_decode)
+        # the cache's growth allowance counts the micro-batches of all the step's tokens
+        units = -(-total // self.ubatch)
+        if self._trace is not None:
+            self._trace.begin_step(units, positions[0], phase)
+        self.cache.phase = phase
+        self.cache.begin_step(units)
+        # a prompt step keeps what its layers free for the next ones (FreedHeap); a decode step leaves it
+        heap = self.heap.prompt_step() if prompt and total > 1 and self.heap is not None else nullcontext()
+        with heap:
             return self.model.step(
                 blocks, kvs, positions, self.cache, route_hook=self.route_hook, all_logits=all_logits
             )
-
-    def _begin_step(self, n_tokens: int, units: int, pos: int) -> None:
-        want = self._torch_threads_for(n_tokens)
-        if want != self._torch_threads:
-            torch.set_num_threads(want)
-            self._torch_threads = want
-        # the lane pool's idle workers spin between a decode step's back-to-back calls, but not through a
-        # prompt micro-batch, whose reader threads need the cores to pack what they read
-        spin = 2000 if n_tokens == 1 else 100
-        if spin != self._spin_us:
-            native.set_spin_us(spin)
-            self._spin_us = spin
-        self._step += units
-        self._token = pos
-        self.cache.begin_step(units)
-
-    def _heap_for(self, prompt: bool) -> AbstractContextManager:
-        """A prompt step keeps what its layers free for the next ones (FreedHeap); a decode step leaves it."""
-        return self.heap.prompt_step() if prompt and self.heap is not None else nullcontext()
 
     def close(self) -> None:
         self._finish_active()

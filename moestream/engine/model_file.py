@@ -7,14 +7,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from moestream.compute import linear
+from moestream.engine.options import EngineOptions
 from moestream.errors import ModelFileError, MoestreamError
 from moestream.formats import quants
 from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.tokenizer import Tokenizer
 from moestream.models import ARCHITECTURES
-from moestream.models.loader import config_from_gguf
+from moestream.models.loader import GGUFWeights, config_from_gguf
 from moestream.models.mla import UP_PROJECTIONS
 from moestream.streaming.expert_store import ExpertStore, is_routed_expert_tensor
+from moestream.streaming.heap import release_free_heap
+from moestream.streaming.mlock import LockReport, lock_dense, routed_nbytes
 
 FLOAT_TYPES = {0, 1}  # F32, F16: computed in float32 (exact mode)
 
@@ -137,3 +140,11 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def load_resident(file: OpenModel, options: EngineOptions) -> tuple[Any, LockReport]:
+    """The dense weights, resident (and locked where allowed): everything but the routed experts."""
+    model = file.arch(file.cfg, GGUFWeights(file.gguf, file.exact))
+    release_free_heap()  # the loader's freed read buffers would otherwise be measured as resident
+    # Locked before sizing, so the budget measures the locked skeleton (mlock leaves RSS as it is).
+    return model, lock_dense(model, routed_nbytes(file.gguf), enabled=options.mlock is not False)
