@@ -57,7 +57,7 @@ def test_ordered_groups_come_in_request_order_and_decide_what_unordered_decides(
             # which ones it then keeps depends on the disk's timing, run to run, ordered asked for or not
             kept = sorted(cache.cached_keys()) if n_slots >= 2 * EXPERTS else None
             stats.append((cache.stats.hits, cache.stats.misses, kept))
-            assert not any(cache._pins)
+            assert not any(cache.policy.pins)
         finally:
             cache.close()
             reader.close()
