@@ -139,6 +139,7 @@ def test_replay_reproduces_live_cache_with_prompt_read_ahead(tiny_model, tmp_pat
 def test_replay_reproduces_engine_run(tiny_model, tmp_path):
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
+
     path = tmp_path / "run.csv"
     engine = Engine(tiny_model, EngineOptions(n_slots=40, trace_path=str(path)))
     try:

@@ -146,7 +146,7 @@ def replay(
     ahead = bool(acc.meta.get("read_ahead")) and not belady and admission.prompt and not admission.min_hits
     # runs of adjacent experts bound how many it reads (read_ahead.ahead_choice); traces before run reads: 1
     run_len = int(acc.meta.get("read_run_len", 1))
-    # how far each step may grow the cache (ExpertCache.begin_step); traces before the rule: no limit
+    # how far each step may grow the cache (SlotPolicy.begin_step); traces before the rule: no limit
     growth = not (per_layer or belady) and "prompt_slots" in acc.meta and "decode_slots" in acc.meta
     adm = admission if not belady else Admission()
     for sp in pools:
