@@ -119,7 +119,7 @@ class ExpertCache:
         """Yield every id's (expert id, weights) in groups: first all the cached ones, then the misses as their
         reads complete (those that complete together in one group). A group stays pinned until the next yield.
         admit=False: what is read is used once and not kept; ordered: in the order of ids (Fetch)."""
-        yield from Fetch(self, layer, ids, admit, ordered).groups()  # nothing happens before the first group
+        return Fetch(self, layer, ids, admit, ordered).groups()
 
     # -- the profile part ------------------------------------------------------------------------------
 

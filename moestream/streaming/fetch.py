@@ -45,13 +45,18 @@ class Fetch:
 
     def __init__(self, cache: ExpertCache, layer: int, ids: list[int], admit: bool, ordered: bool):
         self.cache, self.arena, self.policy = cache, cache.arena, cache.policy
-        self.layer, self.ids, self.admit = layer, ids, admit
+        self.layer, self.ids, self.admit, self.ordered = layer, ids, admit, ordered
+
+    def _begin(self) -> None:
+        """The request's start, when its first group is asked for (a fetch never iterated does nothing)."""
+        cache, layer, ids, admit = self.cache, self.layer, self.ids, self.admit
         if cache.ahead.layer >= 0 and cache.ahead.layer != layer:
             cache.ahead.drop()  # read ahead for a layer this call is not: an abandoned forward pass
         self.prompt = cache.phase == "prompt"
         self.refresh = self.policy.admission.refreshes(self.prompt, admit)
         room = ORDERED_ROOM * len(ids)
-        self.ordered = ordered and self.refresh and self.policy.admission.min_hits == 0 and self.policy.room() >= room
+        self.ordered = self.ordered and self.refresh and self.policy.admission.min_hits == 0
+        self.ordered = self.ordered and self.policy.room() >= room
         self.inflight: dict[Future, PendingExpert] = {}  # segment read -> the expert it belongs to
         self.completed: queue.SimpleQueue[Future] = queue.SimpleQueue()  # reads as they finish
         taken, unused = self._request()
@@ -72,9 +77,13 @@ class Fetch:
         with self.arena.lock:
             ahead = self.cache.ahead.pending
             req = self.policy.request(keys, self.refresh, ahead)
-            taken = [ahead.pop(keys[n]) for n in req.ahead]
-            unused = self.cache.ahead.take()
-            self.policy.release_held()  # this call's own pins are in place
+            taken: list[PendingExpert] = []
+            unused: list[PendingExpert] = []
+            if self.cache.ahead.layer >= 0:
+                taken = [ahead.pop(keys[n]) for n in req.ahead]
+                unused = self.cache.ahead.take()
+            if self.policy.held:
+                self.policy.release_held()  # this call's own pins are in place
             stats.hits += len(req.hits)
             stats.misses += len(req.missed) + len(taken)
             phase = stats.by_phase[self.cache.phase]
@@ -86,6 +95,7 @@ class Fetch:
         return taken, unused
 
     def groups(self) -> Iterator[Group]:
+        self._begin()
         try:
             self._launch()
             if self._reads_ahead():
@@ -145,7 +155,8 @@ class Fetch:
             self.arena.unpin(slot)
         for _e, slot, read in self.held.values():
             self.arena.unpin(slot, release=read)
-        self.policy.admission.count([(self.layer, e) for e in self.ids])
+        if self.policy.admission.min_hits > 0:
+            self.policy.admission.count([(self.layer, e) for e in self.ids])
 
     def _reads_ahead(self) -> bool:
         """Whether this fetch also starts reading the next layer (read_ahead.reads_ahead)."""
