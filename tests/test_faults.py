@@ -148,7 +148,7 @@ def healthy_again(want: list[int]) -> Callable[[Engine], None]:
 
     def check(eng: Engine) -> None:
         assert eng.generate(PROMPT, N, Sampler()).tokens == want
-        assert not any(eng.cache._pins)
+        assert not any(eng.cache.policy.pins)
         reader = eng.reader
         deadline = time.monotonic() + 10
         while reader._pool_buffers.qsize() < reader.n_buffers or reader._run_buffers.qsize() < reader.n_run_buffers:
@@ -337,7 +337,7 @@ def test_a_failed_read_while_others_wait_for_buffers_does_not_hang(tiny, direct)
             assert isinstance(failed.value, DiskError), failed.value
             check_clean_error(failed.value, tiny, "Input/output error", f"at offset {bad.offset}")
             assert sorted(dict(cache.fetch(0, list(range(16))))) == list(range(16))
-            assert not any(cache._pins)
+            assert not any(cache.policy.pins)
             deadline = time.monotonic() + 10
             while reader._pool_buffers.qsize() < reader.n_buffers:
                 assert time.monotonic() < deadline, "read buffers were never given back"

@@ -77,7 +77,7 @@ def test_every_dense_tensor_is_found_and_no_expert(tiny):
         # every resident weight, the rope tables, and the few bytes of alignment slack per buffer
         rope = sum(t.untyped_storage().nbytes() for t in vars(eng.model.rope).values() if isinstance(t, torch.Tensor))
         assert eng.model.dense_nbytes + rope <= total <= eng.model.dense_nbytes + rope + 16 * 1024
-        arena = eng.cache._arena_t.data_ptr(), eng.cache._arena_t.numel()
+        arena = eng.cache.arena.memory.data_ptr(), eng.cache.arena.memory.numel()
         assert all(a + n <= arena[0] or a >= arena[0] + arena[1] for a, n in ranges)
         assert eng.lock_report.skipped_bytes == routed_nbytes(eng.gguf) > 0
     finally:

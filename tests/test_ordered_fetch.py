@@ -57,7 +57,7 @@ def test_ordered_groups_come_in_request_order_and_decide_what_unordered_decides(
             # which ones it then keeps depends on the disk's timing, run to run, ordered asked for or not
             kept = sorted(cache.cached_keys()) if n_slots >= 2 * EXPERTS else None
             stats.append((cache.stats.hits, cache.stats.misses, kept))
-            assert not any(cache._pins)
+            assert not any(cache.policy.pins)
         finally:
             cache.close()
             reader.close()
@@ -86,3 +86,17 @@ def test_in_order_sum_equals_the_sum_of_every_pair_at_the_end():
         for e in arrival:
             s.add(e, y_of[e][: count[e]].clone())
         assert torch.equal(s.result(), ref)
+
+
+def test_a_fetch_never_iterated_does_nothing(tiny_path):
+    cache, reader, f = _cache(tiny_path, 16)
+    try:
+        _fetch(cache, 0, [1, 2], False)
+        before = (cache.stats.hits, cache.stats.misses, cache.cached_keys())
+        cache.fetch_groups(0, [1, 2, 3]).close()  # a forward pass that stopped before asking for its experts
+        assert (cache.stats.hits, cache.stats.misses, cache.cached_keys()) == before
+        assert not any(cache.policy.pins)
+    finally:
+        cache.close()
+        reader.close()
+        f.close()

@@ -51,13 +51,13 @@ def cache(tmp_path, request):
 
 
 def _no_pins(c: ExpertCache) -> bool:
-    return not c._ahead and not c._reserved and not any(c._pins)
+    return not c.ahead.pending and not c.policy.held and not any(c.policy.pins)
 
 
 def test_a_forward_pass_abandoned_after_reading_ahead_leaves_nothing_pinned(cache):
     groups = cache.fetch_groups(0, list(range(EXPERTS)))
     next(groups)  # layer 0's first group; layer 1 is being read ahead
-    assert cache._ahead_layer == 1 and cache.stats.ahead_reads == ahead_experts(EXPERTS)
+    assert cache.ahead.layer == 1 and cache.stats.ahead_reads == ahead_experts(EXPERTS)
     groups.close()  # the forward pass stops here (an error, Ctrl-C)
     for _ in cache.fetch(0, list(range(EXPERTS))):  # it starts again at layer 0: the read-ahead is settled
         pass

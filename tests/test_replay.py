@@ -51,8 +51,7 @@ def _drive_cache(
     reader = ExpertReader(model, store.max_segment_nbytes, threads=3, buffers=3 * (top_k + ahead_experts(experts)))
     scratch = 0 if admit_prompt else top_k  # as the engine: non-admitted misses use scratch slots
     cache = ExpertCache(store, reader, n_slots + scratch, scratch_slots=scratch)
-    cache.admit_prompt = admit_prompt
-    cache.read_ahead = read_ahead
+    cache.configure(admit_prompt=admit_prompt, read_ahead=read_ahead)
     meta = {
         "read_ahead": read_ahead,
         "n_slots": n_slots,
@@ -140,6 +139,7 @@ def test_replay_reproduces_live_cache_with_prompt_read_ahead(tiny_model, tmp_pat
 def test_replay_reproduces_engine_run(tiny_model, tmp_path):
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
+
     path = tmp_path / "run.csv"
     engine = Engine(tiny_model, EngineOptions(n_slots=40, trace_path=str(path)))
     try:

@@ -43,7 +43,7 @@ def test_a_consumer_that_stops_leaves_the_engine_consistent(engine):
             break
     assert got == full[:3]
     assert stats.finish_reason == "cancelled" and stats.decode_tokens == 3 and stats.n_slots == 32
-    assert not engine.cache._generating
+    assert not engine.cache.policy.growth.generating
     # the KV cache holds the prompt and the tokens that were fed back: a follow-up reuses them
     again = engine.generate(PROMPT + got, 4)
     assert again.stats.reused_tokens == len(PROMPT) + 2

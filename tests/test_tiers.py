@@ -197,8 +197,8 @@ def test_while_generating_each_step_grows_the_cache_by_its_allowance(tiny, basel
     try:
         cache = eng.cache
         with cache.generation():
-            assert not cache._idle.is_set()  # the prefault waits while the model runs
-        assert cache._idle.is_set()
+            assert not cache.arena.idle.is_set()  # the prefault waits while the model runs
+        assert cache.arena.idle.is_set()
         eng.generate(PROMPT_A, 1, Sampler())  # one prompt step
         assert cache.used_slots == 20 and cache.stats.evictions > 0
         eng.reset()

@@ -1,7 +1,8 @@
-"""Cache policies for the replay: each picks victims in one pool of slots; the driver (replay.py) owns the
-group and pin rules they all share.
+"""Cache policies for the replay: each is an eviction order (moestream/streaming/slot_policy.py) that picks
+victims in one pool of slots; the slot policy the live cache itself runs owns the group, pin and admission
+rules they all share.
 
-lru        least recently used (the engine's own policy)
+lru        least recently used (the engine's own policy: slot_policy.LRU)
 fifo       first in, first out (hits do not refresh)
 lfu-decay  least frequently used, counts halving every `half_life` forward steps; ties go to the older
 s3fifo     S3-FIFO (Yang et al., SOSP'23): 10% probationary FIFO, main FIFO with 2-bit counters, ghost list
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from moestream.analysis.accesses import Accesses, next_uses
 from moestream.errors import MoestreamError
+from moestream.streaming.slot_policy import LRU, EvictionOrder, SlotPolicy
 
 POLICIES = ("lru", "fifo", "lfu-decay", "s3fifo", "pin", "pin+lru", "belady")
 
@@ -53,74 +55,12 @@ def pop_unpinned(heap: list[tuple], current: Callable[[tuple], bool], pinned: se
     return found
 
 
-class Policy:
-    """One pool of `capacity` slots. The driver owns the group and pin rules; a policy picks victims."""
-
-    admits = True  # False: misses only stage in a slot for their group and are never kept
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-
-    def begin(self, g: int, step: int) -> None:  # a group starts
-        pass
-
-    def __contains__(self, key: int) -> bool:
-        raise NotImplementedError
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def reserved(self, key: int) -> bool:  # the key owns a slot outside `capacity` (static pinning)
-        return False
-
-    def on_hit(self, key: int, i: int) -> None:
-        pass
-
-    def on_miss(self, key: int, i: int) -> None:  # every miss, admitted or not
-        pass
-
-    def wants(self, key: int, i: int) -> bool:  # the policy's own admission (Belady bypasses)
-        return True
-
-    def insert(self, key: int, i: int) -> None:
-        raise NotImplementedError
-
-    def evict(self, pinned: set[int]) -> int | None:
-        """Remove and return a key not in `pinned`; None if every resident key is pinned."""
-        raise NotImplementedError
-
-
-class LRU(Policy):
-    def __init__(self, capacity: int):
-        super().__init__(capacity)
-        self.od: OrderedDict[int, None] = OrderedDict()  # oldest first
-
-    def __contains__(self, key: int) -> bool:
-        return key in self.od
-
-    def __len__(self) -> int:
-        return len(self.od)
-
-    def on_hit(self, key: int, i: int) -> None:
-        self.od.move_to_end(key)
-
-    def insert(self, key: int, i: int) -> None:
-        self.od[key] = None
-
-    def evict(self, pinned: set[int]) -> int | None:
-        for key in self.od:  # the engine's _take_slot: the oldest key that is not pinned
-            if key not in pinned:
-                del self.od[key]
-                return key
-        return None
-
-
 class FIFO(LRU):
     def on_hit(self, key: int, i: int) -> None:
         pass
 
 
-class LFUDecay(Policy):
+class LFUDecay(EvictionOrder):
     """Decayed frequency per key (kept for every key ever seen, resident or not).
 
     Decay by inflation: an access at step s adds 2**(s / half_life), so older accesses weigh
@@ -188,7 +128,7 @@ class LFUDecay(Policy):
         return entry[2]
 
 
-class S3FIFO(Policy):
+class S3FIFO(EvictionOrder):
     def __init__(self, capacity: int, small_fraction: float = 0.1):
         super().__init__(capacity)
         self.small_cap = max(1, round(small_fraction * capacity))
@@ -256,47 +196,7 @@ class S3FIFO(Policy):
         return victim if victim is not None else self._evict_small(pinned)
 
 
-class Pinned(Policy):
-    """`static` keys own reserved slots: filled on first use, never evicted. `inner` runs the other slots;
-    with admit=False nothing else is ever kept there (they only stage misses for the group)."""
-
-    def __init__(self, static: Iterable[int], inner: Policy, admit: bool = True):
-        super().__init__(inner.capacity)
-        self.static = frozenset(static)
-        self.loaded: set[int] = set()
-        self.inner = inner
-        self.admits = admit
-
-    def begin(self, g: int, step: int) -> None:
-        self.inner.begin(g, step)
-
-    def __contains__(self, key: int) -> bool:
-        return key in self.loaded or key in self.inner
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def reserved(self, key: int) -> bool:
-        return key in self.static
-
-    def on_hit(self, key: int, i: int) -> None:
-        if key not in self.static:
-            self.inner.on_hit(key, i)
-
-    def on_miss(self, key: int, i: int) -> None:
-        self.inner.on_miss(key, i)
-
-    def insert(self, key: int, i: int) -> None:
-        if key in self.static:
-            self.loaded.add(key)
-        else:
-            self.inner.insert(key, i)
-
-    def evict(self, pinned: set[int]) -> int | None:
-        return self.inner.evict(pinned)
-
-
-class Belady(Policy):
+class Belady(EvictionOrder):
     def __init__(self, capacity: int, next_any: np.ndarray, next_dec: np.ndarray):
         super().__init__(capacity)
         self.next_any = next_any
@@ -360,7 +260,7 @@ def profile_keys(acc: Accesses, profile: Sequence[tuple[int, int]] | None) -> li
     return uniq[order].tolist()
 
 
-def make_policies(
+def make_pools(
     acc: Accesses,
     policy: str,
     caps: list[int],
@@ -369,24 +269,26 @@ def make_policies(
     half_life: float,
     pin_fraction: float,
     profile: Sequence[tuple[int, int]] | None,
-) -> list[Policy]:
-    if policy == "belady":
-        nxt_any, nxt_dec = next_uses(acc)
-        return [Belady(c, nxt_any, nxt_dec) for c in caps]
+) -> list[SlotPolicy]:
+    """One SlotPolicy per pool of slots (one per layer, or one for all), each with the policy's order."""
     if policy in ("pin", "pin+lru"):
         ranked = profile_keys(acc, profile)
         # Slots left unpinned so that one decode fetch fits at once (a larger prompt fetch goes in waves).
         sizes = np.diff(acc.starts)
         dec = sizes[acc.group_decode]
         reserve = int(dec.max() if len(dec) else sizes.max(initial=1))
-        out: list[Policy] = []
+        out: list[SlotPolicy] = []
         for p, c in enumerate(caps):
             n_pin = max(0, c - reserve)
             if policy == "pin+lru":
                 n_pin = min(n_pin, round(pin_fraction * c))
             mine = [k for k in ranked if k // acc.n_experts == p] if per_layer else ranked
-            out.append(Pinned(mine[:n_pin], LRU(c - n_pin), admit=policy == "pin+lru"))
+            # the pinned keys own their slots; the rest run an LRU that, for `pin`, only stages misses
+            out.append(SlotPolicy(c - n_pin, LRU(c - n_pin), reserved=mine[:n_pin], keeps=policy == "pin+lru"))
         return out
+    if policy == "belady":
+        nxt_any, nxt_dec = next_uses(acc)
+        return [SlotPolicy(c, Belady(c, nxt_any, nxt_dec)) for c in caps]
     make = {
         "lru": LRU,
         "fifo": FIFO,
@@ -395,4 +297,4 @@ def make_policies(
     }.get(policy)
     if make is None:
         raise MoestreamError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    return [make(c) for c in caps]
+    return [SlotPolicy(c, make(c)) for c in caps]

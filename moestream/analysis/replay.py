@@ -1,25 +1,21 @@
 """Offline replay of a trace's expert accesses against cache policies and sizes.
 
-The replay reproduces the live cache's semantics (moestream/streaming/expert_cache.py) so that `lru` at the
-engine's slot count gives the hit count the engine observed, exactly:
+The replay runs the live cache's own slot policy (moestream/streaming/slot_policy.py: hits, misses,
+admission, eviction among unpinned keys, growth while generating, the read-ahead's reservation), driven by
+the trace's requests instead of disk reads, so that `lru` at the engine's slot count gives the hit count the
+engine observed, exactly:
 
 * Accesses come in groups, one per `fetch(layer, ids)` call, i.e. one per (step, layer), in request order.
-* Within a group, every id already resident is a hit and is pinned for the rest of the group. Then the
-  misses, in request order: each takes a free slot if one exists, else evicts the policy's victim among
-  the keys that are not pinned, and is admitted and pinned at once (before its read would complete).
-* A miss that is not admitted (prompt accesses under `decode-only`, or a key not yet seen often enough
-  under `min-hits N`) still needs a slot for the duration of its group, as in the engine: it takes a free
-  slot or evicts, and the slot is free again after the group.
-* A trace recorded with the prompt read-ahead on (moestream/streaming/read_ahead.py) replays it: a prompt group that
-  asks for nearly all of a layer's experts also admits the next layer's first uncached experts (the next
-  layer's resident keys pinned meanwhile), and the next group's first access to one of them is a miss.
-* When a group needs more slots than exist, the live cache proceeds in waves whose order depends on read
-  timing. The replay approximates it: it first releases the group's hits (the engine computes those before
-  its second wave), then its earliest placed misses one at a time. Only tiny budgets (fewer slots than one
-  prompt micro-batch's experts in one layer) reach this case.
+* A trace recorded with the prompt read-ahead on (moestream/streaming/read_ahead.py) replays it: a prompt
+  group that asks for nearly all of a layer's experts also admits the next layer's first uncached experts,
+  and the next group's first access to one of them is a miss.
+* What only the driver decides: when a group needs more slots than exist, the live cache proceeds in waves
+  whose order depends on read timing. The replay approximates it: it first releases the group's hits (the
+  engine computes those before its second wave), then its earliest placed misses one at a time. Only tiny
+  budgets (fewer slots than one prompt micro-batch's experts in one layer) reach this case.
 
-The policies themselves are in policies.py; the accesses and results in accesses.py; the table, the plot
-and the parsing of sizes in replay_report.py. Everything is importable from here.
+The other policies are eviction orders in policies.py; the accesses and results in accesses.py; the table,
+the plot and the parsing of sizes in replay_report.py. Everything is importable from here.
 
 Capacity is global (one pool of `slots`) or per-layer (slots split evenly, the first `slots % layers`
 layers taking one more).
@@ -36,17 +32,17 @@ import numpy as np
 from tqdm import tqdm
 
 from moestream.analysis.accesses import (
-    NEVER,
     Accesses,
     ReplayResult,
     accesses_from_groups,
     accesses_from_trace,
     live_result,
 )
-from moestream.analysis.policies import POLICIES, Policy, make_policies
+from moestream.analysis.policies import POLICIES, make_pools
 from moestream.analysis.replay_report import default_slots, parse_slots, plot_replay, replay_table
 from moestream.errors import MoestreamError
 from moestream.streaming.read_ahead import ahead_choice, reads_ahead
+from moestream.streaming.slot_policy import SlotPolicy
 
 __all__ = [
     "POLICIES",
@@ -143,20 +139,25 @@ def replay(
             f"{slots} slots split over {acc.n_layers} layers leaves a layer without a slot; "
             f"use at least {acc.n_layers} slots or global capacity"
         )
-    pols = make_policies(acc, policy, caps, per_layer, half_life=half_life, pin_fraction=pin_fraction, profile=profile)
+    pools = make_pools(acc, policy, caps, per_layer, half_life=half_life, pin_fraction=pin_fraction, profile=profile)
     belady = policy == "belady"
     # The engine's prompt read-ahead changes what the cache holds, so a trace recorded with it on replays it
     # (Belady, an oracle that admits everything, does not).
     ahead = bool(acc.meta.get("read_ahead")) and not belady and admission.prompt and not admission.min_hits
     # runs of adjacent experts bound how many it reads (read_ahead.ahead_choice); traces before run reads: 1
     run_len = int(acc.meta.get("read_run_len", 1))
-    # how far each step may grow the cache (ExpertCache.begin_step); traces before the rule: no limit
-    growth = None
-    if not (per_layer or belady) and "prompt_slots" in acc.meta and "decode_slots" in acc.meta:
-        growth = (int(acc.meta["prompt_slots"]), int(acc.meta["decode_slots"]))
-    misses = _simulate(
-        acc, pols, per_layer, admission if not belady else Admission(), ahead, run_len, growth, group_misses
-    )
+    # how far each step may grow the cache (SlotPolicy.begin_step); traces before the rule: no limit
+    growth = not (per_layer or belady) and "prompt_slots" in acc.meta and "decode_slots" in acc.meta
+    adm = admission if not belady else Admission()
+    for sp in pools:
+        sp.admission.prompt, sp.admission.min_hits = adm.prompt, adm.min_hits
+        if growth:
+            sp.growth.prompt_slots, sp.growth.decode_slots = (
+                int(acc.meta["prompt_slots"]),
+                int(acc.meta["decode_slots"]),
+            )
+            sp.growth.generating = True
+    misses = _Simulation(acc, pools, per_layer, ahead, run_len).run(growth, group_misses)
     sizes = np.diff(acc.starts)
     dec = acc.group_decode
     d_miss = misses[dec]
@@ -176,120 +177,106 @@ def replay(
     )
 
 
-def _simulate(
-    acc: Accesses,
-    pols: list[Policy],
-    per_layer: bool,
-    adm: Admission,
-    ahead: bool = False,
-    run_len: int = 1,
-    growth: tuple[int, int] | None = None,
-    record: list[GroupMisses] | None = None,
-) -> np.ndarray:
-    """Misses per group. ahead: model the engine's prompt read-ahead (moestream.streaming.read_ahead): a prompt group
-    asking for nearly all of a layer's experts also admits the next layer's first uncached experts, the
-    next layer's resident keys pinned meanwhile; the next group's first access to such a key is a miss.
-    growth: (per prompt micro-batch, per decode step): how many keys each step may add to the cache beyond
-    the limit so far (ExpertCache.begin_step; a prompt span's step number advances by its micro-batches, and
-    its allowance is that many times the per-micro-batch one); past it, a miss evicts instead.
-    record: appended each group's GroupMisses."""
-    keys = acc.keys.tolist()
-    starts = acc.starts.tolist()
-    decode = acc.group_decode.tolist()
-    layer = acc.group_layer.tolist()
-    step = acc.group_step.tolist()
-    seen: dict[int, int] = {}
-    min_hits = adm.min_hits
-    out = np.zeros(acc.n_groups, np.int64)
-    read_ahead: set[int] = set()  # keys admitted by the read-ahead, not accessed yet
-    ahead_layer = -1
-    limit = NEVER if growth is None else 0
-    for g in range(acc.n_groups):
-        pol = pols[layer[g]] if per_layer else pols[0]
-        pol.begin(g, step[g])
-        if growth is not None and (g == 0 or step[g] != step[g - 1]):  # a forward step begins
-            # a prompt step's number advanced by the micro-batches it ran (a span: several), a token's by one
-            units = 1 if decode[g] else max(1, step[g] - (step[g - 1] if g else 0))
-            limit = min(pol.capacity, max(limit, len(pol)) + growth[0 if not decode[g] else 1] * units)
-        limit = min(limit, pol.capacity)
-        s, e = starts[g], starts[g + 1]
-        prev = read_ahead if ahead_layer == layer[g] else set()
-        read_ahead, ahead_layer = set(), -1
-        # the read-ahead's keys stay pinned through this group (the engine finishes their reads in it)
-        pinned: set[int] = set(prev)
-        miss: list[tuple[int, int]] = []
-        refresh = decode[g] or adm.prompt  # a non-admitting prompt path does not refresh recency either
-        for i in range(s, e):
-            k = keys[i]
-            if k in prev:
-                out[g] += 1  # read ahead: resident, but read from disk for this access
-                if refresh:
-                    pol.on_hit(k, i)
-            elif k in pol:
-                if refresh:
-                    pol.on_hit(k, i)
-                pinned.add(k)
-            else:
-                miss.append((k, i))
-        out[g] += len(miss)
+class _Simulation:
+    """A replay's run over the groups: each pool is the SlotPolicy the live cache runs, driven here by the
+    trace's requests instead of reads. Where the live cache would wait for reads (every slot pinned), the
+    replay goes on in approximated waves (the module's note)."""
+
+    def __init__(self, acc: Accesses, pools: list[SlotPolicy], per_layer: bool, ahead: bool, run_len: int):
+        self.acc, self.pools, self.per_layer = acc, pools, per_layer
+        self.ahead, self.run_len = ahead, run_len
+        self.keys = acc.keys.tolist()
+        self.starts = acc.starts.tolist()
+        self.decode = acc.group_decode.tolist()
+        self.layer = acc.group_layer.tolist()
+        self.step = acc.group_step.tolist()
+        self.out = np.zeros(acc.n_groups, np.int64)
+        self.read_ahead: dict[int, int] = {}  # keys the previous group read ahead -> their (pinned) slots
+        self.ahead_layer = -1
+        self.ahead_pool: SlotPolicy | None = None
+
+    def run(self, growth: bool, record: list[GroupMisses] | None) -> np.ndarray:
+        for g in range(self.acc.n_groups):
+            sp = self.pools[self.layer[g]] if self.per_layer else self.pools[0]
+            sp.order.begin(g, self.step[g])
+            prompt = not self.decode[g]
+            if growth and (g == 0 or self.step[g] != self.step[g - 1]):  # a forward step begins
+                # a prompt step's number advanced by the micro-batches it ran (a span: several), a token's by one
+                units = 1 if not prompt else max(1, self.step[g] - (self.step[g - 1] if g else 0))
+                sp.begin_step(units, prompt)
+            self._group(g, sp, prompt, record)
+        return self.out
+
+    def _group(self, g: int, sp: SlotPolicy, prompt: bool, record: list[GroupMisses] | None) -> None:
+        s, e = self.starts[g], self.starts[g + 1]
+        keys = self.keys[s:e]
+        prev = self.read_ahead if self.ahead_layer == self.layer[g] else {}
+        if not prev and self.ahead_pool is not None:  # read ahead for a layer this group is not: let it go
+            for slot in self.read_ahead.values():
+                self.ahead_pool.unpin(slot)
+        self.read_ahead, self.ahead_layer, self.ahead_pool = {}, -1, None
+        req = sp.request(keys, sp.admission.refreshes(prompt), prev, s)
+        self.out[g] = len(req.ahead) + len(req.missed)
         if record is not None:
-            record.append(GroupMisses(sorted(k % acc.n_experts for k in prev), [k % acc.n_experts for k, _ in miss]))
-        if miss:
-            admit_phase = decode[g] or adm.prompt
-            hits_pinned = set(pinned)
-            placed: deque[int | None] = deque()  # in placement order; None = a borrowed slot
-            borrowed = 0
-            for k, i in miss:
-                pol.on_miss(k, i)
-                if pol.reserved(k):  # a statically pinned key loads into its own slot
-                    pol.insert(k, i)
-                    pinned.add(k)
-                    continue
-                admit = pol.admits and admit_phase and seen.get(k, 0) >= min_hits and pol.wants(k, i)
-                if not admit:
-                    continue  # served from the engine's scratch slots: the cache itself does not change
-                while len(pol) + borrowed >= limit:
-                    if pol.evict(pinned) is not None:
-                        break
-                    # Every resident key is pinned: the live cache waits for reads and goes on in waves.
-                    if hits_pinned:
-                        pinned -= hits_pinned
-                        hits_pinned = set()
-                    elif placed:
-                        first = placed.popleft()
-                        if first is None:
-                            borrowed -= 1
-                        else:
-                            pinned.discard(first)
-                    else:
-                        raise MoestreamError(f"a cache of {pol.capacity} slots cannot serve one expert")
-                if admit:
-                    pol.insert(k, i)
-                    pinned.add(k)
-                    placed.append(k)
+            n = self.acc.n_experts
+            record.append(GroupMisses(sorted(k % n for k in prev), [keys[i] % n for i in req.missed]))
+        # the read-ahead's keys stay pinned through this group (the engine finishes their reads in it)
+        pinned = [*prev.values(), *(slot for _, slot in req.hits)]
+        placed = self._place(sp, keys, req.missed, s, prompt, pinned)
+        nxt = self.layer[g] + 1
+        if self.ahead and prompt and nxt < self.acc.n_layers:
+            self._read_ahead(self.pools[nxt] if self.per_layer else sp, keys, nxt, e - 1)
+        for slot in (*pinned, *placed):
+            sp.unpin(slot)
+        sp.admission.count(keys)
+
+    def _place(
+        self, sp: SlotPolicy, keys: list[int], missed: list[int], s: int, prompt: bool, pinned: list[int]
+    ) -> deque[int]:
+        """Place a group's misses in request order; returns the slots still pinned, in placement order.
+        `pinned` (the group's hits and what was read ahead for it) is emptied by a first wave."""
+        placed: deque[int] = deque()
+        for n in missed:
+            k, i = keys[n], s + n
+            sp.order.on_miss(k, i)
+            if k in sp.reserved:  # a statically pinned key loads into its own slot
+                sp.unpin(sp.place_profile(k))
+                continue
+            if not sp.admission.admits(k, prompt, i=i):
+                continue  # served from the engine's scratch slots: the cache itself does not change
+            slot = sp.take(True)
+            while slot is None:
+                # Every resident key is pinned: the live cache waits for reads and goes on in waves.
+                if pinned:
+                    for hit in pinned:
+                        sp.unpin(hit)
+                    pinned.clear()
+                elif placed:
+                    sp.unpin(placed.popleft())
                 else:
-                    borrowed += 1
-                    placed.append(None)
-        nxt = layer[g] + 1
-        if ahead and not decode[g] and nxt < acc.n_layers:
-            pol2 = pols[nxt] if per_layer else pol
-            limit2 = limit if pol2 is pol else pol2.capacity
-            if reads_ahead(len(set(keys[s:e])), acc.n_experts, limit2):
-                base = nxt * acc.n_experts
-                pins = pinned | {k for k in range(base, base + acc.n_experts) if k in pol2}
-                fresh = [k - base for k in range(base, base + acc.n_experts) if k not in pol2 and not pol2.reserved(k)]
-                for k in (base + x for x in ahead_choice(fresh, acc.n_experts, run_len)):
-                    if len(pol2) >= limit2 and pol2.evict(pins) is None:
-                        break
-                    pol2.on_miss(k, e - 1)
-                    pol2.insert(k, e - 1)
-                    pins.add(k)
-                    read_ahead.add(k)
-                ahead_layer = nxt
-        if min_hits:
-            for i in range(s, e):
-                seen[keys[i]] = seen.get(keys[i], 0) + 1
-    return out
+                    raise MoestreamError(f"a cache of {sp.order.capacity} slots cannot serve one expert")
+                slot = sp.take(True)
+            sp.place(k, slot, i=i)
+            placed.append(slot)
+        return placed
+
+    def _read_ahead(self, sp: SlotPolicy, keys: list[int], nxt: int, i: int) -> None:
+        """A prompt group asking for nearly all of its layer's experts admits the next layer's first uncached
+        ones, the next layer's resident keys pinned meanwhile (read_ahead.reads_ahead, ahead_choice)."""
+        n = self.acc.n_experts
+        if not reads_ahead(len(set(keys)), n, sp.room()):
+            return
+        layer_keys = list(range(nxt * n, (nxt + 1) * n))
+        for x in ahead_choice(sp.hold(layer_keys), n, self.run_len):
+            slot = sp.take(True)
+            if slot is None:
+                break
+            k = layer_keys[x]
+            sp.order.on_miss(k, i)
+            sp.place(k, slot, i=i)
+            self.read_ahead[k] = slot
+        sp.release_held()
+        self.ahead_layer, self.ahead_pool = nxt, sp
 
 
 def replay_many(

@@ -1,6 +1,6 @@
 """An expert being read from disk: its three segment reads, and packing each into its slot as it lands.
 
-The model's thread packs what the reader threads read (ExpertCache.fetch_groups). An expert that is given up
+The model's thread packs what the reader threads read (fetch.Fetch). An expert that is given up
 on (a read failed, the forward pass was abandoned) gives back the buffers of the reads nobody took as they
 finish, without waiting for them.
 """

@@ -26,7 +26,7 @@ def ahead_experts(n_experts: int) -> int:
 
 def prompt_slots(n_experts: int) -> int:
     """LRU entries a prompt micro-batch may add to the expert cache while a generation runs: enough for the
-    read-ahead rule and what it reads ahead, 1152 slots (2.0 GB) for Qwen3.6-35B (ExpertCache.begin_step).
+    read-ahead rule and what it reads ahead, 1152 slots (2.0 GB) for Qwen3.6-35B (SlotPolicy.begin_step).
 
     A fresh process's first prompt otherwise spreads over the whole cache, and committing that much fresh
     memory while the model runs is what slowed it most in a VM (the host backs each page on first touch): a

@@ -1,0 +1,62 @@
+"""The prompt read-ahead's reads in flight: the next layer's first uncached experts, started by one layer's
+fetch and finished by the next one's (read_ahead.py holds the rule that decides when and how many).
+
+Each expert read ahead is admitted and pinned at once; the next layer's cached experts are pinned too (the
+policy's `held` slots), so that the read-ahead evicts none of them. Their reads wait in the reader's buffers
+until the next layer's fetch takes them (Fetch), or are dropped when that fetch never comes.
+"""
+
+from __future__ import annotations
+
+from moestream.streaming.arena import SlotArena
+from moestream.streaming.pending import PendingExpert
+from moestream.streaming.read_ahead import ahead_choice, ahead_reads
+
+
+class ReadAhead:
+    def __init__(self, arena: SlotArena):
+        self.arena = arena
+        self.pending: dict[tuple[int, int], PendingExpert] = {}  # (layer, expert) -> its reads
+        self.layer = -1  # the layer read ahead, -1 if none
+
+    def start(self, layer: int) -> None:
+        """Start reading the first experts of `layer` that are not cached (read_ahead.ahead_choice of them, in
+        expert order), each admitted at once, after pinning the layer's cached experts."""
+        arena, policy = self.arena, self.arena.policy
+        n_experts, run_len = arena.store.n_experts, arena.reader.run_len
+        need = ahead_reads(n_experts, run_len)
+        if arena.reader.ahead_buffers() < need:
+            raise ValueError(
+                f"the read-ahead holds up to {need} reads but the reader spares {arena.reader.ahead_buffers()} "
+                "buffers for it; build the reader with planning.read_buffers"
+            )
+        with arena.lock:
+            fresh = policy.hold([(layer, e) for e in range(n_experts)])
+            self.layer = layer
+            # What it reads waits in the reader's buffers until the layer's fetch (ahead_choice keeps it within
+            # the buffers planned for it).
+            chosen: list[tuple[int, int]] = []
+            for e in ahead_choice(fresh, n_experts, run_len):
+                slot = policy.take(True, spare_free=True)
+                if slot is None:
+                    break
+                policy.place((layer, e), slot)
+                chosen.append((e, slot))
+            for p in arena.fill_pairs(layer, chosen, prompt=True):
+                self.pending[(layer, p.expert)] = p
+            policy.stats.ahead_reads += len(chosen)
+
+    def take(self) -> list[PendingExpert]:
+        """Hand over what is read ahead (to the fetch of its layer, or to drop); the caller holds the lock."""
+        pending = list(self.pending.values())
+        self.pending, self.layer = {}, -1
+        return pending
+
+    def drop(self) -> None:
+        """Drop what was read ahead for a layer that will not be fetched next (the forward pass that started it
+        was abandoned): its reads are waited for and forgotten, their errors with them, and its pins go."""
+        with self.arena.lock:
+            ahead = self.take()
+            self.arena.policy.release_held()
+        for p in ahead:
+            self.arena.abandon(p, {})
