@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import math
 
+import numpy as np
 import torch
 
 from moestream.compute import native
@@ -165,3 +166,14 @@ def attn_block_decode_rows(
     if rc != 0:
         raise RuntimeError(f"ms_attn_block_decode_rows failed ({rc})")
     return out
+
+
+def lane_pack_many(shapes: list[tuple[int, int, int]], srcs: list[int], dsts: list[int]) -> int:
+    """Pack matrices read from disk (ggml type, rows, cols each; at the addresses srcs) into the lane form at
+    dsts, in one call spread over the lane pool: 0, or the C side's error code."""
+    types = np.array([t for t, _, _ in shapes], np.int32)
+    ns = np.array([n for _, n, _ in shapes], np.int64)
+    ks = np.array([k for _, _, k in shapes], np.int64)
+    src, dst = np.array(srcs, np.uint64), np.array(dsts, np.uint64)
+    return native.lib().ms_lane_pack_many(len(shapes), types.ctypes.data, src.ctypes.data, ns.ctypes.data,
+                                          ks.ctypes.data, dst.ctypes.data)  # fmt: skip

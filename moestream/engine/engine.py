@@ -238,8 +238,7 @@ class Engine:
         units = -(-total // self.ubatch)
         if self._trace is not None:
             self._trace.begin_step(units, positions[0], phase)
-        self.cache.phase = phase
-        self.cache.begin_step(units)
+        self.cache.begin_step(units, phase)
         # a prompt step keeps what its layers free for the next ones (FreedHeap); a decode step leaves it
         heap = self.heap.prompt_step() if prompt and total > 1 and self.heap is not None else nullcontext()
         with heap:

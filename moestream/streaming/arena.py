@@ -8,7 +8,6 @@ knows where each matrix of an expert goes in its slot, starts the reads, and com
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import threading
 from concurrent.futures import Future, wait
@@ -16,8 +15,8 @@ from concurrent.futures import Future, wait
 import torch
 
 from moestream.compute import linear
+from moestream.streaming import libc
 from moestream.streaming.expert_store import ExpertStore
-from moestream.streaming.libc import libc
 from moestream.streaming.pending import Expert, PendingExpert
 from moestream.streaming.read_ahead import consecutive_runs
 from moestream.streaming.reader import ExpertReader
@@ -67,7 +66,7 @@ class SlotArena:
             fused = (w, sz)
         lane = None
         if layout.all_lane:
-            lane = [base + off + arena.data_ptr() for off in layout.offsets]
+            lane = [base + off + libc.memory_of(arena)[0] for off in layout.offsets]
             down = segs[2]
             outs[2] = outs[2].view(down.n, layout.packed[2] // down.n)
         # The reader threads only read; the model's thread packs each segment as it lands, in the prompt too:
@@ -139,8 +138,7 @@ class SlotArena:
         return t
 
     def _prefault(self) -> None:
-        lib = libc()
-        base = self.memory.data_ptr()
+        base = libc.memory_of(self.memory)[0]
         slots_per_call = max(1, (32 << 20) // self.slot_nbytes)
         stats = self.policy.stats
         for first in range(0, self.n_slots, slots_per_call):
@@ -154,8 +152,7 @@ class SlotArena:
             for slot in todo:
                 if stats.shrinks:
                     return
-                addr = ctypes.c_void_p(base + slot * self.slot_nbytes)
-                if lib.madvise(addr, ctypes.c_size_t(self.slot_nbytes), MADV_POPULATE_WRITE) != 0:
+                if libc.madvise(base + slot * self.slot_nbytes, self.slot_nbytes, MADV_POPULATE_WRITE) != 0:
                     return  # kernel before 5.14: pages fault in on first use, as without prefaulting
 
     def wait_prefault(self) -> None:

@@ -9,6 +9,9 @@ import ctypes.util
 import functools
 import mmap
 
+import numpy as np
+import torch
+
 
 @functools.cache
 def libc() -> ctypes.CDLL:
@@ -66,3 +69,15 @@ def mallopt(param: int, value: int) -> None:
 def buffer_address(mem: mmap.mmap) -> int:
     """The address of a writable mapping's first byte (for O_DIRECT reads into it)."""
     return ctypes.addressof(ctypes.c_char.from_buffer(mem))
+
+
+def memory_of(obj: torch.Tensor | np.ndarray) -> tuple[int, int]:
+    """(address, nbytes) of the whole memory behind a tensor (its storage) or an array (the array owning its
+    memory): what mlock and madvise act on."""
+    if isinstance(obj, torch.Tensor):
+        st = obj.untyped_storage()
+        return st.data_ptr(), st.nbytes()
+    base = obj
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    return base.ctypes.data, base.nbytes

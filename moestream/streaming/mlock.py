@@ -90,16 +90,11 @@ def resident_ranges(model: Resident) -> list[tuple[int, int]]:
     """
     spans: list[tuple[int, int]] = []
     for obj in model.resident_tensors():
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type == "cpu" and obj.numel():
-                st = obj.untyped_storage()
-                spans.append((st.data_ptr(), st.nbytes()))
-        else:
-            base = obj
-            while isinstance(base.base, np.ndarray):
-                base = base.base
-            if base.nbytes:
-                spans.append((base.ctypes.data, base.nbytes))
+        if isinstance(obj, torch.Tensor) and (obj.device.type != "cpu" or not obj.numel()):
+            continue
+        addr, nbytes = libc.memory_of(obj)
+        if nbytes:
+            spans.append((addr, nbytes))
     return _merge(spans)
 
 

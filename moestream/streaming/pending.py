@@ -13,7 +13,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from moestream.compute import linear, native
+from moestream.compute import kernels, linear
 from moestream.streaming.reader import Lease
 
 Expert = tuple[linear.QLinear, linear.QLinear, linear.QLinear]  # gate, up, down
@@ -27,14 +27,10 @@ def pack_lanes(jobs: list[tuple[PendingExpert, int, Lease]]) -> None:
     the lane pool's threads; the read buffers go back whatever happens."""
     try:
         segs = [p.segs[i] for p, i, _ in jobs]
-        n = len(jobs)
-        types = np.array([s.ggml_type for s in segs], np.int32)
-        ns = np.array([s.n for s in segs], np.int64)
-        ks = np.array([s.k for s in segs], np.int64)
-        srcs = np.array([lease.addr for _, _, lease in jobs], np.uint64)
-        dsts = np.array([p.lane[i] for p, i, _ in jobs], np.uint64)  # type: ignore[index]
-        rc = native.lib().ms_lane_pack_many(
-            n, types.ctypes.data, srcs.ctypes.data, ns.ctypes.data, ks.ctypes.data, dsts.ctypes.data
+        rc = kernels.lane_pack_many(
+            [(s.ggml_type, s.n, s.k) for s in segs],
+            [lease.addr for _, _, lease in jobs],
+            [p.lane[i] for p, i, _ in jobs],  # type: ignore[index]
         )
     finally:
         for _, _, lease in jobs:

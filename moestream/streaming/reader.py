@@ -17,7 +17,6 @@ wait for a buffer has a deadline, so a stuck disk ends in an error rather than a
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
@@ -29,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from moestream.errors import DiskError, MoestreamError
 from moestream.formats.gguf_file import drop_page_cache
+from moestream.streaming import libc
 
 ALIGN = 4096
 # With --run-reads a prompt reads runs of adjacent experts' matrices (consecutive ids sit next to each other in
@@ -100,7 +100,7 @@ class AlignedBuffer:
         self.nbytes = nbytes
         self.mem = mmap.mmap(-1, nbytes)
         self.view = memoryview(self.mem)
-        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mem))
+        self.addr = libc.buffer_address(self.mem)
 
 
 def open_direct(path: str) -> int | None:
