@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from harness import RESULTS_DIR, meminfo
+from harness import RESULTS_DIR, meminfo, write_json
 
 HOG = r"""
 import mmap, sys, time
@@ -113,8 +113,7 @@ def main() -> int:
     }
     os.makedirs(args.results_dir, exist_ok=True)
     out = os.path.join(args.results_dir, time.strftime("%Y-%m-%d") + "-elastic-pressure.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(out, result)
     for k in (
         "engine_rc",
         "hog_rc",

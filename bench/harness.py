@@ -163,18 +163,38 @@ def read_ahead_kb(path: str) -> int | None:
 SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
-def cpu_model_and_simd() -> tuple[str, list[str]]:
-    """The CPU's model name and the vector extensions that decide moestream's kernels (the same model name may
-    have or lack them), from the first processor of /proc/cpuinfo."""
+def cpuinfo_first() -> dict[str, str]:
+    """The fields of the first processor in /proc/cpuinfo (every core of these machines lists the same)."""
     fields: dict[str, str] = {}
     with open("/proc/cpuinfo") as f:
         for line in f:
             key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-            if "model name" in fields and "flags" in fields:
+            if not key.strip():
                 break
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_model_and_simd() -> tuple[str, list[str]]:
+    """The CPU's model name and the vector extensions that decide moestream's kernels (the same model name may
+    have or lack them)."""
+    fields = cpuinfo_first()
     have = set(fields.get("flags", "").split())
     return fields.get("model name", "unknown"), [w for w in SIMD_FLAGS if w in have]
+
+
+def cpu_record() -> dict[str, Any]:
+    """The CPU's model name and every flag /proc/cpuinfo gives it: what a result file says it ran on, since the
+    same model name comes with or without AVX-512 or AMX depending on the host."""
+    fields = cpuinfo_first()
+    return {"model": fields.get("model name", "unknown"), "flags": fields.get("flags", "").split()}
+
+
+def write_json(path: str | os.PathLike[str], doc: dict[str, Any]) -> None:
+    """Write a results document with the CPU it ran on (`cpu`: model and flags) added at its top level: every
+    JSON the bench tools write goes through here."""
+    with open(path, "w") as f:
+        json.dump({**doc, "cpu": cpu_record()}, f, indent=1, default=str)
 
 
 def host_info(model: str) -> dict[str, Any]:
@@ -354,8 +374,7 @@ def save_results(doc: dict[str, Any], md: str, args: argparse.Namespace, kind: s
     """Write the JSON under --results-dir, print the markdown table (and to --markdown); the JSON path."""
     name = args.name or f"{kind}-{os.path.splitext(os.path.basename(args.model))[0]}"
     path = results_path(args.results_dir, name)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(path, doc)
     print(md)
     if args.markdown:
         with open(args.markdown, "w") as f:
@@ -397,6 +416,30 @@ def alternate(arms: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list
             arms[a]()
             times[a].append(time.perf_counter() - t0)
     return times
+
+
+@dataclass
+class Case:
+    """One comparison: `arms` maps the baseline's name, then the measured arm's, to one call each."""
+
+    name: str
+    arms: dict[str, Callable[[], object]]
+    check: str  # how far the outputs are apart: "same bits", "NO", or a difference
+    work: float | None = None  # operations one call of the measured arm does (its rate in the table)
+    unit: str = "GFLOP/s"
+
+
+@dataclass
+class Suite:
+    """A family of cases: its options, its header line and its cases (made lazily: they allocate)."""
+
+    help: str
+    rounds: int
+    threads: int
+    add_args: Callable[[argparse.ArgumentParser], None]
+    header: Callable[[argparse.Namespace], str]
+    cases: Callable[[argparse.Namespace], Iterable[Case]]
+    torch_threads: Callable[[argparse.Namespace], int] = lambda args: args.threads
 
 
 # ---- cells ---------------------------------------------------------------------------------------

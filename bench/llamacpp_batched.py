@@ -18,13 +18,13 @@ N x each sequence's own rate. Disk bytes from /proc/self/io around the loop, pea
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
 from typing import Any
 
 import numpy as np
+from harness import write_json
 from llamacpp_run import Meter, _version, load_llama, proc_status
 from serve_runs import prompt_ids
 
@@ -151,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(args.json, doc)
     return 0
 
 

@@ -20,7 +20,6 @@ memory, which doubles the memory a Q4_0 model needs and gets it OOM-killed when 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
@@ -28,7 +27,7 @@ import time
 from typing import Any
 
 import numpy as np
-from harness import proc_io
+from harness import proc_io, write_json
 
 
 def proc_status() -> dict[str, int]:
@@ -216,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(args.json, doc)
     return 0
 
 
