@@ -184,10 +184,17 @@ def cpu_model_and_simd() -> tuple[str, list[str]]:
 
 
 def cpu_record() -> dict[str, Any]:
-    """The CPU's model name and every flag /proc/cpuinfo gives it: what a result file says it ran on, since the
-    same model name comes with or without AVX-512 or AMX depending on the host."""
+    """The CPU's model name, family and model numbers (a VM's name "AMD EPYC" covers several generations) and
+    every flag /proc/cpuinfo gives it (the same name comes with or without AVX-512 or AMX, host by host)."""
     fields = cpuinfo_first()
-    return {"model": fields.get("model name", "unknown"), "flags": fields.get("flags", "").split()}
+    return {
+        "model": fields.get("model name", "unknown"),
+        "vendor": fields.get("vendor_id"),
+        "family": fields.get("cpu family"),
+        "model_number": fields.get("model"),
+        "stepping": fields.get("stepping"),
+        "flags": fields.get("flags", "").split(),
+    }
 
 
 def write_json(path: str | os.PathLike[str], doc: dict[str, Any]) -> None:
