@@ -92,11 +92,7 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with condition_context(args.condition, args.leave_gb) as balloon:
             if balloon is not None:
-                doc["balloon"] = {
-                    "leave_gb": args.leave_gb,
-                    "locked_bytes": balloon.locked_bytes,
-                    "mem_available_bytes": balloon.mem_available_bytes,
-                }
+                doc["balloon"] = balloon.record()
             for rep in range(args.repeat):
                 for arm, extra in arms.items():
                     setup = prepare(args.condition, args.model, balloon) if args.condition != "asis" else {}

@@ -168,7 +168,7 @@ def run_condition(args: argparse.Namespace, condition: str) -> dict[str, Any]:
     try:
         with condition_context(condition, args.leave_gb) as balloon:
             if balloon is not None:
-                doc["balloon"] = {"leave_gb": args.leave_gb, "locked_bytes": balloon.locked_bytes}
+                doc["balloon"] = balloon.record()
             for rep in range(args.repeat):
                 order = args.streams if rep % 2 == 0 else args.streams[::-1]
                 for n in order:

@@ -54,7 +54,7 @@ from engine_runs import (
     summarize,
     to_result,
 )
-from harness import DEFAULT_PROMPT, GIB, add_results_args, cell, log, run_meta, save_results, spread
+from harness import DEFAULT_PROMPT, GIB, add_results_args, cell, check_conditions, log, run_meta, save_results, spread
 
 CONDITIONS = ("pagecache", "cold", "pressure")
 
@@ -95,13 +95,7 @@ def run_condition(
     try:
         with condition_context(condition, args.leave_gb) as balloon:
             if balloon is not None:
-                doc["balloon"] = {
-                    "leave_gb": args.leave_gb,
-                    "locked_bytes": balloon.locked_bytes,
-                    "mem_available_bytes": balloon.mem_available_bytes,
-                    "inflate_s": balloon.inflate_s,
-                    "oom_score_adj": balloon.oom_score_adj,
-                }
+                doc["balloon"] = balloon.record()
                 log(
                     f"[{condition}] balloon holds {balloon.locked_bytes / GIB:.1f} GiB, "
                     f"{balloon.mem_available_bytes / GIB:.1f} GiB left"
@@ -307,12 +301,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_results_args(ap, None, "results file name (default compare-<model>)")
     args = ap.parse_args(argv)
-    args.conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]
-    for c in args.conditions:
-        if c not in CONDITIONS:
-            ap.error(f"unknown condition {c!r}; choose from {', '.join(CONDITIONS)}")
-    if not os.path.isfile(args.model):
-        ap.error(f"no such model file: {args.model}")
+    check_conditions(ap, args, CONDITIONS)
     if args.repeat < 1 or args.tokens < 1 or args.threads < 1:
         ap.error("--repeat, --tokens and --threads must be positive")
     if args.pressure_budget_mb is None:

@@ -365,6 +365,17 @@ def add_results_args(ap: argparse.ArgumentParser, name: str | None, name_help: s
     ap.add_argument("--markdown", default=None, help="also write the markdown table to this file")
 
 
+def check_conditions(ap: argparse.ArgumentParser, args: argparse.Namespace, known: Sequence[str]) -> None:
+    """args.conditions ("pagecache,pressure") made a list of known conditions, and args.model checked to be a
+    file: ap.error otherwise."""
+    args.conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]
+    for c in args.conditions:
+        if c not in known:
+            ap.error(f"unknown condition {c!r}; choose from {', '.join(known)}")
+    if not os.path.isfile(args.model):
+        ap.error(f"no such model file: {args.model}")
+
+
 def run_meta(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     """What every results file records about its run: when, which model, the machine, the commit, the args."""
     return {
