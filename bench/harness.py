@@ -305,36 +305,18 @@ def run_measured(cmd: list[str], timeout_s: float, env: dict[str, str] | None = 
     readers = [threading.Thread(target=read_stdout, daemon=True), threading.Thread(target=read_stderr, daemon=True)]
     for t in readers:
         t.start()
-    timed_out = False
-    while True:
-        pid, wstatus, ru = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if time.perf_counter() - t0 > timeout_s and not timed_out:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-        time.sleep(0.05)
+    timed_out, wstatus, ru = wait_killing_after(proc, t0 + timeout_s)
     wall = time.perf_counter() - t0
     rc = os.waitstatus_to_exitcode(wstatus)
-    proc.returncode = rc  # reaped by wait4 above; keep Popen consistent
+    proc.returncode = rc  # reaped by wait4; keep Popen consistent
     for t in readers:
         t.join(timeout=10)
     for stream in (proc.stdout, proc.stderr):
         if stream is not None:
             stream.close()
-    if timed_out:
-        status = "timeout"
-    elif rc == -signal.SIGKILL and oom_kills() > kills_before:
-        status = "oom-killed"
-    elif rc < 0:
-        status = f"killed ({signal.Signals(-rc).name})"
-    elif rc != 0:
-        status = f"failed (rc {rc})"
-    else:
-        status = "ok"
     return Measured(
         cmd=cmd,
-        status=status,
+        status="timeout" if timed_out else exit_status(rc, oom_kills() > kills_before),
         rc=rc,
         wall_s=wall,
         ru_maxrss=ru.ru_maxrss * 1024,
@@ -344,6 +326,29 @@ def run_measured(cmd: list[str], timeout_s: float, env: dict[str, str] | None = 
         stdout=b"".join(out_chunks).decode("utf-8", "replace"),
         stderr=b"".join(err_lines).decode("utf-8", "replace"),
     )
+
+
+def wait_killing_after(proc: subprocess.Popen[bytes], deadline: float) -> tuple[bool, int, Any]:
+    """Reap `proc` with wait4 (its rusage is the process's own), killing its process group once past `deadline`
+    (a perf_counter time): (timed out, wait status, rusage)."""
+    timed_out = False
+    while True:
+        pid, wstatus, ru = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            return timed_out, wstatus, ru
+        if time.perf_counter() > deadline and not timed_out:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def exit_status(rc: int, oom_killed_one: bool) -> str:
+    """ok, oom-killed (SIGKILL while the kernel's OOM-kill count rose), killed (SIGNAL) or failed (rc N)."""
+    if rc == -signal.SIGKILL and oom_killed_one:
+        return "oom-killed"
+    if rc < 0:
+        return f"killed ({signal.Signals(-rc).name})"
+    return f"failed (rc {rc})" if rc != 0 else "ok"
 
 
 def tail(text: str, lines: int = 3) -> str:
