@@ -4,6 +4,7 @@
     python bench/micro.py kernel --before . --before-flags=-mno-avx512f   # this CPU's AVX2 kernels vs its VNNI ones
     python bench/micro.py attention --lengths 2048,8192                  # torch's SDPA vs the native attention
     python bench/micro.py attention --before /tmp/main-tree              # two trees' native attention
+    python bench/micro.py attention-chunks --tokens 8192                 # the engine's vs SDPA over wider chunks
     python bench/micro.py deltanet --lengths 128,2048                    # torch's delta rule and conv vs native
     python bench/micro.py norm                                           # torch's RMSNorm vs native
     python bench/micro.py moe-inputs --tokens 2048                       # a span's expert inputs gathered vs prepared

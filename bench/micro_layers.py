@@ -90,6 +90,53 @@ def attention_cases(args: argparse.Namespace) -> Iterator[Case]:
             yield attention_case(T, *ATTENTION_SHAPES[shape], args.chunk, before)
 
 
+# ---- attention-chunks: the engine's attention against torch's SDPA over wider query chunks --------
+
+
+def attention_chunks_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--tokens", type=int, default=8192, help="prompt span (default 8192)")
+    ap.add_argument("--chunk", type=int, default=128, help="the engine's query chunk (its micro-batch)")
+    ap.add_argument("--wide-chunks", type=int_list, default=[128, 512, 1024],
+                    help="query chunks of the SDPA arm, one case each")  # fmt: skip
+
+
+def attention_chunks_cases(args: argparse.Namespace) -> Iterator[Case]:
+    """One layer of the Qwen3-30B-A3B shape (32 query heads on 4 KV heads of 128, a bf16 cache) over a whole
+    span, a diagnosis of the span's attention rather than an engine speed: `engine` is `KVCache.attend` a query
+    chunk of --chunk at a time; `sdpa` converts the keys into one contiguous float block and runs torch's SDPA
+    with a causal mask over query chunks of N."""
+    if min(args.tokens, args.chunk, *args.wide_chunks) < 1:
+        raise SystemExit("micro: --tokens, --chunk and --wide-chunks must be at least 1")
+    heads, kv_heads, d = ATTENTION_SHAPES["qwen3-30b"]
+    T = args.tokens
+    g = torch.Generator().manual_seed(0)
+    kv = common.KVCache([kv_heads], d, T, torch.bfloat16)
+    q = torch.randn(T, heads, d, generator=g)
+    keys, values = kv.update(0, 0, torch.randn(T, kv_heads, d, generator=g), torch.randn(T, kv_heads, d, generator=g))
+
+    def engine() -> torch.Tensor:
+        return torch.cat([kv.attend(q[a:b], keys[:b], values[:b], a) for a, b in common.query_chunks(T, args.chunk)])
+
+    def sdpa(n: int) -> torch.Tensor:
+        out = torch.empty(T, heads, d)
+        for a, b in common.query_chunks(T, n):
+            kh, vh = (t[:b].transpose(0, 1).float().unsqueeze(0) for t in (keys, values))
+            mask = common.causal_mask(b - a, b, a)
+            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1).unsqueeze(0), kh, vh, attn_mask=mask,
+                                               enable_gqa=True)  # fmt: skip
+            out[a:b] = o.squeeze(0).transpose(0, 1)
+        return out
+
+    with torch.inference_mode():
+        reference = engine()
+    for n in args.wide_chunks:
+        arms = {"engine": engine, f"sdpa-{n}": lambda n=n: sdpa(n)}
+        with torch.inference_mode():
+            diff = float((arms[f"sdpa-{n}"]() - reference).abs().max())
+        yield Case(f"{T} tokens, SDPA over {n} queries a chunk", arms, f"largest difference {diff:.1e}",
+                   4 * T * T / 2 * heads * d)  # fmt: skip
+
+
 # ---- deltanet: the Gated DeltaNet's prompt path ---------------------------------------------------
 
 
@@ -197,6 +244,14 @@ LAYER_SUITES = {
         attention_args,
         lambda args: threads_header(args) + f", queries {args.chunk} a call",
         attention_cases,
+    ),
+    "attention-chunks": Suite(
+        "one layer's attention over a long span: the engine's against torch's SDPA over wider query chunks",
+        5,
+        2,
+        attention_chunks_args,
+        lambda args: threads_header(args) + f", the engine's queries {args.chunk} a call",
+        attention_chunks_cases,
     ),
     "deltanet": Suite(
         "the Gated DeltaNet's delta rule and conv: torch (or --before's native loop) vs the native loops",
