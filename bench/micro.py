@@ -34,15 +34,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 from harness import Suite, add_results_args, alternate, log, median_range, save_rows  # noqa: E402
+from micro_kernels import KERNEL_SUITES  # noqa: E402
+from micro_layers import LAYER_SUITES  # noqa: E402
 
 from moestream.compute import native  # noqa: E402
 
-
-def suites() -> dict[str, Suite]:
-    from micro_kernels import KERNEL_SUITES
-    from micro_layers import LAYER_SUITES
-
-    return {**KERNEL_SUITES, **LAYER_SUITES}
+SUITES: dict[str, Suite] = {**KERNEL_SUITES, **LAYER_SUITES}
 
 
 def run_suite(suite: Suite, args: argparse.Namespace) -> tuple[list[dict], list[str]]:
@@ -89,9 +86,8 @@ def parse_args(argv: list[str] | None, table: dict[str, Suite]) -> argparse.Name
 
 
 def main(argv: list[str] | None = None) -> int:
-    table = suites()
-    args = parse_args(argv, table)
-    suite = table[args.case]
+    args = parse_args(argv, SUITES)
+    suite = SUITES[args.case]
     if native.lib() is None:
         raise SystemExit("micro: the native library is not available here (no C compiler?)")
     torch.set_num_threads(suite.torch_threads(args))

@@ -9,7 +9,7 @@ import argparse
 import ctypes
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +84,7 @@ def kernel_cases(args: argparse.Namespace) -> Iterator[Case]:
             x = torch.from_numpy(rng.standard_normal((args.m, k)).astype(np.float32))
             outs = {arm: torch.empty(args.m, n) for arm in libs}
 
-            def call(arm: str, lin=lin, x=x, outs=outs, n=n, k=k):  # noqa: ANN202
+            def call(arm: str, lin=lin, x=x, outs=outs, n=n, k=k) -> Callable[[], object]:
                 return lambda: libs[arm].ms_qmm(lin.ggml_type, lin.weight.data_ptr(), n, k, x.data_ptr(), args.m,
                                                 k, outs[arm].data_ptr(), n)  # fmt: skip
 
