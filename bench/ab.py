@@ -1,12 +1,20 @@
-"""A/B of two moestream command lines on the same model, interleaved A B A B ... in fresh processes.
+"""A/B of two moestream command lines or two source trees on the same model, interleaved A B A B ... in fresh
+processes.
 
     python bench/ab.py --model /tmp/models/q30.gguf --a "--io-threads 2" --b "--io-threads 8" \\
         --budget-mb 6000 --repeat 5 --tokens 32
+    python bench/ab.py --model /tmp/models/q30.gguf --variant mlock --leave-gb 6 --budget-mb 4096
+    python bench/ab.py --model /tmp/models/q30.gguf --variant versions --a-tree /tmp/base --leave-gb 8
+
+Named variants (--variant NAME) set both arms' flags and the condition; --a, --b and --condition given as well
+override them:
+{variants}
 
 Two versions of moestream: `git worktree add /tmp/base <commit>`, then `--a '' --a-tree /tmp/base --b ''`
-runs arm A from that checkout and arm B from this one. With --serve each run is a fresh `moestream serve`
-(the flags are serve's) answering one streamed request of the prompt: prefill is the time to the first chunk,
-decode the tokens after it (bench/agent_turn.py, served_prompt); the engine's own counters are not reported.
+(or --variant versions) runs arm A from that checkout and arm B from this one. With --serve each run is a fresh
+`moestream serve` (the flags are serve's) answering one streamed request of the prompt: prefill is the time to the
+first chunk, decode the tokens after it (bench/agent_turn.py, served_prompt); the engine's own counters are not
+reported.
 
 Everything but the two flag strings is shared: model, prompt, tokens, threads, budget, and the page-cache
 state made before every run (--condition: cold drops caches, pagecache pre-reads the file, pressure holds
@@ -14,7 +22,9 @@ a balloon leaving --leave-gb GiB, asis leaves the machine alone). Interleaving s
 shared machine over both arms; the B/A ratios come from the pairs run back to back.
 
 Reports medians and min-max of decode and prefill tok/s, expert hit rate, disk MB per decoded token (the
-kernel's count for the process, and moestream's own), time waiting on reads per token and peak RSS.
+kernel's count for the process, and moestream's own), time waiting on reads per token, peak RSS, the process's
+major page faults and the machine's swap-ins during the run (pages evicted and read back: what --mlock is for;
+the JSON records whether the machine had swap at all).
 Writes bench/results/<date>-<name>.json and prints a markdown table (also --markdown FILE).
 """
 
@@ -25,14 +35,41 @@ import os
 import shlex
 import sys
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent_turn import served_prompt
 from balloon import BalloonError
 from engine_runs import RunResult, condition_context, pair_ratios, prepare, run_moestream, short, summarize, to_result
-from harness import DEFAULT_PROMPT, add_results_args, cell, log, run_meta, save_results
+from harness import DEFAULT_PROMPT, add_results_args, cell, log, meminfo, run_meta, save_results, vmstat
+
+
+class Variant(NamedTuple):
+    a: str
+    b: str
+    condition: str
+    what: str
+
+
+VARIANTS = {
+    "versions": Variant("", "", "pressure", "the same flags, arm A from --a-tree (an older checkout), B from this one"),
+    "mlock": Variant(
+        "--no-mlock",
+        "--mlock",
+        "pressure",
+        "dense weights locked or not under the balloon (no swap: nothing to evict, no difference)",
+    ),
+    "buffered": Variant("", "--buffered", "cold", "experts read with O_DIRECT or through the page cache"),
+    "io-threads": Variant("--io-threads 2", "--io-threads 8", "cold", "reads in flight"),
+    "prefill-span": Variant(
+        "--prefill-span 128", "", "cold", "a prompt micro-batch by micro-batch (A) vs layer-major spans (B)"
+    ),
+    "preload": Variant(
+        "--preload", "--preload", "pagecache", "both arms with every expert cached (compute alone): give --a-tree"
+    ),
+}
 
 AB_CONDITIONS = ("cold", "pagecache", "pressure", "asis")
+__doc__ = __doc__.format(variants="\n".join(f"  {name:13s}{v.what}" for name, v in VARIANTS.items()))
 COLUMNS = (
     ("decode tok/s", "decode_tps", 1.0, ""),
     ("prefill tok/s", "prompt_tps", 1.0, ""),
@@ -41,6 +78,8 @@ COLUMNS = (
     ("moestream MB/tok", "engine_mb_per_token", 1.0, ""),
     ("read wait ms/tok", "read_wait_ms_per_token", 1.0, ""),
     ("peak RSS MB", "peak_rss_mb", 1.0, ""),
+    ("major faults", "major_faults", 1.0, ""),
+    ("swap-ins", "swap_ins", 1.0, ""),
 )
 RATIO_METRICS = ("decode_tps", "prompt_tps", "hit_rate", "engine_mb_per_token")
 
@@ -49,18 +88,15 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
     arms = {"A": shlex.split(args.a), "B": shlex.split(args.b)}
     trees = {"A": args.a_tree, "B": args.b_tree}
     runs: list[RunResult] = []
-    doc: dict[str, Any] = {}
+    doc: dict[str, Any] = {"swap_total_bytes": meminfo().get("SwapTotal", 0)}
     try:
         with condition_context(args.condition, args.leave_gb) as balloon:
             if balloon is not None:
-                doc["balloon"] = {
-                    "leave_gb": args.leave_gb,
-                    "locked_bytes": balloon.locked_bytes,
-                    "mem_available_bytes": balloon.mem_available_bytes,
-                }
+                doc["balloon"] = balloon.record()
             for rep in range(args.repeat):
                 for arm, extra in arms.items():
                     setup = prepare(args.condition, args.model, balloon) if args.condition != "asis" else {}
+                    swap_ins = vmstat().get("pswpin", 0)
                     m, stats = (served_prompt if args.serve else run_moestream)(
                         args.model,
                         args.prompt,
@@ -72,6 +108,7 @@ def run_ab(args: argparse.Namespace) -> dict[str, Any]:
                         trees[arm],
                     )
                     r = to_result("moestream", arm, args.condition, rep, m, stats, setup)
+                    r.external["swap_ins"] = vmstat().get("pswpin", 0) - swap_ins
                     if balloon is not None and not balloon.alive():
                         r.status = "invalid: the balloon died during the run"
                     runs.append(r)
@@ -136,8 +173,9 @@ def markdown(doc: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--a", required=True, help="moestream run flags of arm A (quote them; '' for defaults)")
-    ap.add_argument("--b", required=True, help="moestream run flags of arm B")
+    ap.add_argument("--variant", choices=VARIANTS, help="a named pair of arms and its condition (see above)")
+    ap.add_argument("--a", help="moestream run flags of arm A (quote them; '' for defaults)")
+    ap.add_argument("--b", help="moestream run flags of arm B")
     ap.add_argument("--a-tree", default=None, help="run arm A's moestream from this checkout (a git worktree)")
     ap.add_argument("--b-tree", default=None, help="run arm B's moestream from this checkout")
     ap.add_argument("--repeat", type=int, default=5, help="runs per arm (default 5)")
@@ -146,7 +184,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--budget-mb", type=int, default=None, help="--ram-budget-mb for both arms")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument(
-        "--condition", choices=AB_CONDITIONS, default="cold", help="page-cache state before each run (default cold)"
+        "--condition",
+        choices=AB_CONDITIONS,
+        default=None,
+        help="page-cache state before each run (default: the variant's, else cold)",
     )
     ap.add_argument("--leave-gb", type=float, default=8.0, help="with --condition pressure")
     ap.add_argument("--timeout-s", type=float, default=1800)
@@ -158,6 +199,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_results_args(ap, None, "results file name (default ab-<model>)")
     args = ap.parse_args(argv)
+    preset = VARIANTS.get(args.variant)
+    for key in ("a", "b", "condition"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(preset, key) if preset else "cold" if key == "condition" else None)
+    if args.a is None or args.b is None:
+        ap.error("give --a and --b, or --variant")
+    if preset and preset.a == preset.b and args.a == args.b and args.a_tree == args.b_tree:
+        ap.error(f"--variant {args.variant} runs the same flags in both arms: give --a-tree (or --b-tree)")
     if not os.path.isfile(args.model):
         ap.error(f"no such model file: {args.model}")
     if args.repeat < 1 or args.tokens < 1:

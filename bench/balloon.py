@@ -241,6 +241,7 @@ class Balloon:
     def __init__(
         self, leave_gb: float, *, chunk_mb: int = 256, ready_timeout_s: float = 600, max_hold_s: float = 3 * 3600
     ):
+        self.leave_gb = leave_gb
         self.leave_bytes = int(leave_gb * GIB)
         self.chunk_mb = chunk_mb
         self.ready_timeout_s = ready_timeout_s
@@ -317,6 +318,16 @@ class Balloon:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def record(self) -> dict[str, float | int]:
+        """What a results file says about the balloon of its pressure condition, as it stood after inflating."""
+        return {
+            "leave_gb": self.leave_gb,
+            "locked_bytes": self.locked_bytes,
+            "mem_available_bytes": self.mem_available_bytes,
+            "inflate_s": self.inflate_s,
+            "oom_score_adj": self.oom_score_adj,
+        }
 
     def victim(self, pid: int) -> None:
         """Make `pid` the OOM killer's first choice."""

@@ -17,7 +17,7 @@ run the N values in alternating order. Conditions:
   pressure   the balloon leaves --leave-gb GiB, caches are dropped before each server starts, the server gets
              --pressure-budget-mb (default leave - 1 GiB); a 8-token warm-up request only
   routes     pagecache with skewed multi-topic routing forced by a route trace (--route-trace): topic t is a
-             Zipf (--zipf) popularity over its own permutation of each layer's experts (bench/tiers_ab.py's
+             Zipf (--zipf) popularity over its own permutation of each layer's experts (bench/skewed_routes.py's
              workload); routes follow positions, so stream i's prompt is i x (prompt + tokens) longer and
              its decoded tokens fall in topic i's part of the trace (the clients' times to first token
              are then not comparable with a lone client's)
@@ -56,7 +56,7 @@ from serve_runs import (
     stop_server,
     union_stats,
 )
-from tiers_ab import draw_routes, topic_popularity, write_route_trace
+from skewed_routes import draw_routes, topic_popularity, write_route_trace
 
 CONDITIONS = ("pagecache", "pressure", "routes", "routes-shared")
 LLAMA_BATCHED = os.path.join(BENCH_DIR, "llamacpp_batched.py")
@@ -168,7 +168,7 @@ def run_condition(args: argparse.Namespace, condition: str) -> dict[str, Any]:
     try:
         with condition_context(condition, args.leave_gb) as balloon:
             if balloon is not None:
-                doc["balloon"] = {"leave_gb": args.leave_gb, "locked_bytes": balloon.locked_bytes}
+                doc["balloon"] = balloon.record()
             for rep in range(args.repeat):
                 order = args.streams if rep % 2 == 0 else args.streams[::-1]
                 for n in order:

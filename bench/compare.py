@@ -54,7 +54,7 @@ from engine_runs import (
     summarize,
     to_result,
 )
-from harness import DEFAULT_PROMPT, GIB, add_results_args, cell, log, run_meta, save_results, spread
+from harness import DEFAULT_PROMPT, GIB, add_results_args, cell, check_conditions, log, run_meta, save_results, spread
 
 CONDITIONS = ("pagecache", "cold", "pressure")
 
@@ -95,13 +95,7 @@ def run_condition(
     try:
         with condition_context(condition, args.leave_gb) as balloon:
             if balloon is not None:
-                doc["balloon"] = {
-                    "leave_gb": args.leave_gb,
-                    "locked_bytes": balloon.locked_bytes,
-                    "mem_available_bytes": balloon.mem_available_bytes,
-                    "inflate_s": balloon.inflate_s,
-                    "oom_score_adj": balloon.oom_score_adj,
-                }
+                doc["balloon"] = balloon.record()
                 log(
                     f"[{condition}] balloon holds {balloon.locked_bytes / GIB:.1f} GiB, "
                     f"{balloon.mem_available_bytes / GIB:.1f} GiB left"
@@ -161,6 +155,34 @@ def condition_title(cond: dict[str, Any], leave_gb: float) -> str:
     return name
 
 
+def ceiling_notes(cond: dict[str, Any], title: str) -> list[str]:
+    """The lines under the table that put moestream's decode against its disk + compute ceiling."""
+    notes: list[str] = []
+    ceil_runs = [r["ceiling"] for r in cond["runs"] if r["engine"] == "moestream" and r.get("ceiling")]
+    if ceil_runs and "disk" in cond:
+        c0 = ceil_runs[0]
+        moc = spread(c.get("measured_over_ceiling") for c in ceil_runs)
+        parts = [
+            f"{title}: moestream ceiling = missed {cell(spread(c['missed_mb_per_token'] for c in ceil_runs))}"
+            f" MB/tok / {cond['disk']['mb_s']:.0f} MB/s ({cond['disk']['source']}, "
+            f"{cond['disk']['inflight']} in flight)"
+        ]
+        if "compute_ms" in c0:
+            parts.append(
+                f" + compute {c0['compute_ms']:.1f} ms/tok (all cached) = "
+                f"{cell(spread(c['ceiling_ms'] for c in ceil_runs))} ms/tok; measured "
+                f"{cell(spread(c['measured_ms'] for c in ceil_runs))} ms/tok = **{cell(moc, suffix='x')}"
+                " the ceiling** (runs: " + ", ".join(f"{c['measured_over_ceiling']:.2f}x" for c in ceil_runs) + ")"
+            )
+        parts.append(
+            f" (this run's own split: compute {cell(spread(c['run_compute_ms'] for c in ceil_runs))}"
+            f" + waiting on reads {cell(spread(c['run_read_wait_ms'] for c in ceil_runs))} ms/tok)"
+        )
+        notes = ["".join(parts)]
+        notes += [f"{title}: disk probe: {w}" for w in cond["disk"].get("warnings", [])[:1]]
+    return notes
+
+
 def markdown(doc: dict[str, Any]) -> str:
     meta = doc["meta"]
     host = meta["host"]
@@ -205,28 +227,7 @@ def markdown(doc: dict[str, Any]) -> str:
                 failed = ", ".join(f"{n} {k}" for k, n in st.items() if k != "ok")
                 decode = f"n/a (llama.cpp: {failed})" if failed else "n/a"
             lines.append(f"| | **{ratio['label']}** | {pairs} pairs | **{decode}** | {prefill} | | | |")
-        ceil_runs = [r["ceiling"] for r in cond["runs"] if r["engine"] == "moestream" and r.get("ceiling")]
-        if ceil_runs and "disk" in cond:
-            c0 = ceil_runs[0]
-            moc = spread(c.get("measured_over_ceiling") for c in ceil_runs)
-            parts = [
-                f"{title}: moestream ceiling = missed {cell(spread(c['missed_mb_per_token'] for c in ceil_runs))}"
-                f" MB/tok / {cond['disk']['mb_s']:.0f} MB/s ({cond['disk']['source']}, "
-                f"{cond['disk']['inflight']} in flight)"
-            ]
-            if "compute_ms" in c0:
-                parts.append(
-                    f" + compute {c0['compute_ms']:.1f} ms/tok (all cached) = "
-                    f"{cell(spread(c['ceiling_ms'] for c in ceil_runs))} ms/tok; measured "
-                    f"{cell(spread(c['measured_ms'] for c in ceil_runs))} ms/tok = **{cell(moc, suffix='x')}"
-                    " the ceiling** (runs: " + ", ".join(f"{c['measured_over_ceiling']:.2f}x" for c in ceil_runs) + ")"
-                )
-            parts.append(
-                f" (this run's own split: compute {cell(spread(c['run_compute_ms'] for c in ceil_runs))}"
-                f" + waiting on reads {cell(spread(c['run_read_wait_ms'] for c in ceil_runs))} ms/tok)"
-            )
-            notes.append("".join(parts))
-            notes += [f"{title}: disk probe: {w}" for w in cond["disk"].get("warnings", [])[:1]]
+        notes += ceiling_notes(cond, title)
         for r in cond["runs"]:
             if r["status"] != "ok":
                 notes.append(
@@ -307,12 +308,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_results_args(ap, None, "results file name (default compare-<model>)")
     args = ap.parse_args(argv)
-    args.conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]
-    for c in args.conditions:
-        if c not in CONDITIONS:
-            ap.error(f"unknown condition {c!r}; choose from {', '.join(CONDITIONS)}")
-    if not os.path.isfile(args.model):
-        ap.error(f"no such model file: {args.model}")
+    check_conditions(ap, args, CONDITIONS)
     if args.repeat < 1 or args.tokens < 1 or args.threads < 1:
         ap.error("--repeat, --tokens and --threads must be positive")
     if args.pressure_budget_mb is None:

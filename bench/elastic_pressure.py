@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from harness import RESULTS_DIR, meminfo
+from harness import RESULTS_DIR, meminfo, write_json
 
 HOG = r"""
 import mmap, sys, time
@@ -41,6 +41,13 @@ time.sleep(hold)
 """
 
 
+def engine_command(args: argparse.Namespace, stats_path: str) -> list[str]:
+    """`moestream run` decoding --tokens tokens whatever comes, with --keep-free-mb, its stats to `stats_path`."""
+    return [sys.executable, "-m", "moestream", "run", "-m", args.model, "-p", "Tell me about disks and memory.",
+            "-n", str(args.tokens), "--ignore-eos", "--threads", str(args.threads), "--ram-budget-mb",
+            str(args.budget_mb), "--keep-free-mb", str(args.keep_free_mb), "--stats-json", stats_path]  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -55,27 +62,7 @@ def main() -> int:
     args = ap.parse_args()
 
     stats_path = f"/tmp/elastic-{os.getpid()}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "moestream",
-        "run",
-        "-m",
-        args.model,
-        "-p",
-        "Tell me about disks and memory.",
-        "-n",
-        str(args.tokens),
-        "--ignore-eos",
-        "--threads",
-        str(args.threads),
-        "--ram-budget-mb",
-        str(args.budget_mb),
-        "--keep-free-mb",
-        str(args.keep_free_mb),
-        "--stats-json",
-        stats_path,
-    ]
+    cmd = engine_command(args, stats_path)
     low = {"avail": meminfo()["MemAvailable"], "swap_used": 0}
     stop = threading.Event()
 
@@ -113,17 +100,9 @@ def main() -> int:
     }
     os.makedirs(args.results_dir, exist_ok=True)
     out = os.path.join(args.results_dir, time.strftime("%Y-%m-%d") + "-elastic-pressure.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    for k in (
-        "engine_rc",
-        "hog_rc",
-        "min_mem_available_mb",
-        "max_swap_used_mb",
-        "decode_tps",
-        "peak_rss_mb",
-        "elastic",
-    ):
+    write_json(out, result)
+    shown = ("engine_rc", "hog_rc", "min_mem_available_mb", "max_swap_used_mb", "decode_tps", "peak_rss_mb", "elastic")
+    for k in shown:
         print(f"{k}: {result[k]}")
     print("results:", out)
     return 0 if engine.returncode == 0 and hog.returncode == 0 else 1

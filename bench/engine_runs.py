@@ -41,6 +41,8 @@ METRICS = (
     "ttft_s",
     "prompt_disk_bytes",
     "engine_prompt_bytes",
+    "major_faults",
+    "swap_ins",
 )
 
 
@@ -97,6 +99,10 @@ class RunResult:
             if self.engine == "moestream":
                 return e.get("prompt_read_bytes")
             return s.get("prompt_bytes_read")
+        if name == "major_faults":  # pages the process read back from disk (evicted weights, code)
+            return e.get("majflt")
+        if name == "swap_ins":  # the machine's swap-ins during the run (bench/ab.py records them)
+            return e.get("swap_ins")
         if name == "engine_prompt_bytes":  # moestream's own count of expert bytes the prompt read
             if self.engine != "moestream" or "bytes_read" not in s:  # (bench/ab.py --serve: not reported)
                 return None

@@ -1,9 +1,9 @@
 """GPT-OSS's few, large experts: would a smaller cache/read unit (half or quarter experts) pay on this disk?
 
-    python bench/gpt_oss_units.py routes MODEL -o routes.csv     # tiers_ab's skewed workload for MODEL's shape
+    python bench/gpt_oss_units.py routes MODEL -o routes.csv     # skewed_routes.py's workload for MODEL's shape
     python bench/gpt_oss_units.py units TRACE [TRACE ...] --probe P1.json [P2.json ...] -o units.json
 
-`routes` writes tiers_ab.py's topic-shifting Zipf routes (three topics, each a prompt's and a decode's worth
+`routes` writes skewed_routes.py's topic-shifting Zipf routes (three topics, each a prompt's and a decode's worth
 of tokens) as a route trace for `moestream run --route-trace`, sized from the GGUF's layers, experts and top-k.
 
 `units` replays each trace (moestream.analysis.replay: the engine's cache semantics) with LRU and Belady at the
@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tiers_ab import session, topic_popularity, write_route_trace
+from harness import write_json
+from skewed_routes import session, topic_popularity, write_route_trace
 
 from moestream.analysis.accesses import Accesses, accesses_from_trace
 from moestream.analysis.replay import replay
@@ -129,7 +130,7 @@ def cmd_units(args: argparse.Namespace) -> None:
                   f"{r['reads_per_token']:5.1f} reads/tok")  # fmt: skip
     shown = ", ".join(f"{s / 2**20:.2f} MiB x{d}: {v:.0f}" for (s, d), v in sorted(bw.items()))
     print(f"median MB/s (size, in flight): {shown}")
-    Path(args.output).write_text(json.dumps(result, indent=1))
+    write_json(args.output, result)
     print(f"results: {args.output}")
 
 

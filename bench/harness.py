@@ -163,18 +163,45 @@ def read_ahead_kb(path: str) -> int | None:
 SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
-def cpu_model_and_simd() -> tuple[str, list[str]]:
-    """The CPU's model name and the vector extensions that decide moestream's kernels (the same model name may
-    have or lack them), from the first processor of /proc/cpuinfo."""
+def cpuinfo_first() -> dict[str, str]:
+    """The fields of the first processor in /proc/cpuinfo (every core of these machines lists the same)."""
     fields: dict[str, str] = {}
     with open("/proc/cpuinfo") as f:
         for line in f:
             key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-            if "model name" in fields and "flags" in fields:
+            if not key.strip():
                 break
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_model_and_simd() -> tuple[str, list[str]]:
+    """The CPU's model name and the vector extensions that decide moestream's kernels (the same model name may
+    have or lack them)."""
+    fields = cpuinfo_first()
     have = set(fields.get("flags", "").split())
     return fields.get("model name", "unknown"), [w for w in SIMD_FLAGS if w in have]
+
+
+def cpu_record() -> dict[str, Any]:
+    """The CPU's model name, family and model numbers (a VM's name "AMD EPYC" covers several generations) and
+    every flag /proc/cpuinfo gives it (the same name comes with or without AVX-512 or AMX, host by host)."""
+    fields = cpuinfo_first()
+    return {
+        "model": fields.get("model name", "unknown"),
+        "vendor": fields.get("vendor_id"),
+        "family": fields.get("cpu family"),
+        "model_number": fields.get("model"),
+        "stepping": fields.get("stepping"),
+        "flags": fields.get("flags", "").split(),
+    }
+
+
+def write_json(path: str | os.PathLike[str], doc: dict[str, Any]) -> None:
+    """Write a results document with the CPU it ran on (`cpu`: model and flags) added at its top level: every
+    JSON the bench tools write goes through here."""
+    with open(path, "w") as f:
+        json.dump({**doc, "cpu": cpu_record()}, f, indent=1, default=str)
 
 
 def host_info(model: str) -> dict[str, Any]:
@@ -278,36 +305,18 @@ def run_measured(cmd: list[str], timeout_s: float, env: dict[str, str] | None = 
     readers = [threading.Thread(target=read_stdout, daemon=True), threading.Thread(target=read_stderr, daemon=True)]
     for t in readers:
         t.start()
-    timed_out = False
-    while True:
-        pid, wstatus, ru = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if time.perf_counter() - t0 > timeout_s and not timed_out:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-        time.sleep(0.05)
+    timed_out, wstatus, ru = wait_killing_after(proc, t0 + timeout_s)
     wall = time.perf_counter() - t0
     rc = os.waitstatus_to_exitcode(wstatus)
-    proc.returncode = rc  # reaped by wait4 above; keep Popen consistent
+    proc.returncode = rc  # reaped by wait4; keep Popen consistent
     for t in readers:
         t.join(timeout=10)
     for stream in (proc.stdout, proc.stderr):
         if stream is not None:
             stream.close()
-    if timed_out:
-        status = "timeout"
-    elif rc == -signal.SIGKILL and oom_kills() > kills_before:
-        status = "oom-killed"
-    elif rc < 0:
-        status = f"killed ({signal.Signals(-rc).name})"
-    elif rc != 0:
-        status = f"failed (rc {rc})"
-    else:
-        status = "ok"
     return Measured(
         cmd=cmd,
-        status=status,
+        status="timeout" if timed_out else exit_status(rc, oom_kills() > kills_before),
         rc=rc,
         wall_s=wall,
         ru_maxrss=ru.ru_maxrss * 1024,
@@ -317,6 +326,29 @@ def run_measured(cmd: list[str], timeout_s: float, env: dict[str, str] | None = 
         stdout=b"".join(out_chunks).decode("utf-8", "replace"),
         stderr=b"".join(err_lines).decode("utf-8", "replace"),
     )
+
+
+def wait_killing_after(proc: subprocess.Popen[bytes], deadline: float) -> tuple[bool, int, Any]:
+    """Reap `proc` with wait4 (its rusage is the process's own), killing its process group once past `deadline`
+    (a perf_counter time): (timed out, wait status, rusage)."""
+    timed_out = False
+    while True:
+        pid, wstatus, ru = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            return timed_out, wstatus, ru
+        if time.perf_counter() > deadline and not timed_out:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def exit_status(rc: int, oom_killed_one: bool) -> str:
+    """ok, oom-killed (SIGKILL while the kernel's OOM-kill count rose), killed (SIGNAL) or failed (rc N)."""
+    if rc == -signal.SIGKILL and oom_killed_one:
+        return "oom-killed"
+    if rc < 0:
+        return f"killed ({signal.Signals(-rc).name})"
+    return f"failed (rc {rc})" if rc != 0 else "ok"
 
 
 def tail(text: str, lines: int = 3) -> str:
@@ -338,6 +370,17 @@ def add_results_args(ap: argparse.ArgumentParser, name: str | None, name_help: s
     ap.add_argument("--markdown", default=None, help="also write the markdown table to this file")
 
 
+def check_conditions(ap: argparse.ArgumentParser, args: argparse.Namespace, known: Sequence[str]) -> None:
+    """args.conditions ("pagecache,pressure") made a list of known conditions, and args.model checked to be a
+    file: ap.error otherwise."""
+    args.conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]
+    for c in args.conditions:
+        if c not in known:
+            ap.error(f"unknown condition {c!r}; choose from {', '.join(known)}")
+    if not os.path.isfile(args.model):
+        ap.error(f"no such model file: {args.model}")
+
+
 def run_meta(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     """What every results file records about its run: when, which model, the machine, the commit, the args."""
     return {
@@ -354,8 +397,7 @@ def save_results(doc: dict[str, Any], md: str, args: argparse.Namespace, kind: s
     """Write the JSON under --results-dir, print the markdown table (and to --markdown); the JSON path."""
     name = args.name or f"{kind}-{os.path.splitext(os.path.basename(args.model))[0]}"
     path = results_path(args.results_dir, name)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(path, doc)
     print(md)
     if args.markdown:
         with open(args.markdown, "w") as f:
@@ -397,6 +439,30 @@ def alternate(arms: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list
             arms[a]()
             times[a].append(time.perf_counter() - t0)
     return times
+
+
+@dataclass
+class Case:
+    """One comparison: `arms` maps the baseline's name, then the measured arm's, to one call each."""
+
+    name: str
+    arms: dict[str, Callable[[], object]]
+    check: str  # how far the outputs are apart: "same bits", "NO", or a difference
+    work: float | None = None  # operations one call of the measured arm does (its rate in the table)
+    unit: str = "GFLOP/s"
+
+
+@dataclass
+class Suite:
+    """A family of cases: its options, its header line and its cases (made lazily: they allocate)."""
+
+    help: str
+    rounds: int
+    threads: int
+    add_args: Callable[[argparse.ArgumentParser], None]
+    header: Callable[[argparse.Namespace], str]
+    cases: Callable[[argparse.Namespace], Iterable[Case]]
+    torch_threads: Callable[[argparse.Namespace], int] = lambda args: args.threads
 
 
 # ---- cells ---------------------------------------------------------------------------------------

@@ -18,14 +18,13 @@ N x each sequence's own rate. Disk bytes from /proc/self/io around the loop, pea
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
 from typing import Any
 
 import numpy as np
-from llamacpp_run import Meter, _version, load_llama, proc_status
+from llamacpp_run import Meter, _version, finish, load_llama, proc_status
 from serve_runs import prompt_ids
 
 
@@ -144,16 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --streams, -n and --prompt-tokens must be at least 1", file=sys.stderr)
         return 2
     doc = generate(args)
-    print(
+    speeds = (
         f"llama.cpp {args.streams} sequences: prompt {doc['prompt_tokens']} tok in {doc['prompt_s']:.1f} s | decode "
-        f"{doc['decode_tokens']} tok @ {doc['aggregate_tps']:.2f} tok/s aggregate | disk "
-        f"{doc['decode_mb_per_token']:.1f} MB/tok | peak RSS {doc['peak_rss'] / 2**20:.0f} MB",
-        file=sys.stderr,
+        f"{doc['decode_tokens']} tok @ {doc['aggregate_tps']:.2f} tok/s aggregate"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-    return 0
+    return finish(doc, speeds, args.json)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ memory, which doubles the memory a Q4_0 model needs and gets it OOM-killed when 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
@@ -28,7 +27,7 @@ import time
 from typing import Any
 
 import numpy as np
-from harness import proc_io
+from harness import proc_io, write_json
 
 
 def proc_status() -> dict[str, int]:
@@ -209,15 +208,18 @@ def main(argv: list[str] | None = None) -> int:
         repack=args.repack == "on",
     )
     print(doc["text"])
+    speeds = f"prompt {doc['prompt_tokens']} tok @ {doc['prompt_tps']:.1f} tok/s | decode {doc['decode_tokens']} tok @ "
+    return finish(doc, f"llama.cpp {speeds}{doc['decode_tps']:.2f} tok/s", args.json)
+
+
+def finish(doc: dict[str, Any], speeds: str, json_path: str | None) -> int:
+    """A llama.cpp run's stats line on stderr (its speeds, then disk and RSS) and its JSON where asked."""
     print(
-        f"llama.cpp prompt {doc['prompt_tokens']} tok @ {doc['prompt_tps']:.1f} tok/s | decode "
-        f"{doc['decode_tokens']} tok @ {doc['decode_tps']:.2f} tok/s | disk "
-        f"{doc['decode_mb_per_token']:.1f} MB/tok | peak RSS {doc['peak_rss'] / 2**20:.0f} MB",
+        f"{speeds} | disk {doc['decode_mb_per_token']:.1f} MB/tok | peak RSS {doc['peak_rss'] / 2**20:.0f} MB",
         file=sys.stderr,
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    if json_path:
+        write_json(json_path, doc)
     return 0
 
 

@@ -49,7 +49,7 @@ from engine_runs import (
     summarize,
     to_result,
 )
-from harness import GIB, MIB, add_results_args, log, run_meta, save_results, spread
+from harness import GIB, MIB, add_results_args, check_conditions, log, run_meta, save_results, spread
 from long_prompt_report import markdown, plot
 from prompt_text import ModelFacts, PromptMaker, corpus_info, llama_view, model_facts
 
@@ -171,11 +171,7 @@ def run_condition(
     try:
         with condition_context(condition, args.leave_gb) as balloon:
             if balloon is not None:
-                doc["balloon"] = {
-                    "leave_gb": args.leave_gb,
-                    "locked_bytes": balloon.locked_bytes,
-                    "mem_available_bytes": balloon.mem_available_bytes,
-                }
+                doc["balloon"] = balloon.record()
                 log(f"[{condition}] balloon holds {balloon.locked_bytes / GIB:.1f} GiB")
             for n in args.lengths:
                 for rep in range(args.repeat):
@@ -241,12 +237,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     except ValueError:
         ap.error(f"--lengths takes comma-separated token counts, got {args.lengths!r}")
-    args.conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]
-    for c in args.conditions:
-        if c not in CONDITIONS:
-            ap.error(f"unknown condition {c!r}; choose from {', '.join(CONDITIONS)}")
-    if not os.path.isfile(args.model):
-        ap.error(f"no such model file: {args.model}")
+    check_conditions(ap, args, CONDITIONS)
     if not args.lengths or min(args.lengths) < 1 or args.repeat < 1 or args.tokens < 1 or args.threads < 1:
         ap.error("--lengths, --repeat, --tokens and --threads must be positive")
     if min(args.agent_tokens, args.agent_new, args.agent_answer, args.agent_repeat) < 0:

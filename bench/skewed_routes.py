@@ -1,17 +1,17 @@
-"""Two-part RAM tier A/B (issue 7): profile-only vs profile + LRU vs LRU-only at one budget, on a routed
-workload whose topic changes, and prompt admission on vs off.
+"""Skewed multi-topic routes: the workload, and the expert cache's tiers (profile pins, LRU, prompt admission)
+replayed and run on it.
 
-    python bench/tiers_ab.py                                   # replay only (seconds), Qwen3-30B-A3B shape
-    python bench/tiers_ab.py --live /tmp/models/q30-l8.gguf    # + live runs driven by the same routes
+    python bench/skewed_routes.py                                   # replay only (seconds), Qwen3-30B-A3B shape
+    python bench/skewed_routes.py --live /tmp/models/q30-l8.gguf    # + live runs driven by the same routes
 
-The workload. Random weights route almost uniformly, and no real model can be downloaded here, so the
-routes are synthetic, built to have what real chat traces have (seed 000 section 4, seed 001): per topic
-and layer, a skewed expert popularity (Zipf with exponent --zipf over a topic-specific permutation of the
-experts) from which each token draws its top-k without replacement (Gumbel top-k: exact sampling).
-Different topics use different permutations, so a topic's hot experts are mostly cold in another. A
-profile is made from a separate sample of topic A (the "profiled workload"); the session then runs
-topics A, B, C in turn, each a prompt of --prompt tokens (micro-batches of --ubatch: one fetch per layer
-holding the union of its tokens' experts) followed by --decode tokens.
+The workload (also what batch_serving.py's `routes` conditions and gpt_oss_units.py's `routes` use). Random
+weights route almost uniformly, so the routes are synthetic, built to have what recorded chat traces have: per
+topic and layer, a skewed expert popularity (Zipf with exponent --zipf over a topic-specific permutation of the
+experts) from which each token draws its top-k without replacement (Gumbel top-k: exact sampling). Different
+topics use different permutations, so a topic's hot experts are mostly cold in another. A profile is made from
+a separate sample of topic A (the "profiled workload"); the session then runs topics A, B, C in turn, each a
+prompt of --prompt tokens (micro-batches of --ubatch: one fetch per layer holding the union of its tokens'
+experts) followed by --decode tokens.
 
 Replay (moestream.analysis.replay, the engine's own cache semantics) gives per-topic decode hit rates and disk MB
 per token for: `pin` (profile-only: every slot but top-k pinned from the profile), `pin+lru` (half the
@@ -22,7 +22,7 @@ untouched by the prompt).
 Live (--live MODEL): `moestream run --route-trace` replays the same session's routing on a real GGUF
 (a one-word prompt, then every token of the session decoded one by one), in the three tier settings
 at one --ram-budget-mb, each with --trace so per-topic hit rates come from the engine's own records.
-Results: bench/results/<date>-tiers-ab.json.
+Results: bench/results/<date>-tiers-ab.json (the name the earlier rounds' files have).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from harness import RESULTS_DIR
+from harness import RESULTS_DIR, write_json
 
 from moestream.analysis.profile import Profile, write_profile
 from moestream.analysis.replay import Accesses, accesses_from_groups, accesses_from_trace, replay
@@ -265,7 +265,7 @@ def main() -> None:
         result["live"] = live_part(args, parts, profile, args.layers, args.experts)
     os.makedirs(args.results_dir, exist_ok=True)
     out = Path(args.results_dir) / f"{time.strftime('%Y-%m-%d')}-tiers-ab.json"
-    out.write_text(json.dumps(result, indent=1, default=str))
+    write_json(out, result)
     print(f"results: {out}")
 
 
