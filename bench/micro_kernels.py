@@ -20,7 +20,8 @@ from lane_rows import parse_shapes
 
 from moestream.compute import linear, native
 from moestream.formats import quants
-from moestream.models.moe import ClampedSwiGLU, row_batches
+from moestream.models.moe import ClampedSwiGLU
+from moestream.models.routed import row_batches
 
 SOURCE_DIR = Path("moestream/compute/native")
 NO_LANES = "this CPU runs no lane kernels (they need AVX-512 VNNI, or AVX2 + FMA + F16C)"

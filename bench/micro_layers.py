@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from harness import Case, Suite
 from micro_kernels import build_tree
 
-from moestream.models import common, deltanet
+from moestream.models import attention, deltanet, kv_cache, ops
 
 ATTENTION_SHAPES = {"qwen3.6": (16, 2, 256), "qwen3-30b": (32, 4, 128)}  # query heads, key heads, head size
 NORM_CASES = {  # rows, width: a span's hidden rows, and the DeltaNet output norm of a 128-token chunk
@@ -52,16 +52,16 @@ def attention_args(ap: argparse.ArgumentParser) -> None:
 
 def attention_case(T: int, heads: int, kv_heads: int, d: int, chunk: int, before: object | None) -> Case:
     """One layer over a prompt of T tokens run the way the engine runs it: the queries in chunks, each over the
-    cache up to its last position. Baseline: `common.attend_sdpa` (torch's SDPA with a causal mask per chunk,
+    cache up to its last position. Baseline: `attention.attend_sdpa` (torch's SDPA with a causal mask per chunk,
     keys and values made float first), or --before's `ms_attn_prefill` called the same way; measured: this
     checkout's `KVCache.attend`."""
     g = torch.Generator().manual_seed(T)
-    kv = common.KVCache([kv_heads], d, T, torch.bfloat16)
+    kv = kv_cache.KVCache([kv_heads], d, T, torch.bfloat16)
     q = torch.randn(T, heads, d, generator=g)
     keys, values = kv.update(0, 0, torch.randn(T, kv_heads, d, generator=g), torch.randn(T, kv_heads, d, generator=g))
 
     def by_chunks(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
-        return torch.cat([attend(q[a:b], keys[:b], values[:b], a) for a, b in common.query_chunks(T, chunk)])
+        return torch.cat([attend(q[a:b], keys[:b], values[:b], a) for a, b in attention.query_chunks(T, chunk)])
 
     def tree(qc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
         qc, out = qc.contiguous(), torch.empty_like(qc)
@@ -70,7 +70,7 @@ def attention_case(T: int, heads: int, kv_heads: int, d: int, chunk: int, before
         return out
 
     def sdpa(qc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
-        return common.attend_sdpa(qc, k, v, pos, chunk)
+        return attention.attend_sdpa(qc, k, v, pos, chunk)
 
     base, baseline = ("before", tree) if before is not None else ("sdpa", sdpa)
     arms = {base: lambda: by_chunks(baseline), "native": lambda: by_chunks(kv.attend)}
@@ -110,18 +110,18 @@ def attention_chunks_cases(args: argparse.Namespace) -> Iterator[Case]:
     heads, kv_heads, d = ATTENTION_SHAPES["qwen3-30b"]
     T = args.tokens
     g = torch.Generator().manual_seed(0)
-    kv = common.KVCache([kv_heads], d, T, torch.bfloat16)
+    kv = kv_cache.KVCache([kv_heads], d, T, torch.bfloat16)
     q = torch.randn(T, heads, d, generator=g)
     keys, values = kv.update(0, 0, torch.randn(T, kv_heads, d, generator=g), torch.randn(T, kv_heads, d, generator=g))
 
     def engine() -> torch.Tensor:
-        return torch.cat([kv.attend(q[a:b], keys[:b], values[:b], a) for a, b in common.query_chunks(T, args.chunk)])
+        return torch.cat([kv.attend(q[a:b], keys[:b], values[:b], a) for a, b in attention.query_chunks(T, args.chunk)])
 
     def sdpa(n: int) -> torch.Tensor:
         out = torch.empty(T, heads, d)
-        for a, b in common.query_chunks(T, n):
+        for a, b in attention.query_chunks(T, n):
             kh, vh = (t[:b].transpose(0, 1).float().unsqueeze(0) for t in (keys, values))
-            mask = common.causal_mask(b - a, b, a)
+            mask = attention.causal_mask(b - a, b, a)
             o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1).unsqueeze(0), kh, vh, attn_mask=mask,
                                                enable_gqa=True)  # fmt: skip
             out[a:b] = o.squeeze(0).transpose(0, 1)
@@ -214,14 +214,14 @@ def deltanet_cases(args: argparse.Namespace) -> Iterator[Case]:
 
 
 def norm_cases(args: argparse.Namespace) -> Iterator[Case]:
-    """torch's `F.rms_norm` against `models.common.rms_norm` (the native loop on the lane pool); each call makes
+    """torch's `F.rms_norm` against `models.ops.rms_norm` (the native loop on the lane pool); each call makes
     its output, as the model's calls do."""
     for name, (n, dim) in NORM_CASES.items():
         g = torch.Generator().manual_seed(n)
         x, w = 3 * torch.randn(n, dim, generator=g), torch.rand(dim, generator=g) + 0.5
         arms = {
             "torch": lambda x=x, w=w: F.rms_norm(x, w.shape, w, 1e-6),
-            "native": lambda x=x, w=w: common.rms_norm(x, w, 1e-6),
+            "native": lambda x=x, w=w: ops.rms_norm(x, w, 1e-6),
         }
         diff = (arms["torch"]() - arms["native"]()).abs().max().item()
         yield Case(name, arms, f"largest difference {diff:.1e}")

@@ -68,7 +68,7 @@ def native_prefill_ok(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def attend_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, chunk: int) -> torch.Tensor:
     """KVCache.attend with torch's SDPA, where the native library or its shapes are missing (and the baseline
-    of bench/attention_ab.py): keys and values in float once, then the queries `chunk` at a time, each over the
+    of bench/micro.py attention): keys and values in float once, then the queries `chunk` at a time, each over the
     keys up to its own last position, as the micro-batch of those tokens would."""
     T, S = q.shape[0], keys.shape[0]
     kh = keys.float().transpose(0, 1).unsqueeze(0)

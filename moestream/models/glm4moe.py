@@ -159,7 +159,6 @@ class Attention(SplitMixer):
         self.k_norm = w.vector(p + "attn_k_norm.weight", D) if w.has(p + "attn_k_norm.weight") else None
         self.cfg = cfg
 
-
     def project(self, x: torch.Tensor, ops: Ops) -> tuple[torch.Tensor]:
         qkv = ops.mm(self.qkv, x) if self.qkv is not None else torch.cat([ops.mm(lin, x) for lin in self.parts], dim=-1)
         return (qkv if self.bias is None else qkv + self.bias,)

@@ -116,7 +116,6 @@ class Attention(SplitMixer):
         self.window = cfg.window(i)
         self.cfg = cfg
 
-
     def project(self, x: torch.Tensor, ops: Ops) -> tuple[torch.Tensor]:
         qkv = ops.mm(self.qkv, x) if self.qkv is not None else torch.cat([ops.mm(lin, x) for lin in self.parts], dim=-1)
         return (qkv + self.bias,)

@@ -117,7 +117,6 @@ class GQAttention(SplitMixer):
             self.k_norm = w.vector(p + "attn_k_norm.weight", dims["k"])
         self.cfg = cfg
 
-
     def project(self, x: torch.Tensor, ops: Ops) -> tuple[torch.Tensor]:
         """(q|k|v [T, nq + 2 nkv] with biases,)"""
         qkv = (

@@ -101,7 +101,8 @@ class DecoderLayer:
         return blockwise(
             x,
             step.spans,
-            lambda bs, xr: mixer.rows(xr, norm, eps, layer, [kvs[b] for b in bs], [positions[b] for b in bs],
-                                      step.rope),  # fmt: skip
+            lambda bs, xr: mixer.rows(
+                xr, norm, eps, layer, [kvs[b] for b in bs], [positions[b] for b in bs], step.rope
+            ),  # fmt: skip
             lambda b, xb: mixer(rms_norm(xb, norm, eps), layer, kvs[b], positions[b], step.rope),
         )

@@ -112,7 +112,6 @@ class MLAttention(SplitMixer):
         self.o = w.linear(p + "attn_output.weight", H, nh * v)
         self.perm = deinterleave(R)
 
-
     def project(self, x: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, ...]:
         """The row-wise part: (q [T, H * (nope + rope)], the kv compression [T, L + R], latent c [T, L])."""
         cfg = self.cfg

@@ -120,7 +120,5 @@ def blockwise(
     return parts[0] if len(spans) == 1 else torch.cat([parts[b] for b in range(len(spans))])
 
 
-
-
 def norm_blocks(x: torch.Tensor, spans: Spans, w: torch.Tensor, eps: float) -> torch.Tensor:
     return blockwise(x, spans, lambda _bs, xr: norm_rows(xr, w, eps), lambda _b, xb: rms_norm(xb, w, eps))

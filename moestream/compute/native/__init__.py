@@ -104,7 +104,7 @@ def build_library(flags: Sequence[str], out_dir: Path, cc: str | None = None, so
 
     The file name is a hash of the sources, flags, compiler and CPU, so an existing build is reused. Tests
     use this for variant builds (a sanitized one); source_dir compiles another checkout's C files instead of
-    this package's (bench/kernel_ab.py). Raises RuntimeError without a compiler or on a failed build.
+    this package's (bench/micro.py kernel). Raises RuntimeError without a compiler or on a failed build.
     """
     cc = cc or _compiler()
     if cc is None:
