@@ -55,7 +55,9 @@ def one(types: list[str], shapes: list[tuple[int, int]], ms: list[int], min_s: f
     import torch
     from gguf import GGMLQuantizationType
 
+    from moestream.compute import experts as experts_mod
     from moestream.compute import linear, native
+    from moestream.compute.experts import FusedExpert
     from moestream.formats import quants
 
     native.set_threads(1)
@@ -83,12 +85,12 @@ def one(types: list[str], shapes: list[tuple[int, int]], ms: list[int], min_s: f
         for _ in range(experts):
             gu = linear.from_gguf(quants.random_gguf(t, 2 * ffn * hidden, rng), t, 2 * ffn, hidden, False)
             down = linear.from_gguf(quants.random_gguf(t, hidden * ffn, rng), t, hidden, ffn, False)
-            exps.append((gu, None, down))
+            exps.append(FusedExpert(gu, down))
         for m in ms:
             xs = [torch.from_numpy(rng.standard_normal((m, hidden)).astype(np.float32)) for _ in exps]
             outs = [torch.empty(m, hidden) for _ in exps]
             record(f"{name} swiglu {experts} experts m={m}", 3 * ffn * hidden * m * experts,
-                   lambda xs=xs, outs=outs, exps=exps: linear.lane_swiglu(exps, xs, outs))
+                   lambda xs=xs, outs=outs, exps=exps: experts_mod.lane_swiglu(exps, xs, outs))
     out["load_avg_end"] = os.getloadavg()[0]
     return out
 

@@ -18,7 +18,9 @@ from gguf import GGMLQuantizationType
 from harness import Case, Suite
 from lane_rows import parse_shapes
 
+from moestream.compute import experts as experts_mod
 from moestream.compute import linear, native
+from moestream.compute.experts import FusedExpert
 from moestream.formats import quants
 from moestream.models.moe import ClampedSwiGLU
 from moestream.models.routed import row_batches
@@ -113,7 +115,7 @@ def moe_inputs_cases(args: argparse.Namespace) -> Iterator[Case]:
     """One MoE layer (the Qwen3.6-35B-A3B shape by default, random weights in RAM), a span routed at random, run
     in batches as the MoE executor runs them: `gathered` copies each batch's rows out of x (one torch gather)
     and quantizes them per (token, expert) row in the native call; `prepared` quantizes x once for the span
-    (linear.PreparedRows) and the native call copies each batch's rows from it (linear.RowsOf)."""
+    (experts.PreparedRows) and the native call copies each batch's rows from it (experts.RowsOf)."""
     if min(args.tokens, args.experts, args.top_k) < 1 or args.top_k > args.experts:
         raise SystemExit("micro: --tokens, --experts and --top-k (at most --experts) must be at least 1")
     if not native.lane_ok():
@@ -122,8 +124,8 @@ def moe_inputs_cases(args: argparse.Namespace) -> Iterator[Case]:
     h, f = args.hidden, args.ffn
     gt, dt = GGMLQuantizationType[args.gate_up_type], GGMLQuantizationType[args.down_type]
     experts = [
-        (linear.from_gguf(quants.random_gguf(gt, 2 * f * h, rng), gt, 2 * f, h, False), None,
-         linear.from_gguf(quants.random_gguf(dt, h * f, rng), dt, h, f, False))
+        FusedExpert(linear.from_gguf(quants.random_gguf(gt, 2 * f * h, rng), gt, 2 * f, h, False),
+                    linear.from_gguf(quants.random_gguf(dt, h * f, rng), dt, h, f, False))
         for _ in range(args.experts)
     ]  # fmt: skip
     x = torch.from_numpy(rng.standard_normal((args.tokens, h)).astype(np.float32))
@@ -138,12 +140,12 @@ def moe_inputs_cases(args: argparse.Namespace) -> Iterator[Case]:
     def gathered() -> None:
         for g in groups:
             xs = list(x[torch.from_numpy(np.concatenate([rows[e] for e in g]))].split([counts[e] for e in g]))
-            linear.lane_swiglu([experts[e] for e in g], xs, [outs["gathered"][e] for e in g])
+            experts_mod.lane_swiglu([experts[e] for e in g], xs, [outs["gathered"][e] for e in g])
 
     def prepared() -> None:
-        prep = linear.PreparedRows(x)
+        prep = experts_mod.PreparedRows(x)
         for g in groups:
-            linear.lane_swiglu([experts[e] for e in g], linear.RowsOf(prep, [rows[e] for e in g]),
+            experts_mod.lane_swiglu([experts[e] for e in g], experts_mod.RowsOf(prep, [rows[e] for e in g]),
                                [outs["prepared"][e] for e in g])  # fmt: skip
 
     gathered(), prepared()
@@ -171,8 +173,8 @@ def clamped_ffn_cases(args: argparse.Namespace) -> Iterator[Case]:
     rng = np.random.default_rng(0)
     n, hidden, ffn_dim, mx = args.experts, args.hidden, args.ffn, GGMLQuantizationType.MXFP4
     experts = [
-        (linear.from_gguf(quants.random_gguf(mx, 2 * ffn_dim * hidden, rng), mx, 2 * ffn_dim, hidden, False), None,
-         linear.from_gguf(quants.random_gguf(mx, hidden * ffn_dim, rng), mx, hidden, ffn_dim, False))
+        FusedExpert(linear.from_gguf(quants.random_gguf(mx, 2 * ffn_dim * hidden, rng), mx, 2 * ffn_dim, hidden, False),
+                    linear.from_gguf(quants.random_gguf(mx, hidden * ffn_dim, rng), mx, hidden, ffn_dim, False))
         for _ in range(n)
     ]  # fmt: skip
     biases = [torch.from_numpy(rng.standard_normal((n, r)).astype(np.float32)) for r in (ffn_dim, ffn_dim, hidden)]
@@ -186,7 +188,7 @@ def clamped_ffn_cases(args: argparse.Namespace) -> Iterator[Case]:
                 outs[e].copy_(ffn(e, expert, x))
 
         def one_call(x=x, outs=outs["one call"]) -> None:
-            linear.lane_swiglu(experts, [x] * n, outs, ffn.lane(list(range(n))))
+            experts_mod.lane_swiglu(experts, [x] * n, outs, ffn.lane(list(range(n))))
 
         per_expert(), one_call()
         diff = max(float((a - b).abs().max()) for a, b in zip(outs["per expert"], outs["one call"], strict=True))

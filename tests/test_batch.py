@@ -10,7 +10,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from moestream.compute import experts as experts_mod
 from moestream.compute import linear, native
+from moestream.compute.experts import FusedExpert
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.formats import quants
@@ -181,14 +183,14 @@ def test_lane_swiglu_rows_are_independent(ggml_type):
     for _ in range(3):
         gu = linear.from_gguf(quants.random_gguf(ggml_type, 2 * ffn * hidden, rng), ggml_type, 2 * ffn, hidden, False)
         down = linear.from_gguf(quants.random_gguf(ggml_type, hidden * ffn, rng), ggml_type, hidden, ffn, False)
-        experts.append((gu, None, down))
+        experts.append(FusedExpert(gu, down))
     xs = [torch.from_numpy(rng.standard_normal((m, hidden)).astype(np.float32)) for m in (1, 5, 3)]
     outs = [torch.empty(x.shape[0], hidden) for x in xs]
-    linear.lane_swiglu(experts, xs, outs)
+    experts_mod.lane_swiglu(experts, xs, outs)
     for e, x, o in zip(experts, xs, outs, strict=True):
         for b in range(x.shape[0]):
             alone = torch.empty(1, hidden)
-            linear.lane_swiglu([e], [x[b : b + 1].contiguous()], [alone])
+            experts_mod.lane_swiglu([e], [x[b : b + 1].contiguous()], [alone])
             assert torch.equal(o[b : b + 1], alone)
 
 
@@ -201,16 +203,16 @@ def test_clamped_swiglu_rows_are_independent():
     for _ in range(3):
         gu = linear.from_gguf(quants.random_gguf(T.MXFP4, 2 * ffn * hidden, rng), T.MXFP4, 2 * ffn, hidden, False)
         down = linear.from_gguf(quants.random_gguf(T.MXFP4, hidden * ffn, rng), T.MXFP4, hidden, ffn, False)
-        experts.append((gu, None, down))
+        experts.append(FusedExpert(gu, down))
     biases = [torch.from_numpy(rng.standard_normal((3, rows)).astype(np.float32)) for rows in (ffn, ffn, hidden)]
     act = ClampedSwiGLU(*biases, alpha=1.702, limit=7.0)
     xs = [torch.from_numpy(4 * rng.standard_normal((m, hidden)).astype(np.float32)) for m in (1, 5, 3)]
     outs = [torch.empty(x.shape[0], hidden) for x in xs]
-    linear.lane_swiglu(experts, xs, outs, act.lane([0, 1, 2]))
+    experts_mod.lane_swiglu(experts, xs, outs, act.lane([0, 1, 2]))
     for e, (expert, x, o) in enumerate(zip(experts, xs, outs, strict=True)):
         for b in range(x.shape[0]):
             alone = torch.empty(1, hidden)
-            linear.lane_swiglu([expert], [x[b : b + 1].contiguous()], [alone], act.lane([e]))
+            experts_mod.lane_swiglu([expert], [x[b : b + 1].contiguous()], [alone], act.lane([e]))
             assert torch.equal(o[b : b + 1], alone)
 
 
@@ -426,16 +428,16 @@ def test_lane_swiglu_prompt_rows_are_independent(ggml_type):
     for _ in range(3):
         gu = linear.from_gguf(quants.random_gguf(ggml_type, 2 * ffn * hidden, rng), ggml_type, 2 * ffn, hidden, False)
         down = linear.from_gguf(quants.random_gguf(ggml_type, hidden * ffn, rng), ggml_type, hidden, ffn, False)
-        experts.append((gu, None, down))
+        experts.append(FusedExpert(gu, down))
     ms = (700, 1, 450)
     xs = [torch.from_numpy(rng.standard_normal((m, hidden)).astype(np.float32)) for m in ms]
     outs = [torch.empty(x.shape[0], hidden) for x in xs]
-    linear.lane_swiglu(experts, xs, outs)
+    experts_mod.lane_swiglu(experts, xs, outs)
     for e, x, o in zip(experts, xs, outs, strict=True):
         part = torch.empty(x.shape[0] - x.shape[0] // 2, hidden)
-        linear.lane_swiglu([e], [x[x.shape[0] // 2 :].contiguous()], [part])
+        experts_mod.lane_swiglu([e], [x[x.shape[0] // 2 :].contiguous()], [part])
         assert torch.equal(o[x.shape[0] // 2 :], part)
         for b in range(0, x.shape[0], 53):
             alone = torch.empty(1, hidden)
-            linear.lane_swiglu([e], [x[b : b + 1].contiguous()], [alone])
+            experts_mod.lane_swiglu([e], [x[b : b + 1].contiguous()], [alone])
             assert torch.equal(o[b : b + 1], alone)

@@ -12,7 +12,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
+from moestream.compute import experts as experts_mod
 from moestream.compute import linear, native
+from moestream.compute.experts import FusedExpert
 from moestream.errors import ComputeError
 from moestream.formats import quants
 from moestream.models.moe import ClampedSwiGLU
@@ -205,13 +207,13 @@ def test_swiglu_group_equals_expert_by_expert(gu_type, down_type, f):
         dn = quants.random_gguf(down_type, h * f, rng)
         gate_up = linear.from_gguf(gu, gu_type, 2 * f, h, False)
         down = linear.from_gguf(dn, down_type, h, f, False)
-        experts.append((gate_up, None, down))
+        experts.append(FusedExpert(gate_up, down))
         refs.append((gate_up, down))
     counts = [2, 0, 3]
     x = torch.randn(sum(counts), h)
     y = torch.full_like(x, float("nan"))
     r0s = [0, 2, 2]
-    linear.lane_swiglu(experts, [x[r : r + c] for r, c in zip(r0s, counts, strict=True)],
+    experts_mod.lane_swiglu(experts, [x[r : r + c] for r, c in zip(r0s, counts, strict=True)],
                        [y[r : r + c] for r, c in zip(r0s, counts, strict=True)])  # fmt: skip
     r0 = 0
     for (gate_up, down), c in zip(refs, counts, strict=True):
@@ -229,7 +231,7 @@ def _clamped_experts(rng, h: int, f: int, n: int) -> tuple[list, ClampedSwiGLU]:
     for _ in range(n):
         gu = linear.from_gguf(quants.random_gguf(T.MXFP4, 2 * f * h, rng), T.MXFP4, 2 * f, h, False)
         down = linear.from_gguf(quants.random_gguf(T.MXFP4, h * f, rng), T.MXFP4, h, f, False)
-        experts.append((gu, None, down))
+        experts.append(FusedExpert(gu, down))
     biases = [torch.from_numpy(rng.standard_normal((n, rows)).astype(np.float32)) for rows in (f, f, h)]
     return experts, ClampedSwiGLU(*biases, alpha=1.702, limit=7.0)
 
@@ -246,12 +248,12 @@ def test_clamped_swiglu_group_equals_torch_path(f):
     y = torch.full_like(x, float("nan"))
     spans = [(0, 2), (2, 2), (2, 5)]
     ids = [0, 1, 2]
-    linear.lane_swiglu(experts, [x[a:b] for a, b in spans], [y[a:b] for a, b in spans], ffn.lane(ids))
+    experts_mod.lane_swiglu(experts, [x[a:b] for a, b in spans], [y[a:b] for a, b in spans], ffn.lane(ids))
     clamped = 0
     for e, (a, b) in zip(ids, spans, strict=True):
         if a == b:
             continue
-        gate, up = experts[e][0](x[a:b]).chunk(2, dim=-1)
+        gate, up = experts[e].fused(x[a:b]).chunk(2, dim=-1)
         clamped += int((gate + ffn.gate_bias[e] > 7).sum() + ((up + ffn.up_bias[e]).abs() > 7).sum())
         want = ffn(e, experts[e], x[a:b])
         torch.testing.assert_close(y[a:b], want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
@@ -263,13 +265,13 @@ def test_clamped_swiglu_refuses_bad_biases():
     experts, ffn = _clamped_experts(np.random.default_rng(0), h, f, 2)
     x, y = torch.randn(1, h), torch.empty(1, h)
     with pytest.raises(ComputeError, match="bias triples"):
-        linear.lane_swiglu(experts, [x, x], [y, y], ffn.lane([0]))
-    bad = linear.ClampedAct([(ffn.gate_bias[0], ffn.up_bias[0][:-32], ffn.down_bias[0])], 1.702, 7.0)
+        experts_mod.lane_swiglu(experts, [x, x], [y, y], ffn.lane([0]))
+    bad = experts_mod.ClampedAct([(ffn.gate_bias[0], ffn.up_bias[0][:-32], ffn.down_bias[0])], 1.702, 7.0)
     with pytest.raises(ComputeError, match="bias"):
-        linear.lane_swiglu(experts[:1], [x], [y], bad)
-    bad = linear.ClampedAct([(ffn.gate_bias[0], ffn.up_bias[0], ffn.down_bias[0].double())], 1.702, 7.0)
+        experts_mod.lane_swiglu(experts[:1], [x], [y], bad)
+    bad = experts_mod.ClampedAct([(ffn.gate_bias[0], ffn.up_bias[0], ffn.down_bias[0].double())], 1.702, 7.0)
     with pytest.raises(ComputeError, match="bias"):
-        linear.lane_swiglu(experts[:1], [x], [y], bad)
+        experts_mod.lane_swiglu(experts[:1], [x], [y], bad)
 
 
 @pytest.mark.parametrize("clamped", [False, True], ids=["swiglu", "clamped"])
@@ -282,21 +284,21 @@ def test_swiglu_reading_rows_in_place_equals_the_copied_rows(clamped):
         experts, ffn = _clamped_experts(rng, h, f, 3)
         act = ffn.lane([0, 1, 2])
     else:
-        experts = [(linear.from_gguf(quants.random_gguf(T.Q4_K, 2 * f * h, rng), T.Q4_K, 2 * f, h, False), None,
-                    linear.from_gguf(quants.random_gguf(T.Q6_K, h * f, rng), T.Q6_K, h, f, False))
+        experts = [FusedExpert(linear.from_gguf(quants.random_gguf(T.Q4_K, 2 * f * h, rng), T.Q4_K, 2 * f, h, False),
+                               linear.from_gguf(quants.random_gguf(T.Q6_K, h * f, rng), T.Q6_K, h, f, False))
                    for _ in range(3)]  # fmt: skip
         act = None
     x = torch.randn(6, h)
     rows = [np.array([4, 0, 4]), np.array([], np.int64), np.array([5, 1])]
     want = [torch.empty(len(r), h) for r in rows]
-    linear.lane_swiglu(experts, [x[torch.from_numpy(r)].contiguous() for r in rows], want, act)
+    experts_mod.lane_swiglu(experts, [x[torch.from_numpy(r)].contiguous() for r in rows], want, act)
     got = [torch.full((len(r), h), float("nan")) for r in rows]
-    prepared = linear.PreparedRows(x)
-    linear.lane_swiglu(experts, linear.RowsOf(prepared, rows), got, act)
+    prepared = experts_mod.PreparedRows(x)
+    experts_mod.lane_swiglu(experts, experts_mod.RowsOf(prepared, rows), got, act)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.view(torch.int32), w.view(torch.int32))
     with pytest.raises(ComputeError):
-        linear.lane_swiglu(experts, linear.RowsOf(prepared, [np.array([6, 0, 1]), *rows[1:]]), got, act)
+        experts_mod.lane_swiglu(experts, experts_mod.RowsOf(prepared, [np.array([6, 0, 1]), *rows[1:]]), got, act)
 
 
 def test_scalar_build_reports_no_lane_kernels():
@@ -377,7 +379,7 @@ def test_q4_k_m_model_computes_its_q6_k_experts_in_lane_form(tmp_path):
             six = [lay for lay in range(n_layers) if use_more_bits(lay, n_layers)]
             assert six and len(six) < n_layers
             for layer in range(n_layers):
-                _, _, down = next(eng.cache.fetch(layer, [0]))[1]
+                down = next(eng.cache.fetch(layer, [0]))[1].down
                 assert down.kind == "lane"
                 assert down.ggml_type == (T.Q6_K if layer in six else T.Q4_K)
             h, f = down.out_features, down.in_features
@@ -409,7 +411,7 @@ def test_v2_lite_style_model_computes_its_q5_0_downs_in_lane_form(tmp_path, monk
             with torch.inference_mode():
                 logits = eng.forward(prompt, 0, all_logits=True)
             eng.kv.truncate(0)
-            _, _, down = next(eng.cache.fetch(five[0], [0]))[1]
+            down = next(eng.cache.fetch(five[0], [0]))[1].down
             return logits, eng.generate(prompt, 8, Sampler()).tokens, eng.store.slot_nbytes, down.kind
         finally:
             eng.close()

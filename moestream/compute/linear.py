@@ -22,7 +22,6 @@ it; the conversion runs in C with the GIL released so reader threads convert in 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import threading
 from dataclasses import dataclass
@@ -446,12 +445,6 @@ def from_gguf(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, exac
     return pack_into(raw, ggml_type, n, k, out, exact)
 
 
-def lane_swiglu_ok(expert: tuple) -> bool:
-    """True when an expert (gate_up, None, down) can go through `lane_swiglu`."""
-    gate_up, up, down = expert
-    return up is None and gate_up.kind == "lane" and down.kind == "lane"
-
-
 # Rows of one lane_swiglu call at most: bounds the C scratch (act + quantized inputs, ~10 MB for Qwen3-30B).
 SWIGLU_MAX_ROWS = 1024
 
@@ -472,118 +465,6 @@ def kernel_scratch_bytes(ubatch: int, top_k: int, hidden: int, ffn: int, max_in:
         int(lib.ms_qmm_scratch_bytes(ubatch, max_in)),
     )
     return expand + lane
-
-
-@dataclass(frozen=True)
-class ClampedAct:
-    """GPT-OSS's expert activation for lane_swiglu: per-expert biases (float32, contiguous; gate and up [F],
-    down [hidden]) and down(g * sigmoid(alpha * g) * (u + 1)) with g = min(gate + b, limit) and
-    u = clamp(up + b, -limit, limit)."""
-
-    biases: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (gate, up, down) of each expert
-    alpha: float
-    limit: float
-
-
-class PreparedRows:
-    """x float32 [T, H] quantized once, as the lane kernels read their inputs (every token once, however many
-    experts it routes to); RowsOf picks an expert's rows of it."""
-
-    def __init__(self, x: torch.Tensor):
-        if not _rows_ok(x, x.shape[-1]) or x.shape[-1] % 32:
-            raise ComputeError(f"rows to prepare must be float32 [T, H] contiguous, H a multiple of 32: {_desc(x)}")
-        lib = native.lib()
-        self.n, self.hidden = x.shape
-        nbytes = int(lib.ms_qmm_scratch_bytes(self.n, self.hidden))
-        self._buf = torch.empty(nbytes + 64, dtype=torch.uint8)
-        self.addr = (self._buf.data_ptr() + 63) // 64 * 64  # the C side binds its arrays from a 64-byte boundary
-        lib.ms_prep_rows(x.data_ptr(), self.n, self.hidden, self.addr)
-
-
-@dataclass(frozen=True)
-class RowsOf:
-    """Experts' inputs taken from prepared rows: expert i's rows are rows[i] (int64 indices into prep's T),
-    copied from their one quantization by the native call instead of gathered and quantized per expert."""
-
-    prep: PreparedRows
-    rows: list[np.ndarray]
-
-
-def lane_swiglu(
-    experts: list[tuple],
-    xs: list[torch.Tensor] | RowsOf,
-    outs: list[torch.Tensor],
-    act: ClampedAct | None = None,
-) -> None:
-    """outs[i] = down(silu(gate(xs[i])) * up(xs[i])) for several lane-form experts in one native call.
-
-    xs[i]: float32 [m_i, H] contiguous (the same tensor may be given for several experts), or RowsOf (expert
-    i's inputs are rows of one prepared tensor); outs[i]: float32 [m_i, H] contiguous, written. All experts' gate/up
-    rows run as one parallel pass, then all down rows: one call per group of experts instead of three kernel
-    calls per expert. Groups with more than SWIGLU_MAX_ROWS rows in all are split (bounded scratch). `act`
-    (one bias triple per expert) replaces the plain SwiGLU by GPT-OSS's clamped one.
-    """
-    n = len(experts)
-    gather = isinstance(xs, RowsOf)
-    counts = [len(r) for r in xs.rows] if gather else [x.shape[0] for x in xs]
-    hidden, ffn = (xs.prep.hidden if gather else xs[0].shape[1]), experts[0][2].in_features
-    if gather and len(xs.rows) != n:
-        raise ComputeError(f"lane_swiglu: {len(xs.rows)} row lists for {n} experts")
-    if act is not None:
-        _check_biases(act, n, hidden, ffn)
-    lib = native.lib()
-    i = 0
-    while i < n:
-        j, rows = i, 0
-        while j < n and (j == i or rows + counts[j] <= SWIGLU_MAX_ROWS):
-            rows += counts[j]
-            j += 1
-        c = j - i
-        group = experts[i:j]
-        for (gate_up, _, down), m, o in zip(group, counts[i:j], outs[i:j], strict=True):
-            if gate_up.shape != (2 * ffn, hidden) or down.shape != (hidden, ffn):
-                raise ComputeError(f"experts {gate_up.shape} and {down.shape} for hidden {hidden}, ffn {ffn}")
-            if not _rows_ok(o, hidden) or o.shape[0] != m:
-                raise ComputeError(f"lane_swiglu: an output {_desc(o)} for {m} rows of hidden size {hidden}")
-        if not gather:
-            for x in xs[i:j]:
-                if not _rows_ok(x, hidden):
-                    raise ComputeError(f"lane_swiglu: an input {_desc(x)} for hidden size {hidden}")
-        weights = (
-            c,
-            (ctypes.c_int * c)(*(e[0].ggml_type for e in group)),
-            (ctypes.c_void_p * c)(*(e[0].weight.data_ptr() for e in group)),
-            (ctypes.c_int * c)(*(e[2].ggml_type for e in group)),
-            (ctypes.c_void_p * c)(*(e[2].weight.data_ptr() for e in group)),
-            hidden,
-            ffn,
-        )
-        counted = ((ctypes.c_int64 * c)(*counts[i:j]), (ctypes.c_void_p * c)(*(o.data_ptr() for o in outs[i:j])))
-        bias = (None, None, None, 0.0, 0.0)
-        if act is not None:
-            part = act.biases[i:j]
-            ptrs = tuple((ctypes.c_void_p * c)(*(b[p].data_ptr() for b in part)) for p in range(3))
-            bias = (*ptrs, act.alpha, act.limit)
-        if gather:
-            idx = np.ascontiguousarray(np.concatenate(xs.rows[i:j]), dtype=np.int64)
-            lib.ms_moe_ffn_gather(*weights, xs.prep.addr, xs.prep.n, idx.ctypes.data, *counted, *bias)
-        else:
-            inputs = (ctypes.c_void_p * c)(*(x.data_ptr() for x in xs[i:j]))
-            if act is None:
-                lib.ms_moe_ffn(*weights, inputs, *counted)
-            else:
-                lib.ms_moe_ffn_clamped(*weights, inputs, *counted, *bias)
-        i = j
-
-
-def _check_biases(act: ClampedAct, n: int, hidden: int, ffn: int) -> None:
-    """What ms_moe_ffn_clamped reads as raw memory: one float32 contiguous (gate [F], up [F], down [H]) each."""
-    if len(act.biases) != n:
-        raise ComputeError(f"lane_swiglu: {len(act.biases)} bias triples for {n} experts")
-    for triple in act.biases:
-        for b, width in zip(triple, (ffn, ffn, hidden), strict=True):
-            if b.dtype != torch.float32 or b.shape != (width,) or not b.is_contiguous():
-                raise ComputeError(f"lane_swiglu: a bias {_desc(b)} where float32 ({width},) is needed")
 
 
 def decode_on_pool(linears: list[QLinear], min_bytes: int = 1 << 20) -> bool:

@@ -10,12 +10,10 @@ import numpy as np
 import torch
 
 from moestream.compute import linear
+from moestream.compute.experts import ExpertWeights
 from moestream.compute.linear import QLinear
 from moestream.formats import quants
 from moestream.models.kv_cache import KVCache
-
-Expert = tuple[QLinear, QLinear, QLinear]  # gate, up, down
-
 
 # (layer, first position, number of tokens) -> expert ids [tokens, top_k] that replace the router's choice,
 # or None to let the router choose. The engine installs one to replay recorded routes (--route-trace).
@@ -27,7 +25,7 @@ class ExpertProvider(Protocol):
 
     def fetch_groups(
         self, layer: int, ids: list[int], admit: bool = True, ordered: bool = False
-    ) -> Iterator[list[tuple[int, Expert]]]:
+    ) -> Iterator[list[tuple[int, ExpertWeights]]]:
         """Every id's (expert id, weights), in groups as they become available, or in the order of `ids` where
         the slots allow (ordered; see ExpertCache)."""
         ...

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moestream.compute import linear
+from moestream.compute.experts import ClampedAct, ExpertWeights
 from moestream.models.common import Fused
 from moestream.models.layer import Step
 from moestream.models.loader import Weights
@@ -36,22 +36,19 @@ class ClampedSwiGLU:
     alpha: float
     limit: float
 
-    def __call__(self, e: int, expert, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, e: int, expert: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
         """Expert e on x (in the expert's compute dtype) -> float32 [T, hidden]."""
-        gate, up, down = expert
-        if up is None:
-            a, b = gate.mm(x).float().chunk(2, dim=-1)
-        else:
-            a, b = gate.mm(x).float(), up.mm(x).float()
+        a, b = (t.float() for t in expert.gate_up(x))
+        down = expert.down
         a = (a + self.gate_bias[e]).clamp(max=self.limit)
         b = (b + self.up_bias[e]).clamp(min=-self.limit, max=self.limit)
         h = a * torch.sigmoid(a * self.alpha) * (b + 1)
         return down.mm(h.to(down.dtype)).float() + self.down_bias[e]
 
-    def lane(self, ids: list[int]) -> linear.ClampedAct:
+    def lane(self, ids: list[int]) -> ClampedAct:
         """The same experts' biases and activation for lane_swiglu (one native call for a group)."""
         biases = [(self.gate_bias[e], self.up_bias[e], self.down_bias[e]) for e in ids]
-        return linear.ClampedAct(biases, self.alpha, self.limit)
+        return ClampedAct(biases, self.alpha, self.limit)
 
 
 def expect_experts(w: Weights, p: str, n_experts: int, ffn: int, hidden: int) -> None:

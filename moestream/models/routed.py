@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from moestream.compute import linear
+from moestream.compute.experts import ClampedAct, PreparedRows, RowsOf, lane_swiglu
 from moestream.models.common import ExpertProvider
 from moestream.models.ops import add_weighted_rows
 from moestream.models.rows import Spans
@@ -32,17 +33,6 @@ def summed_as_they_come(pairs: int) -> bool:
     """Whether a block of this many (token, expert) pairs asks for its experts in order and sums each as it
     comes (ORDERED_MIN_PAIRS): a micro-batch keeps computing cached experts while the misses are read."""
     return pairs > ORDERED_MIN_PAIRS
-
-
-def swiglu(expert, x: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) with x already in the expert's compute dtype; the cache may hand gate and
-    up over as one fused matrix (gate_up, None, down)."""
-    gate, up, down = expert
-    if up is None:
-        a, b = gate.mm(x).chunk(2, dim=-1)
-    else:
-        a, b = gate.mm(x), up.mm(x)
-    return down.mm((torch.nn.functional.silu(a) * b).to(down.dtype))
 
 
 def run_routed(
@@ -75,19 +65,19 @@ def _one_token(
     outs = torch.empty(len(id_list), x.shape[1])
     xc = x.contiguous()
     for group in experts.fetch_groups(layer, id_list):
-        if all(linear.lane_swiglu_ok(w) for _, w in group):
-            linear.lane_swiglu(
+        if all(w.lane for _, w in group):
+            lane_swiglu(
                 [w for _, w in group], [xc] * len(group), [outs[order[e] : order[e] + 1] for e, _ in group],
                 lane_act(ffn, [e for e, _ in group]),
             )  # fmt: skip
             continue
         for e, expert in group:
-            xe = x.to(expert[0].dtype)
-            outs[order[e]] = ffn(e, expert, xe)[0] if ffn is not None else swiglu(expert, xe)[0].float()
+            xe = x.to(expert.dtype)
+            outs[order[e]] = ffn(e, expert, xe)[0] if ffn is not None else expert.swiglu(xe)[0].float()
     return (w_sorted @ outs)[None]
 
 
-def lane_act(ffn, ids: list[int]) -> linear.ClampedAct | None:
+def lane_act(ffn, ids: list[int]) -> ClampedAct | None:
     """lane_swiglu's `act` for experts `ids`: None for the plain SwiGLU."""
     return None if ffn is None else ffn.lane(ids)
 
@@ -125,7 +115,7 @@ class _RoutedStep:
         self.fetch_order = sorted(self.runs) if ordered else list(self.runs)
         self.Y = torch.empty(singles, x.shape[1], dtype=x.dtype)
         self.rows_of = {e: sum(len(src) for _, src, _ in r) for e, r in self.runs.items()}
-        self.prepared: linear.PreparedRows | None = None  # x quantized once, when the first lane group comes
+        self.prepared: PreparedRows | None = None  # x quantized once, when the first lane group comes
 
     def _one(self, b: int, a: int, w: torch.Tensor, ids: torch.Tensor, first: int) -> None:
         id_list, w_list = ids[0].tolist(), w[0].tolist()
@@ -154,7 +144,7 @@ class _RoutedStep:
         return summed_as_they_come(rows.shape[0])
 
     def run(self, group: list) -> None:
-        lane = all(linear.lane_swiglu_ok(w) for _, w in group)
+        lane = all(w.lane for _, w in group)
         for part in row_batches(group, self.rows_of):
             if lane:
                 self._lane(part)
@@ -164,11 +154,11 @@ class _RoutedStep:
     def _lane(self, part: list) -> None:
         """One lane_swiglu call for a part's experts, each on its rows of every block (the step's inputs
         quantized once), each block's slice then delivered."""
-        self.prepared = self.prepared or linear.PreparedRows(self.x.contiguous())
+        self.prepared = self.prepared or PreparedRows(self.x.contiguous())
         rows = [np.concatenate([src for _, src, _ in self.runs[ex]]) for ex, _ in part]
         sizes = [len(r) for r in rows]
         ys = list(torch.empty(sum(sizes), self.x.shape[1]).split(sizes))  # one allocation for the part
-        linear.lane_swiglu([w for _, w in part], linear.RowsOf(self.prepared, rows), ys,
+        lane_swiglu([w for _, w in part], RowsOf(self.prepared, rows), ys,
                            lane_act(self.ffn, [ex for ex, _ in part]))  # fmt: skip
         for (ex, _), y in zip(part, ys, strict=True):
             at = 0
@@ -184,9 +174,9 @@ class _RoutedStep:
         at = 0
         for ex, expert in part:
             for b, _src, dst in self.runs[ex]:
-                xe = gathered[at].to(expert[0].dtype)
+                xe = gathered[at].to(expert.dtype)
                 at += 1
-                y = self.ffn(ex, expert, xe) if self.ffn is not None else swiglu(expert, xe).float()
+                y = self.ffn(ex, expert, xe) if self.ffn is not None else expert.swiglu(xe).float()
                 self._deliver(b, ex, dst, y)
 
     def _deliver(self, b: int, ex: int, dst: list[int], y: torch.Tensor) -> None:

@@ -15,9 +15,10 @@ from concurrent.futures import Future, wait
 import torch
 
 from moestream.compute import linear
+from moestream.compute.experts import ExpertWeights
 from moestream.streaming import libc
 from moestream.streaming.expert_store import ExpertStore
-from moestream.streaming.pending import Expert, PendingExpert
+from moestream.streaming.pending import Int4Halves, LaneHalves, PendingExpert
 from moestream.streaming.read_ahead import consecutive_runs
 from moestream.streaming.reader import ExpertReader
 from moestream.streaming.slot_policy import SlotPolicy
@@ -37,7 +38,7 @@ class SlotArena:
         # pages in shmem, so a shrinking cache gave nothing back (a second process was OOM-killed).
         self._map = mmap.mmap(-1, self.n_slots * self.slot_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.memory = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.experts: list[Expert | None] = [None] * self.n_slots
+        self.experts: list[ExpertWeights | None] = [None] * self.n_slots
         self.lock = threading.RLock()
         self.idle = threading.Event()  # set while no generation runs: the prefault commits memory only then
         self.idle.set()
@@ -56,14 +57,14 @@ class SlotArena:
         fused = None
         if layout.fused_gate_up and layout.gate_kind == "lane":
             # lane form: gate rows then up rows are adjacent in the slot, one [2F, row bytes] matrix
-            fused = arena[base : base + 2 * layout.packed[0]].view(2 * segs[0].n, -1)
+            fused = LaneHalves(arena[base : base + 2 * layout.packed[0]].view(2 * segs[0].n, -1))
         elif layout.fused_gate_up:
             # Same bytes as two separate int4 forms: [gate rows | up rows] then their scales side by side.
             n, k = segs[0].n, segs[0].k
             w = arena[base : base + n * k].view(2 * n, k // 2)
             sz_bytes = (k // linear.GROUP) * 2 * n * 2 * 2
             sz = arena[base + n * k : base + n * k + sz_bytes].view(torch.bfloat16).view(k // linear.GROUP, 2 * n, 2)
-            fused = (w, sz)
+            fused = Int4Halves(w, sz)
         lane = None
         if layout.all_lane:
             lane = [base + off + libc.memory_of(arena)[0] for off in layout.offsets]
@@ -93,7 +94,7 @@ class SlotArena:
         runs = [self.reader.read_run(seg.offset, seg.nbytes, len(run)) for seg in first]
         return [self.pending(layer, e, slot).started([r[j] for r in runs]) for j, (e, slot) in enumerate(run)]
 
-    def finish(self, p: PendingExpert) -> Expert:
+    def finish(self, p: PendingExpert) -> ExpertWeights:
         """Wait for an expert's reads (within the reader's deadline) and pack them."""
         if wait(p.futures, timeout=self.reader.wait_s).not_done:
             raise self.reader.error(f"an expert's reads did not finish within {self.reader.wait_s:g} s")

@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from moestream.compute.experts import ExpertWeights
 from moestream.errors import BudgetError
 from moestream.streaming.ahead import ReadAhead
 from moestream.streaming.arena import MADV_POPULATE_WRITE, SlotArena
 from moestream.streaming.expert_store import ExpertStore
 from moestream.streaming.fetch import ORDERED_ROOM, Fetch, Group
-from moestream.streaming.pending import Expert
 from moestream.streaming.reader import ExpertReader
 from moestream.streaming.slot_policy import LRU, CacheStats, SlotPolicy
 
@@ -110,7 +110,7 @@ class ExpertCache:
 
     # -- the model's view ------------------------------------------------------------------------------
 
-    def fetch(self, layer: int, ids: list[int], admit: bool = True) -> Iterator[tuple[int, Expert]]:
+    def fetch(self, layer: int, ids: list[int], admit: bool = True) -> Iterator[tuple[int, ExpertWeights]]:
         """Yield (expert id, weights) for every id, cached ones first (see fetch_groups)."""
         for group in self.fetch_groups(layer, ids, admit):
             yield from group

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+from moestream.compute.experts import ExpertWeights
 from moestream.errors import BudgetError
-from moestream.streaming.pending import Expert, PendingExpert, pack_lanes
+from moestream.streaming.pending import PendingExpert, pack_lanes
 from moestream.streaming.read_ahead import reads_ahead
 from moestream.streaming.reader import Lease
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 # an ordered fetch keeps its order where the cache may hold this many times its request (Fetch)
 ORDERED_ROOM = 2
 
-Group = list[tuple[int, Expert]]
+Group = list[tuple[int, ExpertWeights]]
 
 
 class Fetch:
@@ -246,7 +247,7 @@ class Fetch:
         for p, _, _ in lanes:
             self._complete(p, p.lane_done(), ready)
 
-    def _complete(self, p: PendingExpert, experts: Expert | None, ready: list[PendingExpert]) -> None:
+    def _complete(self, p: PendingExpert, experts: ExpertWeights | None, ready: list[PendingExpert]) -> None:
         """A read expert's bookkeeping once its last segment is packed."""
         if experts is None:
             return  # other segments of this expert are still being read

@@ -9,17 +9,32 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from moestream.compute import kernels, linear
+from moestream.compute.experts import ExpertWeights, FusedExpert, SplitExpert
 from moestream.streaming.reader import Lease
 
-Expert = tuple[linear.QLinear, linear.QLinear, linear.QLinear]  # gate, up, down
+
+@dataclass(frozen=True)
+class Int4Halves:
+    """gate and up packed as one int4 matrix in the slot, each half into its rows as its read lands: rows
+    [2F, H/2] and scales [H/32, 2F, 2]."""
+
+    rows: torch.Tensor
+    scales: torch.Tensor
 
 
-TAKEN = object()  # a lane-form segment's lease was taken (and is released by whoever took it): drain skips it
+@dataclass(frozen=True)
+class LaneHalves:
+    """gate and up in the lane form, side by side in the slot: one [2F, row bytes] matrix."""
+
+    rows: torch.Tensor
+
+
 
 
 def pack_lanes(jobs: list[tuple[PendingExpert, int, Lease]]) -> None:
@@ -54,11 +69,11 @@ class PendingExpert:
     def __init__(self, layer, expert, slot, segs, outs, futures, exact, fused=None, lane=None):
         self.layer, self.expert, self.slot = layer, expert, slot
         self.segs, self.outs, self.futures, self.exact = segs, outs, futures, exact
-        # int4: (packed gate|up rows [2F, H/2], scales [H/32, 2F, 2]); lane: the [2F, row bytes] rows; or None
-        self.fused = fused
+        self.fused: Int4Halves | LaneHalves | None = fused  # gate and up as one matrix in the slot, or not
         # every segment in the lane form: where each one goes in the slot (ExpertLayout.all_lane)
         self.lane: list[int] | None = lane
-        self.parts: list[linear.QLinear | None] = [None, None, None]
+        self.parts: list[linear.QLinear | torch.Tensor | None] = [None, None, None]
+        self.taken: set[int] = set()  # lane-form segments whose lease pack_lanes took (and releases)
         self.left = len(futures)
         self.t0 = time.perf_counter()
         self.abandoned = False
@@ -71,14 +86,13 @@ class PendingExpert:
             return self._pack(i, seg, arr)
 
     def _pack(self, i: int, seg, arr: np.ndarray) -> linear.QLinear | torch.Tensor:
-        if isinstance(self.fused, tuple) and i < 2:
-            w, sz = self.fused
-            rows = w[i * seg.n : (i + 1) * seg.n]
-            linear.pack_int4_rows(arr, seg.ggml_type, seg.n, seg.k, rows, sz, i * seg.n)
+        if isinstance(self.fused, Int4Halves) and i < 2:
+            rows = self.fused.rows[i * seg.n : (i + 1) * seg.n]
+            linear.pack_int4_rows(arr, seg.ggml_type, seg.n, seg.k, rows, self.fused.scales, i * seg.n)
             return rows  # a marker: this half is in
         return linear.pack_into(arr, seg.ggml_type, seg.n, seg.k, self.outs[i], self.exact)
 
-    def segment_done(self, fut: Future) -> Expert | None:
+    def segment_done(self, fut: Future) -> ExpertWeights | None:
         """Take a finished segment (packing it here if the reader did not); the expert once all are in."""
         if self.lane is not None:
             pack_lanes([self.take(fut)])
@@ -95,15 +109,15 @@ class PendingExpert:
         self.left -= 1
         if self.left:
             return None
-        if isinstance(self.fused, torch.Tensor):  # lane form: the two halves were packed in place
+        if isinstance(self.fused, LaneHalves):  # the two halves were packed in place
             seg = self.segs[0]
-            gate_up = linear.QLinear(2 * seg.n, seg.k, "lane", self.fused, ggml_type=seg.ggml_type)
-            return (gate_up, None, self.parts[2])  # type: ignore[return-value]
-        if self.fused is not None:
-            w, sz = self.fused
-            gate_up = linear.QLinear(w.shape[0], self.segs[0].k, "int4", w, sz)
-            return (gate_up, None, self.parts[2])  # type: ignore[return-value]
-        return tuple(self.parts)  # type: ignore[return-value]
+            gate_up = linear.QLinear(2 * seg.n, seg.k, "lane", self.fused.rows, ggml_type=seg.ggml_type)
+            return FusedExpert(gate_up, self.parts[2])  # type: ignore[arg-type]
+        if isinstance(self.fused, Int4Halves):
+            h = self.fused
+            return FusedExpert(linear.QLinear(h.rows.shape[0], self.segs[0].k, "int4", h.rows, h.scales),
+                               self.parts[2])  # type: ignore[arg-type]  # fmt: skip
+        return SplitExpert(*self.parts)  # type: ignore[arg-type]
 
     def started(self, futures: list[Future]) -> PendingExpert:
         """Its segment reads are under way: one future per segment, gate, up, down."""
@@ -115,20 +129,20 @@ class PendingExpert:
         (drain skips it)."""
         i = self.futures.index(fut)
         lease = fut.result()
-        self.parts[i] = TAKEN  # type: ignore[assignment]
+        self.taken.add(i)
         return self, i, lease
 
-    def lane_done(self) -> Expert | None:
+    def lane_done(self) -> ExpertWeights | None:
         """Count one lane-form segment as packed; the expert once all three are."""
         self.left -= 1
         if self.left:
             return None
         g, d = self.segs[0], self.segs[2]
-        gate_up = linear.QLinear(2 * g.n, g.k, "lane", self.fused, ggml_type=g.ggml_type)
-        down = linear.QLinear(d.n, d.k, "lane", self.outs[2], ggml_type=d.ggml_type)
-        return (gate_up, None, down)  # type: ignore[return-value]
+        assert isinstance(self.fused, LaneHalves)
+        gate_up = linear.QLinear(2 * g.n, g.k, "lane", self.fused.rows, ggml_type=g.ggml_type)
+        return FusedExpert(gate_up, linear.QLinear(d.n, d.k, "lane", self.outs[2], ggml_type=d.ggml_type))
 
-    def finish(self) -> Expert:
+    def finish(self) -> ExpertWeights:
         out = None
         for fut in self.futures:
             out = self.segment_done(fut)
@@ -139,8 +153,8 @@ class PendingExpert:
         """Give back the buffers of the reads nobody took: now for those that finished, as they finish for the
         rest. Never waits: a read still waiting for a buffer may get one only once this thread releases
         others (waiting here was a deadlock)."""
-        for fut, part in zip(self.futures, self.parts, strict=False):
-            if part is None:
+        for i, (fut, part) in enumerate(zip(self.futures, self.parts, strict=False)):
+            if part is None and i not in self.taken:
                 fut.add_done_callback(_release_when_read)
 
     def latency(self) -> float:
