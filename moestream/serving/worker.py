@@ -5,8 +5,8 @@ prompt, KV cache, sampling and stops are its own. A request that finds every seq
 bounded queue (beyond it the server answers 429); each slot keeps its last conversation, so a follow-up turn
 only computes its new tokens. Tokens travel from the worker to the request's asyncio task through a
 thread-safe hand-off; a client that goes away sets the job's `cancelled` flag, and the worker ends that
-request at the next step without disturbing the others. Text is decoded and cut at stop strings here (so a
-stop string ends generation at once).
+request at the next step without disturbing the others. Each job's TextStream turns its tokens into its
+answer's pieces here (so a stop string ends generation at once).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from typing import Any
 from moestream.engine.batch import BatchEvent, Sequence
 from moestream.engine.sampling import Sampler
 from moestream.errors import ContextError, DiskError
+from moestream.serving.answer import usage_of
 from moestream.serving.schemas import APIError
-from moestream.serving.text import StopText, usage_of
+from moestream.serving.text import Piece, TextStream
 from moestream.streaming.budget import rss_bytes
 
 FILE_CHECK_S = 5.0  # how often an idle server checks that its model file is unchanged
@@ -54,12 +55,12 @@ class Admission:
 
 @dataclass
 class TextEvent:
-    text: str
+    pieces: list[Piece]  # possibly none: the token's text is held back by the answer's parser
 
 
 @dataclass
 class DoneEvent:
-    finish_reason: str  # stop | length | cancelled
+    finish_reason: str  # stop | length | cancelled | tool_calls
     usage: dict[str, Any]
 
 
@@ -76,11 +77,10 @@ class Job:
     prompt: list[int]
     max_tokens: int
     sampler: Sampler
-    stop: list[str]
+    text: TextStream  # its tokens -> its answer; used by the worker thread only
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    keep_ids: frozenset[int] = frozenset()  # special tokens written as text (a chat format's markers)
 
     def emit(self, event: Event) -> None:
         """Called from the worker thread: hand the event to the request's event loop."""
@@ -108,7 +108,6 @@ class Metrics:
 @dataclass(eq=False)
 class _Active:
     job: Job
-    text: StopText
     admitted: bool = False
 
 
@@ -245,7 +244,7 @@ class Worker:
             self.metrics.failed += 1
             job.emit(ErrorEvent(self._error(exc)))
             return
-        self.active[seq] = _Active(job, StopText(self.engine.tokenizer, job.stop, job.keep_ids))
+        self.active[seq] = _Active(job)
 
     def _unqueue(self, job: Job) -> None:
         with self._lock:
@@ -263,7 +262,8 @@ class Worker:
         try:
             events = self.batch.step()
         except Exception as exc:  # every failure must reach the clients, not kill the worker
-            self._fail(exc)
+            # its sequences end (their KV caches forgotten); the queued ones go on if the file is still good
+            self._fail(self.batch.fail_running(), self._error(exc))
             return
         finally:
             self.metrics.busy_s += time.perf_counter() - t0
@@ -277,19 +277,20 @@ class Worker:
             self._deliver(ev)
 
     def _deliver(self, ev: BatchEvent) -> None:
-        seq, act = ev.sequence, self.active[ev.sequence]
-        piece = act.text.add(ev.token)
-        reason = ev.finish_reason
-        if act.text.stopped:
-            if reason is None:
-                self.batch.cancel(seq, "stop")  # a stop string ends generation at once
-            reason = "stop"
-        elif reason is not None:
-            piece += act.text.flush()
-        if piece:
-            act.job.emit(TextEvent(piece))
-        if reason is not None:
-            self._done(seq, reason)
+        seq, job = ev.sequence, self.active[ev.sequence].job
+        try:
+            delta = job.text.add(ev.token, ev.finish_reason)
+        except Exception as exc:  # an answer the parser chokes on fails its request, not the worker
+            if ev.finish_reason is None:
+                self.batch.cancel(seq)
+            self._fail([seq], self._error(exc))
+            return
+        if job.text.stopped and ev.finish_reason is None:
+            self.batch.cancel(seq, "stop")  # a stop string ends generation at once
+        if delta.text or delta.pieces:
+            job.emit(TextEvent(delta.pieces))
+        if job.text.finish_reason is not None:
+            self._done(seq, job.text.finish_reason)
 
     def _done(self, seq: Sequence, reason: str) -> None:
         act = self.active.pop(seq)
@@ -305,10 +306,8 @@ class Worker:
             m.request_s = 0.8 * m.request_s + 0.2 * (time.perf_counter() - seq.started)
         act.job.emit(DoneEvent(reason, usage_of(st)))
 
-    def _fail(self, exc: Exception) -> None:
-        """A step raised: its sequences end with an error; the queued ones go on if the file is still good."""
-        failed = self.batch.fail_running()
-        error = self._error(exc)
+    def _fail(self, failed: list[Sequence], error: APIError) -> None:
+        """End these sequences' requests with an error."""
         for seq in failed:
             act = self.active.pop(seq)
             self._unqueue(act.job)
