@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 from moestream.engine.stats import GenerationStats
-from moestream.serving.text import Piece, Reasoning, ToolCall
+from moestream.serving.text import Piece, Reasoning, split_pieces
 
 
 class Answer:
@@ -73,17 +73,15 @@ class Answer:
     ) -> dict[str, Any]:
         """The whole answer from all its pieces: a chat answer's reasoning, content and tool calls (with tools,
         empty content is null, as OpenAI sends it)."""
-        content = "".join(p for p in pieces if isinstance(p, str))
+        reasoning, content, calls = split_pieces(pieces)
         if not self.chat:
             choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
             return {**self.base, "choices": [choice], "usage": usage}
         message: dict[str, Any] = {"role": "assistant", "content": (content or None) if use_tools else content}
-        reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
         if reasoning:
             message["reasoning_content"] = reasoning
-        calls = [p.to_dict() for p in pieces if isinstance(p, ToolCall)]
         if calls:
-            message["tool_calls"] = calls
+            message["tool_calls"] = [c.to_dict() for c in calls]
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
         return {**self.base, "object": "chat.completion", "choices": [choice], "usage": usage}
 

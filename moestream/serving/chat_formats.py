@@ -32,6 +32,7 @@ from moestream.serving.text import (
     ToolCallParser,
     hermes_call,
     partial_suffix,
+    split_pieces,
 )
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -337,10 +338,7 @@ class OutputParser:
 
 def split_answer(parser: OutputParser, text: str) -> tuple[str, str, list[ToolCall]]:
     """A whole answer as (reasoning, content, calls)."""
-    pieces = parser.feed(text) + parser.finish()
-    reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
-    content = "".join(p for p in pieces if isinstance(p, str))
-    return reasoning, content, parser.calls
+    return split_pieces(parser.feed(text) + parser.finish())
 
 
 # ------------------------------------------------------------------------------ harmony (GPT-OSS)

@@ -66,6 +66,13 @@ class AnswerParser(Protocol):
     def finish(self) -> list[Piece]: ...
 
 
+def split_pieces(pieces: list[Piece]) -> tuple[str, str, list[ToolCall]]:
+    """An answer's pieces joined: (reasoning, content, calls)."""
+    reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
+    content = "".join(p for p in pieces if isinstance(p, str))
+    return reasoning, content, [p for p in pieces if isinstance(p, ToolCall)]
+
+
 def special_token_ids(tokenizer: Any, markers: Iterable[str]) -> frozenset[int]:
     """The special tokens among `markers` (those that are one token in this vocabulary): a TextStream's
     `keep`, so that a parser sees them as text."""
@@ -311,6 +318,5 @@ class ToolCallParser:
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """Whole-text version of ToolCallParser: (content or None, calls)."""
     p = ToolCallParser()
-    pieces = p.feed(text) + p.finish()
-    content = "".join(x for x in pieces if isinstance(x, str))
-    return content or None, p.calls
+    _, content, calls = split_pieces([*p.feed(text), *p.finish()])
+    return content or None, calls
