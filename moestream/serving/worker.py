@@ -105,6 +105,53 @@ class Metrics:
     request_s: float = 0.0  # recent requests' time from admission to end (moving average), for Retry-After
 
 
+class ModelFileWatch:
+    """Whether the model file is still the one whose weights are resident; once it changed (`fatal` says
+    how), nothing more can be answered."""
+
+    def __init__(self, engine: Any, on_fatal: Callable[[str], None] | None):
+        self.engine = engine
+        self.on_fatal = on_fatal
+        self.fatal: str | None = None
+
+    def check(self) -> bool:
+        """False (and the server winds down) when the model file changed under the process."""
+        if self.fatal is not None:
+            return False
+        try:
+            self.engine.check_model_file()
+        except DiskError as exc:
+            self.fatal = str(exc)
+            if self.on_fatal is not None:
+                self.on_fatal(self.fatal)
+            return False
+        return True
+
+    def error(self, exc: Exception) -> APIError:
+        """What a client is told of a failure: 503 once the model file changed; only a request that cannot fit
+        is the client's fault (400), a model or disk failure is the server's (500)."""
+        if not self.check():
+            return _unavailable(self.fatal or str(exc))
+        if isinstance(exc, ContextError):
+            return APIError(400, f"generation failed: {exc}")
+        return APIError(500, f"generation failed: {exc}", type="server_error")
+
+
+def _burst(jobs: queue.Queue[Job | None], first: Job | None, admission: Admission) -> Iterator[Job | None]:
+    """The first arrival and those that follow it closely (gather_gap_s apart, gather_s at most)."""
+    end = time.monotonic() + admission.gather_s
+    job: Job | None = first
+    while True:
+        yield job
+        if job is None:
+            return
+        wait = min(end - time.monotonic(), admission.gather_gap_s)
+        try:
+            job = jobs.get(timeout=wait) if wait > 0 else jobs.get_nowait()
+        except queue.Empty:
+            return
+
+
 @dataclass(eq=False)
 class _Active:
     job: Job
@@ -130,8 +177,7 @@ class Worker:
         self._waiting: set[Job] = set()  # submitted and not yet holding a sequence slot
         self._holding: set[Job] = set()  # holding a sequence slot
         self.metrics = Metrics()
-        self.fatal: str | None = None  # set when the model file changed: nothing more can be answered
-        self.on_fatal = on_fatal
+        self.file = ModelFileWatch(engine, on_fatal)
         self.check_every_s = check_every_s
         self.thread = threading.Thread(target=self._loop, name="moestream-engine", daemon=True)
 
@@ -148,8 +194,8 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         """Queue a job, or raise APIError 429 when --max-queue requests already wait for a slot."""
-        if self.fatal is not None:
-            job.emit(ErrorEvent(_unavailable(self.fatal)))
+        if self.file.fatal is not None:
+            job.emit(ErrorEvent(_unavailable(self.file.fatal)))
             return
         with self._lock:
             free = self.batch.capacity - len(self._holding)
@@ -186,52 +232,26 @@ class Worker:
                 job = self.jobs.get(timeout=self.check_every_s) if not self.batch else self.jobs.get_nowait()
             except queue.Empty:
                 if not self.batch:  # idle: make sure the file is still the one whose weights are resident
-                    self._check_file()
+                    self.file.check()
                     continue
                 job = False
             if job is not False:
-                for arrival in self._burst(job):
+                for arrival in _burst(self.jobs, job, self.admission):
                     if arrival is None:
-                        self._end_all()
+                        self._cancel(everything=True)  # the server stops: whatever is left ends as cancelled
                         return
                     self._add(arrival)
-            self._drop_cancelled()
+            self._cancel()
             if self.batch:
                 self._step()
 
-    def _burst(self, first: Job | None) -> Iterator[Job | None]:
-        """The first arrival and those that follow it closely (gather_gap_s apart, gather_s at most)."""
-        end = time.monotonic() + self.admission.gather_s
-        job: Job | None = first
-        while True:
-            yield job
-            if job is None:
-                return
-            wait = min(end - time.monotonic(), self.admission.gather_gap_s)
-            try:
-                job = self.jobs.get(timeout=wait) if wait > 0 else self.jobs.get_nowait()
-            except queue.Empty:
-                return
-
-    def _check_file(self) -> bool:
-        """False (and the server winds down) when the model file changed under the process."""
-        if self.fatal is not None:
-            return False
-        try:
-            self.engine.check_model_file()
-        except DiskError as exc:
-            self.fatal = str(exc)
-            if self.on_fatal is not None:
-                self.on_fatal(self.fatal)
-            return False
-        return True
-
     def _add(self, job: Job) -> None:
-        if job.cancelled.is_set() or self.fatal is not None:  # the client left while queued, or no more answers
+        fatal = self.file.fatal
+        if job.cancelled.is_set() or fatal is not None:  # the client left while queued, or no more answers
             self._unqueue(job)
             self.metrics.requests += 1
-            if self.fatal is not None:
-                job.emit(ErrorEvent(_unavailable(self.fatal)))
+            if fatal is not None:
+                job.emit(ErrorEvent(_unavailable(fatal)))
             else:
                 self.metrics.cancelled += 1
                 job.emit(DoneEvent("cancelled", {}))
@@ -242,7 +262,7 @@ class Worker:
         except Exception as exc:  # a prompt that cannot fit, or a model file that changed
             self._unqueue(job)
             self.metrics.failed += 1
-            job.emit(ErrorEvent(self._error(exc)))
+            job.emit(ErrorEvent(self.file.error(exc)))
             return
         self.active[seq] = _Active(job)
 
@@ -251,9 +271,10 @@ class Worker:
             self._waiting.discard(job)
             self._holding.discard(job)
 
-    def _drop_cancelled(self) -> None:
+    def _cancel(self, everything: bool = False) -> None:
+        """End the requests whose clients left (or all of them) as cancelled."""
         for seq, act in list(self.active.items()):
-            if act.job.cancelled.is_set():
+            if everything or act.job.cancelled.is_set():
                 self.batch.cancel(seq)
                 self._done(seq, "cancelled")
 
@@ -263,7 +284,7 @@ class Worker:
             events = self.batch.step()
         except Exception as exc:  # every failure must reach the clients, not kill the worker
             # its sequences end (their KV caches forgotten); the queued ones go on if the file is still good
-            self._fail(self.batch.fail_running(), self._error(exc))
+            self._fail(self.batch.fail_running(), self.file.error(exc))
             return
         finally:
             self.metrics.busy_s += time.perf_counter() - t0
@@ -283,7 +304,7 @@ class Worker:
         except Exception as exc:  # an answer the parser chokes on fails its request, not the worker
             if ev.finish_reason is None:
                 self.batch.cancel(seq)
-            self._fail([seq], self._error(exc))
+            self._fail([seq], self.file.error(exc))
             return
         if job.text.stopped and ev.finish_reason is None:
             self.batch.cancel(seq, "stop")  # a stop string ends generation at once
@@ -313,21 +334,6 @@ class Worker:
             self._unqueue(act.job)
             self.metrics.failed += 1
             act.job.emit(ErrorEvent(error))
-
-    def _error(self, exc: Exception) -> APIError:
-        """What a client is told of a failure: 503 once the model file changed; only a request that cannot fit
-        is the client's fault (400), a model or disk failure is the server's (500)."""
-        if not self._check_file():
-            return _unavailable(self.fatal or str(exc))
-        if isinstance(exc, ContextError):
-            return APIError(400, f"generation failed: {exc}")
-        return APIError(500, f"generation failed: {exc}", type="server_error")
-
-    def _end_all(self) -> None:
-        """The server stops: whatever is left ends as cancelled."""
-        for seq in list(self.active):
-            self.batch.cancel(seq)
-            self._done(seq, "cancelled")
 
 
 def metrics_text(worker: Worker) -> str:
