@@ -24,6 +24,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
+from moestream.serving.text import TextStream
 from moestream.serving.worker import Admission, DoneEvent, Job, TextEvent, Worker
 from tests.test_server import MODEL, _metrics, _post, serve_process
 
@@ -116,7 +117,7 @@ def test_a_burst_of_requests_starts_in_one_step(model_path: str, tmp_path: Path)
     worker.start()
 
     def job(prompt: str) -> Job:
-        return Job(engine.tokenizer.encode(prompt), 4, Sampler(), [], loop)
+        return Job(engine.tokenizer.encode(prompt), 4, Sampler(), TextStream(engine.tokenizer), loop)
 
     async def first_token_at(j: Job) -> float:
         """When the job's first text came; waits for the rest of its answer."""

@@ -34,8 +34,9 @@ from moestream.formats.chat_template import render_chat
 from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.tokenizer import Tokenizer
 from moestream.serving.app import create_app, message_dict
+from moestream.serving.chat_formats import QWEN, output_parser
 from moestream.serving.schemas import Message
-from moestream.serving.text import StopText, ToolCallParser, parse_tool_calls
+from moestream.serving.text import TextDelta, TextStream, ToolCall, ToolCallParser, parse_tool_calls
 
 CTX = 2048
 MODEL = "tiny"
@@ -551,13 +552,42 @@ def test_streaming_tool_parser_matches_whole(seed: int) -> None:
         assert all("<tool" not in x for x in pieces if isinstance(x, str)) or not calls
 
 
-def test_stop_text_holds_back_partial_stops(tokenizer: Tokenizer) -> None:
+def _deltas(text: TextStream, ids: list[int], reason: str | None = "length") -> list[TextDelta]:
+    """Feed a generation's tokens, the last with `reason`, until the stream ends."""
+    out = []
+    for i, t in enumerate(ids):
+        out.append(text.add(t, reason if i == len(ids) - 1 else None))
+        if text.finish_reason is not None:
+            break
+    return out
+
+
+def test_text_stream_holds_back_partial_stops(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("The cache is full, so the expert is dropped.")
-    st = StopText(tokenizer, ["is dropped", "zzz"])
-    out = "".join(st.add(t) for t in ids) + st.flush()
-    assert out == "The cache is full, so the expert " and st.stopped
-    st = StopText(tokenizer, ["zzz"])
-    assert "".join(st.add(t) for t in ids) + st.flush() == tokenizer.decode(ids)
+    st = TextStream(tokenizer, ["is dropped", "zzz"])
+    deltas = _deltas(st, ids)
+    assert "".join(d.text for d in deltas) == "The cache is full, so the expert " and st.stopped
+    assert st.finish_reason == "stop" and len(deltas) < len(ids)  # nothing after the stop string is taken
+    assert [d.pieces for d in deltas] == [[d.text] if d.text else [] for d in deltas]
+    st = TextStream(tokenizer, ["zzz"])
+    assert "".join(d.text for d in _deltas(st, ids)) == tokenizer.decode(ids) and st.finish_reason == "length"
+
+
+def test_text_stream_splits_tool_calls(tokenizer: Tokenizer) -> None:
+    """With a chat format's parser the answer comes as pieces, and a stop after calls finishes as tool_calls."""
+    ids = [*tokenizer.encode(CALLS_TEXT), tokenizer.eos_id]
+    st = TextStream(tokenizer, parser=output_parser(QWEN, use_tools=True, tools=TOOLS))
+    deltas = _deltas(st, ids, "stop")
+    assert "".join(d.text for d in deltas) == tokenizer.decode(ids[:-1])
+    pieces = [p for d in deltas for p in d.pieces]
+    assert "".join(p for p in pieces if isinstance(p, str)) == "Let me check the weather."
+    assert [p.name for p in pieces if isinstance(p, ToolCall)] == ["get_weather", "get_time"]
+    assert st.finish_reason == "tool_calls" and st.add(ids[0]).pieces == [] and st.cancel() == []
+    # a generation that stops early: what the parser held back comes out, the finish is "cancelled"
+    st = TextStream(tokenizer, parser=output_parser(QWEN, use_tools=True, tools=TOOLS))
+    cut = tokenizer.encode("Let me check <tool")
+    assert "".join(p for d in _deltas(st, cut, None) for p in d.pieces if isinstance(p, str)) == "Let me check"
+    assert st.cancel() == [" <tool"] and st.finish_reason == "cancelled"
 
 
 # ------------------------------------------------------------ tool calls through a scripted server

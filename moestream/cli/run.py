@@ -31,7 +31,7 @@ from moestream.errors import MoestreamError
 from moestream.formats.chat_template import render_chat
 from moestream.formats.tokenizer import Tokenizer
 from moestream.paths import cache_dir
-from moestream.serving.text import stream_text
+from moestream.serving.text import TextStream, stream_text
 from moestream.streaming.budget import MB
 
 DEFAULT_SHAPE = "qwen3-30b-a3b"
@@ -53,7 +53,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"preloaded {engine.preload()} experts", file=sys.stderr)
         stop_ids = set() if args.ignore_eos else tok.stop_ids
         stats = GenerationStats()
-        for step in stream_text(engine, ids, args.n, pick, stop_ids=stop_ids):
+        for step in stream_text(engine.stream(ids, args.n, pick, stop_ids), TextStream(engine.tokenizer)):
             sys.stdout.write(step.text)
             sys.stdout.flush()
             stats = step.stats

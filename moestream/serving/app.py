@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server: the endpoints (requests -> engine jobs -> answers), the app and serve().
 
-Thinking blocks and tool calls, in the format of the model's family (chat_formats), are parsed on the
-asyncio side, from the text the worker sends.
+Each request's TextStream (stop strings, and for a chat its family's parser of thinking blocks and tool calls,
+chat_formats) runs in the engine worker, which sends the answer's pieces as they come.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
-from moestream.formats.chat_template import render_chat
+from moestream.serving.answer import Answer, sse
 from moestream.serving.chat_formats import (
     HarmonyParser,
     OutputParser,
     chat_format,
     output_parser,
+    render_prompt,
     starts_thinking,
     tool_system_prompt,
 )
@@ -43,7 +44,7 @@ from moestream.serving.schemas import (
     Sampling,
     parse_body,
 )
-from moestream.serving.text import Answer, finish_reason_with_calls, sse
+from moestream.serving.text import Piece, TextStream, special_token_ids
 from moestream.serving.worker import (
     Admission,
     DoneEvent,
@@ -119,9 +120,7 @@ class Service:
             raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
         prompt, parser = self.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        job = self.make_job(req, prompt, max_tokens, "messages")
-        markers = self.format.think_markers + (self.format.tool_markers if parser.use_tools else ())
-        job.keep_ids = self.keep_ids(markers)
+        job = self.make_job(req, prompt, max_tokens, "messages", parser)
         return await self.answer(request, job, req, parser)
 
     async def completions(self, request: Request) -> Any:
@@ -163,11 +162,9 @@ class Service:
             )
 
     def keep_ids(self, markers: tuple[str, ...]) -> frozenset[int]:
-        """The special tokens among `markers` (each one token in this vocabulary): written as text, so
-        that the output parser sees them."""
+        """The special tokens among `markers`, written as text so that the output parser sees them."""
         if markers not in self._keep:
-            ids = (self.tok.encode(m, add_bos=False) for m in markers)
-            self._keep[markers] = frozenset(i[0] for i in ids if len(i) == 1 and self.tok.is_special(i[0]))
+            self._keep[markers] = special_token_ids(self.tok, markers)
         return self._keep[markers]
 
     def chat_prompt(self, req: ChatRequest) -> tuple[list[int], OutputParser | HarmonyParser]:
@@ -196,22 +193,13 @@ class Service:
         if tool_prompt is not None:
             messages = with_system_text(messages, tool_prompt)
         try:
-            text = render_chat(
-                tok.chat_template,
-                messages,
-                tools=tools,
-                bos_token=tok.bos_token,
-                eos_token=tok.eos_token,
-                **extra,
-            )
+            text, ids = render_prompt(tok, messages, tools=tools, **extra)
         except MoestreamError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        # a template that writes the BOS token itself must not get a second one
-        add_bos = False if tok.bos_token and text.startswith(tok.bos_token) else None
         parser = output_parser(
             self.format, use_tools=use_tools, thinking=starts_thinking(self.format, text), tools=tools
         )
-        return tok.encode(text, add_bos=add_bos), parser
+        return ids, parser
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         p = req.prompt
@@ -234,7 +222,14 @@ class Service:
             )
         return list(p)
 
-    def make_job(self, req: Sampling, prompt: list[int], max_tokens: int | None, prompt_param: str) -> Job:
+    def make_job(
+        self,
+        req: Sampling,
+        prompt: list[int],
+        max_tokens: int | None,
+        prompt_param: str,
+        parser: OutputParser | HarmonyParser | None = None,
+    ) -> Job:
         if req.n not in (None, 1):
             raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
         ctx = self.engine.ctx
@@ -272,7 +267,8 @@ class Service:
             raise APIError(400, f"at most {MAX_STOP} stop strings are supported", param="stop", code="invalid_value")
         # max_tokens that fits the context but not after this prompt is cut to what fits (finish 'length')
         limit = min(d.max_tokens if max_tokens is None else max_tokens, ctx - len(prompt))
-        return Job(prompt, limit, sampler, stop, asyncio.get_running_loop())
+        keep = self.keep_ids(self.format.markers(parser.use_tools)) if parser is not None else frozenset()
+        return Job(prompt, limit, sampler, TextStream(self.tok, stop, keep, parser), asyncio.get_running_loop())
 
     # -- jobs -> answers ---------------------------------------------------------------------------
 
@@ -299,7 +295,7 @@ class Service:
     async def answer(
         self, request: Request, job: Job, req: Sampling, parser: OutputParser | HarmonyParser | None
     ) -> Any:
-        """A chat answer goes through its parser; a completion (parser None) is text as generated."""
+        """A chat answer (its job's TextStream has the parser), or a completion (parser None)."""
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         fmt = Answer(parser is not None, self.model_name, include_usage)
         if req.stream:
@@ -315,24 +311,22 @@ class Service:
                 await events.aclose()
                 raise first.error
             return StreamingResponse(
-                self.stream(first, events, fmt, parser),
+                self.stream(first, events, fmt),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        parts: list[str] = []
+        pieces: list[Piece] = []
         async with aclosing(self.run_job(job, request)) as events:
             async for ev in events:
                 if isinstance(ev, TextEvent):
-                    parts.append(ev.text)
+                    pieces += ev.pieces
                 elif isinstance(ev, ErrorEvent):
                     raise ev.error
                 else:
-                    return fmt.whole("".join(parts), ev.finish_reason, ev.usage, parser)
+                    return fmt.whole(pieces, ev.finish_reason, ev.usage, bool(parser and parser.use_tools))
         raise APIError(500, "generation ended without a result", type="server_error")
 
-    async def stream(
-        self, first: Event, events: AsyncIterator[Event], fmt: Answer, parser: OutputParser | HarmonyParser | None
-    ) -> AsyncIterator[str]:
+    async def stream(self, first: Event, events: AsyncIterator[Event], fmt: Answer) -> AsyncIterator[str]:
         """The SSE body of a generation whose first event (text or the end, not an error) is known."""
 
         async def all_events() -> AsyncIterator[Event]:
@@ -352,15 +346,10 @@ class Service:
                 if isinstance(ev, DoneEvent) and ev.finish_reason == "cancelled":
                     return  # nobody is listening
                 if isinstance(ev, TextEvent):
-                    pieces = parser.feed(ev.text) if parser else [ev.text]
+                    for piece in ev.pieces:
+                        yield fmt.piece(piece)
                 else:
-                    pieces = parser.finish() if parser else []
-                for piece in pieces:
-                    yield fmt.piece(piece)
-                if isinstance(ev, DoneEvent):
-                    for line in fmt.end(
-                        finish_reason_with_calls(ev.finish_reason, bool(parser and parser.calls)), ev.usage
-                    ):
+                    for line in fmt.end(ev.finish_reason, ev.usage):
                         yield line
         yield "data: [DONE]\n\n"
 

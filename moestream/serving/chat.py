@@ -23,9 +23,8 @@ from typing import Any, TextIO
 
 from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
-from moestream.formats.chat_template import render_chat
-from moestream.serving.chat_formats import HARMONY, HarmonyParser, Piece, chat_format
-from moestream.serving.text import Reasoning, ToolCall, stream_text
+from moestream.serving.chat_formats import HARMONY, HarmonyParser, chat_format, render_prompt
+from moestream.serving.text import Piece, Reasoning, TextStream, ToolCall, special_token_ids, stream_text
 
 try:
     import readline  # noqa: F401 - line editing and history for input()
@@ -113,8 +112,7 @@ class ChatSession:
         self.dim = dim
         self.harmony = chat_format(self.tok.chat_template) is HARMONY
         # harmony's message markers are special tokens: written as text so that the parser sees them
-        marks = (self.tok.encode(m, add_bos=False) for m in HARMONY.message_markers) if self.harmony else ()
-        self.keep = frozenset(i[0] for i in marks if len(i) == 1 and self.tok.is_special(i[0]))
+        self.keep = special_token_ids(self.tok, HARMONY.markers(use_tools=True)) if self.harmony else frozenset()
         self.messages: list[dict[str, Any]] = []
         self.last: Any = None  # GenerationStats of the last answer
         self.dropped = 0  # turns dropped so far to fit the context
@@ -125,12 +123,7 @@ class ChatSession:
         self.engine.reset()
 
     def _render(self, messages: list[dict[str, Any]]) -> list[int]:
-        tok = self.tok
-        text = render_chat(
-            tok.chat_template, messages, bos_token=tok.bos_token, eos_token=tok.eos_token, **self.template_kwargs
-        )
-        add_bos = False if tok.bos_token and text.startswith(tok.bos_token) else None
-        return tok.encode(text, add_bos=add_bos)
+        return render_prompt(self.tok, messages, **self.template_kwargs)[1]
 
     def _prompt(self) -> list[int]:
         """The prompt for the history plus the new message (the last one); the oldest turns are dropped
@@ -163,17 +156,17 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         prompt = self._prompt()
         parts: list[str] = []
-        parser = HarmonyParser(HARMONY, use_tools=True) if self.harmony else None
+        harmony = HarmonyParser(HARMONY, use_tools=True) if self.harmony else None
+        answer = TextStream(self.tok, keep=self.keep, parser=harmony)
         view = HarmonyView(self.dim)
         max_tokens = self.max_tokens or self.engine.ctx
         try:
-            steps = stream_text(
-                self.engine, prompt, max_tokens, self.sampler, stop_ids=self.tok.stop_ids, keep=self.keep
-            )
+            steps = stream_text(self.engine.stream(prompt, max_tokens, self.sampler, self.tok.stop_ids), answer)
             with closing(steps):
                 for step in steps:
-                    if step.text and parser is not None:
-                        write("".join(view.show(p) for p in parser.feed(step.text)))
+                    if harmony is not None:
+                        if step.text or step.pieces:
+                            write("".join(view.show(p) for p in step.pieces))
                     elif step.text:
                         parts.append(step.text)
                         write(step.text)
@@ -184,10 +177,10 @@ class ChatSession:
             self.messages.pop()  # the question stays unasked
             raise
         # a stopped answer stays in the history as far as it got: the next turn can refer to it
-        if parser is None:
+        if harmony is None:
             self.messages.append({"role": "assistant", "content": "".join(parts)})
         else:
-            write("".join(view.show(p) for p in parser.finish()) + view.end_reasoning())
+            write("".join(view.show(p) for p in answer.cancel()) + view.end_reasoning())
             self.messages.append(view.message())
         return self.messages[-1]["content"]
 

@@ -23,11 +23,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from moestream.serving.text import ParsedCall, Reasoning, ToolCall, ToolCallParser, hermes_call, partial_suffix
+from moestream.formats.chat_template import render_chat
+from moestream.serving.text import (
+    ParsedCall,
+    Piece,
+    Reasoning,
+    ToolCall,
+    ToolCallParser,
+    hermes_call,
+    partial_suffix,
+    split_pieces,
+)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-Piece = str | Reasoning | ToolCall
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,10 @@ class ChatFormat:
     @property
     def think_markers(self) -> tuple[str, ...]:
         return (THINK_OPEN, THINK_CLOSE) if self.thinks else self.message_markers
+
+    def markers(self, use_tools: bool) -> tuple[str, ...]:
+        """The tokens its parser must see as text (a TextStream keeps those that are special tokens)."""
+        return self.think_markers + (self.tool_markers if use_tools else ())
 
 
 # ---------------------------------------------------------------------------------------- call bodies
@@ -179,6 +191,14 @@ def chat_format(template: str | None) -> ChatFormat:
     if "<arg_key>" in t or "[gMASK]<sop>" in t:
         return GLM
     return QWEN
+
+
+def render_prompt(tok: Any, messages: list[dict[str, Any]], **template_kwargs: Any) -> tuple[str, list[int]]:
+    """The chat template's text for `messages`, and its tokens (a template that writes the BOS token itself
+    does not get a second one)."""
+    text = render_chat(tok.chat_template, messages, bos_token=tok.bos_token, eos_token=tok.eos_token, **template_kwargs)
+    add_bos = False if tok.bos_token and text.startswith(tok.bos_token) else None
+    return text, tok.encode(text, add_bos=add_bos)
 
 
 def starts_thinking(fmt: ChatFormat, prompt: str) -> bool:
@@ -318,10 +338,7 @@ class OutputParser:
 
 def split_answer(parser: OutputParser, text: str) -> tuple[str, str, list[ToolCall]]:
     """A whole answer as (reasoning, content, calls)."""
-    pieces = parser.feed(text) + parser.finish()
-    reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
-    content = "".join(p for p in pieces if isinstance(p, str))
-    return reasoning, content, parser.calls
+    return split_pieces(parser.feed(text) + parser.finish())
 
 
 # ------------------------------------------------------------------------------ harmony (GPT-OSS)

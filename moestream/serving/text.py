@@ -1,25 +1,20 @@
-"""The text pipeline: token ids -> text cut at stop strings, tool calls parsed out of it, and the answer
-formatted as OpenAI's objects (whole, or as server-sent events).
-
-stream_text is the one place generated tokens become text, for `run`, `chat` and `serve` alike.
+"""Where generated tokens become text, for `run`, `chat` and `serve` alike: a TextStream turns one generation's
+token ids into its answer (text cut at stop strings, unfinished UTF-8 characters completed, thinking and tool
+calls split off by the chat format's parser) and says how it finished, whichever loop generated the tokens
+(Engine.stream for run and chat, the server's batch steps for serve). Also the Qwen3/Hermes tool-call blocks'
+parser, which the other chat formats build on (chat_formats).
 """
 
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from moestream.engine.sampling import Sampler
-from moestream.engine.stats import GenerationStats
-
-# --------------------------------------------------------------------------------------------------
-# Token ids -> text, with stop strings
-# --------------------------------------------------------------------------------------------------
+from moestream.engine.stats import GenerationStats, GenerationStep
 
 
 def partial_suffix(text: str, needles: list[str]) -> int:
@@ -33,85 +28,9 @@ def partial_suffix(text: str, needles: list[str]) -> int:
     return best
 
 
-class StopText:
-    """Token ids -> text increments, cut before the first stop string. The tokenizer's stop tokens and
-    special tokens write nothing, except those in `keep` (markers a chat format's parser must see, such as
-    a tool-call token); bytes of an unfinished UTF-8 character wait for the rest, and text that might be
-    the start of a stop string is held back until it is known not to be."""
-
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), keep: Collection[int] = ()):
-        self.tokenizer = tokenizer
-        self.decoder = tokenizer.stream(skip_special=True)
-        self.stop_ids = tokenizer.stop_ids
-        self.keep = keep
-        self.stop = [s for s in stop if s]
-        self.pending = ""
-        self.stopped = False
-
-    def add(self, token_id: int) -> str:
-        if token_id in self.stop_ids:
-            return ""
-        if token_id in self.keep:
-            return self._push(self.decoder.flush() + self.tokenizer.token_text(token_id))
-        return self._push(self.decoder.add(token_id))
-
-    def flush(self) -> str:
-        if self.stopped:
-            return ""
-        out = self._push(self.decoder.flush())
-        if not self.stopped:
-            out, self.pending = out + self.pending, ""
-        return out
-
-    def _push(self, text: str) -> str:
-        if self.stopped:
-            return ""
-        self.pending += text
-        hits = [i for s in self.stop if (i := self.pending.find(s)) >= 0]
-        if hits:
-            self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
-            return out
-        keep = partial_suffix(self.pending, self.stop)
-        cut = len(self.pending) - keep
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out
-
-
-@dataclass
-class TextStep:
-    """One generated token as text (possibly empty). finish_reason is set on the last step: the engine's
-    (stop | length), or "stop" when a stop string ended the generation."""
-
-    text: str
-    stats: GenerationStats
-    finish_reason: str | None = None
-
-
-def stream_text(
-    engine: Any,
-    prompt: list[int],
-    max_new_tokens: int,
-    sampler: Sampler | None = None,
-    *,
-    stop_ids: set[int] | None = None,
-    stop: Sequence[str] = (),
-    keep: Collection[int] = (),
-) -> Iterator[TextStep]:
-    """Engine.stream as text (`keep`: special token ids written as text). The last step carries whatever
-    text was held back. A consumer that stops early (break, close()) ends the generation as "cancelled";
-    use contextlib.closing to end it at once."""
-    text = StopText(engine.tokenizer, stop, keep)
-    with closing(engine.stream(prompt, max_new_tokens, sampler, stop_ids)) as steps:
-        for step in steps:
-            piece = text.add(step.token)
-            if text.stopped:
-                steps.close()  # a stop string ends the generation at once
-                yield TextStep(piece, step.stats, "stop")
-                return
-            if step.finish_reason is not None:
-                piece += text.flush()
-            yield TextStep(piece, step.stats, step.finish_reason)
+# --------------------------------------------------------------------------------------------------
+# The pieces of an answer
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -131,6 +50,162 @@ class ToolCall:
     def to_dict(self, with_index: bool = False) -> dict[str, Any]:
         d = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         return {"index": self.index, **d} if with_index else d
+
+
+Piece = str | Reasoning | ToolCall  # content, thinking, or a call
+
+
+class AnswerParser(Protocol):
+    """A chat format's parser (chat_formats): streamed text in, the answer's pieces out."""
+
+    @property
+    def calls(self) -> list[ToolCall]: ...
+
+    def feed(self, text: str) -> list[Piece]: ...
+
+    def finish(self) -> list[Piece]: ...
+
+
+def split_pieces(pieces: list[Piece]) -> tuple[str, str, list[ToolCall]]:
+    """An answer's pieces joined: (reasoning, content, calls)."""
+    reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
+    content = "".join(p for p in pieces if isinstance(p, str))
+    return reasoning, content, [p for p in pieces if isinstance(p, ToolCall)]
+
+
+def special_token_ids(tokenizer: Any, markers: Iterable[str]) -> frozenset[int]:
+    """The special tokens among `markers` (those that are one token in this vocabulary): a TextStream's
+    `keep`, so that a parser sees them as text."""
+    ids = (tokenizer.encode(m, add_bos=False) for m in markers)
+    return frozenset(i[0] for i in ids if len(i) == 1 and tokenizer.is_special(i[0]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Token ids -> the answer
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TextDelta:
+    """What one token added to the answer: its text (cut at a stop string) and the pieces the parser made
+    of it (without a parser, the text itself). The last token's carries whatever was held back."""
+
+    text: str
+    pieces: list[Piece]
+
+
+class TextStream:
+    """One generation's token ids -> its answer, and how it finished.
+
+    The tokenizer's stop tokens and special tokens write nothing, except those in `keep` (markers a chat
+    format's parser must see, such as a tool-call token); bytes of an unfinished UTF-8 character wait for the
+    rest, and text that might be the start of a stop string is held back until it is known not to be. A
+    stop string ends the answer before it: `stopped` is set, and whoever generates stops at once. With a
+    `parser`, the text is split into content, Reasoning and ToolCall pieces.
+    """
+
+    def __init__(
+        self, tokenizer: Any, stop: Sequence[str] = (), keep: Collection[int] = (), parser: AnswerParser | None = None
+    ):
+        self.tokenizer = tokenizer
+        self.decoder = tokenizer.stream(skip_special=True)
+        self.keep = keep
+        self.stop = [s for s in stop if s]
+        self.parser = parser
+        self.pending = ""  # text held back: it may be the start of a stop string
+        self.stopped = False
+        # set when the answer ended: the generation's (stop | length), "stop" after a stop string, "cancelled"
+        # when its consumer left, "tool_calls" where OpenAI says so (a stop after the answer called tools)
+        self.finish_reason: str | None = None
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.parser.calls if self.parser is not None else []
+
+    def add(self, token_id: int, finish_reason: str | None = None) -> TextDelta:
+        """The next generated token, with the generation's finish reason on its last one."""
+        if self.finish_reason is not None:
+            return TextDelta("", [])
+        text = self._cut(self._decode(token_id))
+        if self.stopped:
+            finish_reason = "stop"
+        elif finish_reason is not None:
+            text += self._flush()
+        pieces = self._parse(text)
+        if finish_reason is not None:
+            pieces += self._end(finish_reason)
+        return TextDelta(text, pieces)
+
+    def cancel(self) -> list[Piece]:
+        """The generation stopped before its end: the pieces the parser held back (text held back for a stop
+        string or an unfinished character is dropped)."""
+        return self._end("cancelled") if self.finish_reason is None else []
+
+    def _decode(self, token_id: int) -> str:
+        if token_id in self.tokenizer.stop_ids:
+            return ""
+        if token_id in self.keep:
+            return self.decoder.flush() + self.tokenizer.token_text(token_id)
+        return self.decoder.add(token_id)
+
+    def _cut(self, text: str) -> str:
+        """`text` after what was held back, up to a stop string or to what might be the start of one."""
+        self.pending += text
+        hits = [i for s in self.stop if (i := self.pending.find(s)) >= 0]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[: min(hits)], ""
+            return out
+        keep = partial_suffix(self.pending, self.stop)
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def _flush(self) -> str:
+        """At the generation's end: the decoder's last bytes, and the text held back."""
+        out = self._cut(self.decoder.flush())
+        if not self.stopped:
+            out, self.pending = out + self.pending, ""
+        return out
+
+    def _parse(self, text: str) -> list[Piece]:
+        if not text:
+            return []
+        return [text] if self.parser is None else self.parser.feed(text)
+
+    def _end(self, reason: str) -> list[Piece]:
+        pieces = self.parser.finish() if self.parser is not None else []
+        self.finish_reason = "tool_calls" if reason == "stop" and self.calls else reason
+        return pieces
+
+
+@dataclass
+class TextStep:
+    """One generated token as text (`text` possibly empty, `pieces` possibly none). finish_reason is set on
+    the last step: the TextStream's."""
+
+    text: str
+    pieces: list[Piece]
+    stats: GenerationStats
+    finish_reason: str | None = None
+
+
+def stream_text(steps: Generator[GenerationStep, None, None], text: TextStream) -> Iterator[TextStep]:
+    """Engine.stream's steps as text; a stop string ends the generation at once. A consumer that stops early
+    (break, close()) ends the generation as "cancelled"; use contextlib.closing to end it at once."""
+    with closing(steps):
+        for step in steps:
+            delta = text.add(step.token, step.finish_reason)
+            if text.stopped:
+                steps.close()
+            yield TextStep(delta.text, delta.pieces, step.stats, text.finish_reason)
+            if text.stopped:
+                return
+
+
+# --------------------------------------------------------------------------------------------------
+# Tool-call blocks
+# --------------------------------------------------------------------------------------------------
 
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -243,110 +318,5 @@ class ToolCallParser:
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """Whole-text version of ToolCallParser: (content or None, calls)."""
     p = ToolCallParser()
-    pieces = p.feed(text) + p.finish()
-    content = "".join(x for x in pieces if isinstance(x, str))
-    return content or None, p.calls
-
-
-# --------------------------------------------------------------------------------------------------
-# Answers in OpenAI's shape
-# --------------------------------------------------------------------------------------------------
-
-
-class Answer:
-    """Formats one request's answer: OpenAI's chat or text-completion objects, whole or as SSE chunks."""
-
-    def __init__(self, chat: bool, model_name: str, include_usage: bool = False):
-        self.chat = chat
-        self.include_usage = include_usage
-        self.base = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-        }
-
-    def _chunk(self, choice: dict[str, Any] | None, usage: Any = None) -> str:
-        body: dict[str, Any] = {**self.base, "choices": [] if choice is None else [choice]}
-        if self.include_usage or usage is not None:  # with include_usage, every chunk has the key
-            body["usage"] = usage
-        return sse(body)
-
-    def _choice(self, piece: str | Reasoning | ToolCall | None, finish: str | None = None) -> dict[str, Any]:
-        if not self.chat:
-            return {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
-        if piece is None:
-            delta: dict[str, Any] = {}
-        elif isinstance(piece, str):
-            delta = {"content": piece}
-        elif isinstance(piece, Reasoning):
-            delta = {"reasoning_content": piece.text}
-        else:
-            delta = {"tool_calls": [piece.to_dict(with_index=True)]}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-
-    def start(self) -> list[str]:
-        return (
-            [
-                self._chunk(
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                )
-            ]
-            if self.chat
-            else []
-        )
-
-    def piece(self, piece: str | Reasoning | ToolCall) -> str:
-        return self._chunk(self._choice(piece))
-
-    def end(self, finish: str, usage: dict[str, Any]) -> list[str]:
-        # usage rides on the last chunk; with include_usage, in a chunk of its own as OpenAI sends it
-        if not self.include_usage:
-            return [self._chunk(self._choice(None, finish), usage)]
-        return [self._chunk(self._choice(None, finish)), self._chunk(None, usage)]
-
-    def whole(self, text: str, finish_reason: str, usage: dict[str, Any], parser: Any = None) -> dict[str, Any]:
-        """The whole answer; `parser` (an OutputParser) splits a chat answer into reasoning, content and
-        tool calls (with tools, empty content is null, as OpenAI sends it)."""
-        if not self.chat:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            return {**self.base, "choices": [choice], "usage": usage}
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        calls: list[ToolCall] = []
-        if parser is not None:
-            pieces = parser.feed(text) + parser.finish()
-            content = "".join(p for p in pieces if isinstance(p, str))
-            reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
-            calls = parser.calls
-            message["content"] = (content or None) if parser.use_tools else content
-            if reasoning:
-                message["reasoning_content"] = reasoning
-            if calls:
-                message["tool_calls"] = [c.to_dict() for c in calls]
-        finish = finish_reason_with_calls(finish_reason, bool(calls))
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        return {**self.base, "object": "chat.completion", "choices": [choice], "usage": usage}
-
-
-def finish_reason_with_calls(reason: str, has_calls: bool) -> str:
-    return "tool_calls" if has_calls and reason == "stop" else reason
-
-
-def sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-def usage_of(st: GenerationStats) -> dict[str, Any]:
-    """OpenAI's usage object for a generation."""
-    prompt, completion = st.prompt_tokens, st.decode_tokens
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": st.reused_tokens},
-    }
+    _, content, calls = split_pieces([*p.feed(text), *p.finish()])
+    return content or None, calls

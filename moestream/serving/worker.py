@@ -5,8 +5,8 @@ prompt, KV cache, sampling and stops are its own. A request that finds every seq
 bounded queue (beyond it the server answers 429); each slot keeps its last conversation, so a follow-up turn
 only computes its new tokens. Tokens travel from the worker to the request's asyncio task through a
 thread-safe hand-off; a client that goes away sets the job's `cancelled` flag, and the worker ends that
-request at the next step without disturbing the others. Text is decoded and cut at stop strings here (so a
-stop string ends generation at once).
+request at the next step without disturbing the others. Each job's TextStream turns its tokens into its
+answer's pieces here (so a stop string ends generation at once).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from typing import Any
 from moestream.engine.batch import BatchEvent, Sequence
 from moestream.engine.sampling import Sampler
 from moestream.errors import ContextError, DiskError
+from moestream.serving.answer import usage_of
 from moestream.serving.schemas import APIError
-from moestream.serving.text import StopText, usage_of
+from moestream.serving.text import Piece, TextStream
 from moestream.streaming.budget import rss_bytes
 
 FILE_CHECK_S = 5.0  # how often an idle server checks that its model file is unchanged
@@ -54,12 +55,12 @@ class Admission:
 
 @dataclass
 class TextEvent:
-    text: str
+    pieces: list[Piece]  # possibly none: the token's text is held back by the answer's parser
 
 
 @dataclass
 class DoneEvent:
-    finish_reason: str  # stop | length | cancelled
+    finish_reason: str  # stop | length | cancelled | tool_calls
     usage: dict[str, Any]
 
 
@@ -76,11 +77,10 @@ class Job:
     prompt: list[int]
     max_tokens: int
     sampler: Sampler
-    stop: list[str]
+    text: TextStream  # its tokens -> its answer; used by the worker thread only
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    keep_ids: frozenset[int] = frozenset()  # special tokens written as text (a chat format's markers)
 
     def emit(self, event: Event) -> None:
         """Called from the worker thread: hand the event to the request's event loop."""
@@ -105,10 +105,56 @@ class Metrics:
     request_s: float = 0.0  # recent requests' time from admission to end (moving average), for Retry-After
 
 
+class ModelFileWatch:
+    """Whether the model file is still the one whose weights are resident; once it changed (`fatal` says
+    how), nothing more can be answered."""
+
+    def __init__(self, engine: Any, on_fatal: Callable[[str], None] | None):
+        self.engine = engine
+        self.on_fatal = on_fatal
+        self.fatal: str | None = None
+
+    def check(self) -> bool:
+        """False (and the server winds down) when the model file changed under the process."""
+        if self.fatal is not None:
+            return False
+        try:
+            self.engine.check_model_file()
+        except DiskError as exc:
+            self.fatal = str(exc)
+            if self.on_fatal is not None:
+                self.on_fatal(self.fatal)
+            return False
+        return True
+
+    def error(self, exc: Exception) -> APIError:
+        """What a client is told of a failure: 503 once the model file changed; only a request that cannot fit
+        is the client's fault (400), a model or disk failure is the server's (500)."""
+        if not self.check():
+            return _unavailable(self.fatal or str(exc))
+        if isinstance(exc, ContextError):
+            return APIError(400, f"generation failed: {exc}")
+        return APIError(500, f"generation failed: {exc}", type="server_error")
+
+
+def _burst(jobs: queue.Queue[Job | None], first: Job | None, admission: Admission) -> Iterator[Job | None]:
+    """The first arrival and those that follow it closely (gather_gap_s apart, gather_s at most)."""
+    end = time.monotonic() + admission.gather_s
+    job: Job | None = first
+    while True:
+        yield job
+        if job is None:
+            return
+        wait = min(end - time.monotonic(), admission.gather_gap_s)
+        try:
+            job = jobs.get(timeout=wait) if wait > 0 else jobs.get_nowait()
+        except queue.Empty:
+            return
+
+
 @dataclass(eq=False)
 class _Active:
     job: Job
-    text: StopText
     admitted: bool = False
 
 
@@ -131,8 +177,7 @@ class Worker:
         self._waiting: set[Job] = set()  # submitted and not yet holding a sequence slot
         self._holding: set[Job] = set()  # holding a sequence slot
         self.metrics = Metrics()
-        self.fatal: str | None = None  # set when the model file changed: nothing more can be answered
-        self.on_fatal = on_fatal
+        self.file = ModelFileWatch(engine, on_fatal)
         self.check_every_s = check_every_s
         self.thread = threading.Thread(target=self._loop, name="moestream-engine", daemon=True)
 
@@ -149,8 +194,8 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         """Queue a job, or raise APIError 429 when --max-queue requests already wait for a slot."""
-        if self.fatal is not None:
-            job.emit(ErrorEvent(_unavailable(self.fatal)))
+        if self.file.fatal is not None:
+            job.emit(ErrorEvent(_unavailable(self.file.fatal)))
             return
         with self._lock:
             free = self.batch.capacity - len(self._holding)
@@ -187,52 +232,26 @@ class Worker:
                 job = self.jobs.get(timeout=self.check_every_s) if not self.batch else self.jobs.get_nowait()
             except queue.Empty:
                 if not self.batch:  # idle: make sure the file is still the one whose weights are resident
-                    self._check_file()
+                    self.file.check()
                     continue
                 job = False
             if job is not False:
-                for arrival in self._burst(job):
+                for arrival in _burst(self.jobs, job, self.admission):
                     if arrival is None:
-                        self._end_all()
+                        self._cancel(everything=True)  # the server stops: whatever is left ends as cancelled
                         return
                     self._add(arrival)
-            self._drop_cancelled()
+            self._cancel()
             if self.batch:
                 self._step()
 
-    def _burst(self, first: Job | None) -> Iterator[Job | None]:
-        """The first arrival and those that follow it closely (gather_gap_s apart, gather_s at most)."""
-        end = time.monotonic() + self.admission.gather_s
-        job: Job | None = first
-        while True:
-            yield job
-            if job is None:
-                return
-            wait = min(end - time.monotonic(), self.admission.gather_gap_s)
-            try:
-                job = self.jobs.get(timeout=wait) if wait > 0 else self.jobs.get_nowait()
-            except queue.Empty:
-                return
-
-    def _check_file(self) -> bool:
-        """False (and the server winds down) when the model file changed under the process."""
-        if self.fatal is not None:
-            return False
-        try:
-            self.engine.check_model_file()
-        except DiskError as exc:
-            self.fatal = str(exc)
-            if self.on_fatal is not None:
-                self.on_fatal(self.fatal)
-            return False
-        return True
-
     def _add(self, job: Job) -> None:
-        if job.cancelled.is_set() or self.fatal is not None:  # the client left while queued, or no more answers
+        fatal = self.file.fatal
+        if job.cancelled.is_set() or fatal is not None:  # the client left while queued, or no more answers
             self._unqueue(job)
             self.metrics.requests += 1
-            if self.fatal is not None:
-                job.emit(ErrorEvent(_unavailable(self.fatal)))
+            if fatal is not None:
+                job.emit(ErrorEvent(_unavailable(fatal)))
             else:
                 self.metrics.cancelled += 1
                 job.emit(DoneEvent("cancelled", {}))
@@ -243,18 +262,19 @@ class Worker:
         except Exception as exc:  # a prompt that cannot fit, or a model file that changed
             self._unqueue(job)
             self.metrics.failed += 1
-            job.emit(ErrorEvent(self._error(exc)))
+            job.emit(ErrorEvent(self.file.error(exc)))
             return
-        self.active[seq] = _Active(job, StopText(self.engine.tokenizer, job.stop, job.keep_ids))
+        self.active[seq] = _Active(job)
 
     def _unqueue(self, job: Job) -> None:
         with self._lock:
             self._waiting.discard(job)
             self._holding.discard(job)
 
-    def _drop_cancelled(self) -> None:
+    def _cancel(self, everything: bool = False) -> None:
+        """End the requests whose clients left (or all of them) as cancelled."""
         for seq, act in list(self.active.items()):
-            if act.job.cancelled.is_set():
+            if everything or act.job.cancelled.is_set():
                 self.batch.cancel(seq)
                 self._done(seq, "cancelled")
 
@@ -263,7 +283,8 @@ class Worker:
         try:
             events = self.batch.step()
         except Exception as exc:  # every failure must reach the clients, not kill the worker
-            self._fail(exc)
+            # its sequences end (their KV caches forgotten); the queued ones go on if the file is still good
+            self._fail(self.batch.fail_running(), self.file.error(exc))
             return
         finally:
             self.metrics.busy_s += time.perf_counter() - t0
@@ -277,19 +298,20 @@ class Worker:
             self._deliver(ev)
 
     def _deliver(self, ev: BatchEvent) -> None:
-        seq, act = ev.sequence, self.active[ev.sequence]
-        piece = act.text.add(ev.token)
-        reason = ev.finish_reason
-        if act.text.stopped:
-            if reason is None:
-                self.batch.cancel(seq, "stop")  # a stop string ends generation at once
-            reason = "stop"
-        elif reason is not None:
-            piece += act.text.flush()
-        if piece:
-            act.job.emit(TextEvent(piece))
-        if reason is not None:
-            self._done(seq, reason)
+        seq, job = ev.sequence, self.active[ev.sequence].job
+        try:
+            delta = job.text.add(ev.token, ev.finish_reason)
+        except Exception as exc:  # an answer the parser chokes on fails its request, not the worker
+            if ev.finish_reason is None:
+                self.batch.cancel(seq)
+            self._fail([seq], self.file.error(exc))
+            return
+        if job.text.stopped and ev.finish_reason is None:
+            self.batch.cancel(seq, "stop")  # a stop string ends generation at once
+        if delta.text or delta.pieces:
+            job.emit(TextEvent(delta.pieces))
+        if job.text.finish_reason is not None:
+            self._done(seq, job.text.finish_reason)
 
     def _done(self, seq: Sequence, reason: str) -> None:
         act = self.active.pop(seq)
@@ -305,30 +327,13 @@ class Worker:
             m.request_s = 0.8 * m.request_s + 0.2 * (time.perf_counter() - seq.started)
         act.job.emit(DoneEvent(reason, usage_of(st)))
 
-    def _fail(self, exc: Exception) -> None:
-        """A step raised: its sequences end with an error; the queued ones go on if the file is still good."""
-        failed = self.batch.fail_running()
-        error = self._error(exc)
+    def _fail(self, failed: list[Sequence], error: APIError) -> None:
+        """End these sequences' requests with an error."""
         for seq in failed:
             act = self.active.pop(seq)
             self._unqueue(act.job)
             self.metrics.failed += 1
             act.job.emit(ErrorEvent(error))
-
-    def _error(self, exc: Exception) -> APIError:
-        """What a client is told of a failure: 503 once the model file changed; only a request that cannot fit
-        is the client's fault (400), a model or disk failure is the server's (500)."""
-        if not self._check_file():
-            return _unavailable(self.fatal or str(exc))
-        if isinstance(exc, ContextError):
-            return APIError(400, f"generation failed: {exc}")
-        return APIError(500, f"generation failed: {exc}", type="server_error")
-
-    def _end_all(self) -> None:
-        """The server stops: whatever is left ends as cancelled."""
-        for seq in list(self.active):
-            self.batch.cancel(seq)
-            self._done(seq, "cancelled")
 
 
 def metrics_text(worker: Worker) -> str:
