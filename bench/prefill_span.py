@@ -46,7 +46,7 @@ def run_once(args: argparse.Namespace, prompt: list[int], span: int | None) -> d
         gen = eng.generate(prompt, 1, Sampler())
         st = gen.stats
         return {
-            "span": eng.span,
+            "span": eng.prompt_span,
             "prompt_tokens": len(prompt),
             "prompt_s": st.prompt_s,
             "prefill_tps": len(prompt) / st.prompt_s if st.prompt_s else 0.0,

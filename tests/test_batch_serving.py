@@ -45,7 +45,7 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def _run_batch(engine: Engine, prompts: list[list[int]], max_new: int, join_at: int = 0) -> list[list[int]]:
     """Greedy tokens of each prompt generated together; prompts after the first `join_at` join two steps in."""
-    batch = engine.batch()
+    batch = engine.scheduler()
     seqs = [batch.add(p, max_new) for p in prompts[: join_at or len(prompts)]]
     out: dict[int, list[int]] = {}
     steps = 0
@@ -88,8 +88,8 @@ def test_prompts_arriving_together_prefill_in_one_step(model_path: str, tmp_path
         prompts = [tok.encode(p) for p in PROMPTS[:4]]
         alone = [engine.generate(p, 8).tokens for p in prompts]
         engine.reset()
-        first_step = engine._step + 1
-        batch = engine.batch()
+        first_step = engine.trace.step + 1
+        batch = engine.scheduler()
         seqs = [batch.add(p, 8) for p in prompts]
         out: dict[int, list[int]] = {}
         events = batch.step()
@@ -132,7 +132,7 @@ def test_a_burst_of_requests_starts_in_one_step(model_path: str, tmp_path: Path)
         lone = job(PROMPTS[5])
         worker.submit(lone)
         assert loop.run_until_complete(first_token_at(lone)) - start < 15.0  # a gap, not the 30 s window
-        first_step = engine._step + 1
+        first_step = engine.trace.step + 1
         burst = [job(p) for p in PROMPTS[:4]]
         for j in burst:
             worker.submit(j)
@@ -156,7 +156,7 @@ def test_slot_keeps_its_conversation(model_path: str) -> None:
     engine = Engine(model_path, EngineOptions(n_slots=10_000, ctx=256, max_batch=3))
     try:
         tok = engine.tokenizer
-        batch = engine.batch()
+        batch = engine.scheduler()
         first = [tok.encode(p) for p in PROMPTS[:3]]
         seqs = [batch.add(p, 6) for p in first]
         answers: dict[int, list[int]] = {}

@@ -94,12 +94,12 @@ def test_engine_picks_the_micro_batch_the_budget_fits(tiny):
     try:
         assert eng.ubatch in UBATCH_CHOICES and eng.plan.n_slots >= eng.cfg.top_k
         # the plan counts the prompt span's activations (a span of at least the micro-batch, at most the context)
-        assert eng.ubatch <= eng.span == eng.plan.span <= 512
+        assert eng.ubatch <= eng.prompt_span == eng.plan.span <= 512
         # the span's attention by micro-batch chunks, its MoE summed in order where the cache keeps the order
         ordered = eng.plan.n_slots >= ORDERED_ROOM * eng.cfg.n_experts
         memory = Qwen3Moe.memory(eng.cfg)
-        assert eng.plan.compute == memory.compute_nbytes(eng.span, 512, chunk=eng.ubatch, ordered=ordered)
-        assert f"(prompt span {eng.span} tokens)" in eng.plan.describe()
+        assert eng.plan.compute == memory.compute_nbytes(eng.prompt_span, 512, chunk=eng.ubatch, ordered=ordered)
+        assert f"(prompt span {eng.prompt_span} tokens)" in eng.plan.describe()
     finally:
         eng.close()
     eng = Engine(tiny, EngineOptions(ram_budget_mb=least + 200, ctx=512))
@@ -124,14 +124,14 @@ def test_a_known_prompt_length_bounds_the_span_and_its_buffers(tiny, tmp_path):
     prompt = list(range(3, 603))
     eng = Engine(tiny, opts)
     try:
-        assert eng.span >= 512
-        free_span, free_plan = eng.span, eng.plan
+        assert eng.prompt_span >= 512
+        free_span, free_plan = eng.prompt_span, eng.plan
         want = eng.generate(prompt, 6).tokens
     finally:
         eng.close()
     eng = Engine(tiny, dataclasses.replace(opts, longest_prompt=40))
     try:
-        assert eng.span == eng.ubatch and eng.plan.span == eng.span < free_span
+        assert eng.prompt_span == eng.ubatch and eng.plan.span == eng.prompt_span < free_span
         assert eng.plan.compute < free_plan.compute and eng.plan.n_slots >= free_plan.n_slots
         assert eng.generate(prompt, 6).tokens == want
     finally:
@@ -204,7 +204,7 @@ def test_the_engine_keeps_the_heap_through_prompt_steps_only(tiny):
     eng = Engine(tiny, EngineOptions(ram_budget_mb=1200, ctx=2048))  # compute room over glibc's 32 MiB
     try:
         assert eng.heap is not None and eng.heap.active and eng.heap.limit == eng.plan.compute
-        steps = -(-600 // eng.span)
+        steps = -(-600 // eng.prompt_span)
         eng.generate(list(range(3, 603)), 5)
         assert eng.heap.trims == steps
     finally:

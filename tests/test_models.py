@@ -189,7 +189,7 @@ def test_layer_major_prefill_equals_micro_batch_major(tiny, tmp_path, stream):
             eng = Engine(path, EngineOptions(n_slots=slots, ubatch=ub, prefill_span=span, trace_path=trace))
             keep = _KeepLogits()
             try:
-                assert eng.span == (span or eng.ctx)
+                assert eng.prompt_span == (span or eng.ctx)
                 tokens = eng.generate(toks[: n * ub], 4, keep).tokens
             finally:
                 eng.close()

@@ -27,8 +27,8 @@ import pytest
 import uvicorn
 
 from moestream.analysis.synth import write_synth
-from moestream.engine.batch import BatchEvent, Sequence
 from moestream.engine.prompt_cache import Conversation
+from moestream.engine.scheduler import Sequence, TokenEvent
 from moestream.engine.stats import EngineSnapshot, GenerationStats, GenerationStep
 from moestream.formats.chat_template import render_chat
 from moestream.formats.gguf_file import GGUFFile
@@ -614,7 +614,7 @@ class ScriptedEngine:
     def stream(
         self, prompt: list[int], max_new_tokens: int, sampler: Any, stop_ids: set[int]
     ) -> Iterator[GenerationStep]:
-        """The terminal chat's way in (serve goes through batch())."""
+        """The terminal chat's way in (serve goes through scheduler())."""
         st = GenerationStats(prompt_tokens=len(prompt))
         for i, t in enumerate(itertools.islice(self.tokens(prompt), max_new_tokens)):
             st.decode_tokens = i + 1
@@ -625,7 +625,7 @@ class ScriptedEngine:
             if reason is not None:
                 return
 
-    def batch(self) -> ScriptedBatch:
+    def scheduler(self) -> ScriptedBatch:
         return ScriptedBatch(self)
 
     def tokens(self, prompt: list[int]) -> Iterator[int]:
@@ -634,7 +634,7 @@ class ScriptedEngine:
 
 
 class ScriptedBatch:
-    """Stands in for engine.batch.Batch: each sequence generates its engine's tokens, all in the same steps."""
+    """Stands in for engine.scheduler.Scheduler: each sequence generates its engine's tokens, all in the same steps."""
 
     def __init__(self, engine: ScriptedEngine):
         self.engine = engine
@@ -661,7 +661,7 @@ class ScriptedBatch:
         failed, self.running = self.running, []
         return failed
 
-    def step(self) -> list[BatchEvent]:
+    def step(self) -> list[TokenEvent]:
         events = []
         for seq in list(self.running):
             t = next(self.script[seq])
@@ -669,7 +669,7 @@ class ScriptedBatch:
             reason = "stop" if t in seq.stop_ids else "length" if seq.n_new >= seq.max_new_tokens else None
             if reason is not None:
                 self.cancel(seq, reason)
-            events.append(BatchEvent(seq, t, reason))
+            events.append(TokenEvent(seq, t, reason))
         return events
 
 

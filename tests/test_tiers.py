@@ -232,7 +232,7 @@ def test_a_long_prompt_span_grows_by_its_micro_batches_and_replays_exactly(tiny,
     try:
         first = eng.generate(long_prompt, N, Sampler()).tokens
         second = eng.generate(PROMPT_B, N, Sampler()).tokens  # a span of 5 after the decode steps
-        assert eng.span == eng.ctx and 25 < eng.cache.used_slots <= 48
+        assert eng.prompt_span == eng.ctx and 25 < eng.cache.used_slots <= 48
     finally:
         eng.close()
     micro = Engine(tiny, EngineOptions(prefill_span=8, **opts))

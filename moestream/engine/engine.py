@@ -11,13 +11,13 @@ from typing import Any
 import torch
 
 from moestream.analysis.routes import RouteTrace
-from moestream.engine.batch import Batch
 from moestream.engine.expert_tier import open_cache, open_reader, preload
 from moestream.engine.model_file import load_resident, open_model, tokenizer_if_any
 from moestream.engine.options import EngineOptions
 from moestream.engine.planning import DEFAULT_UBATCH, SlotPlanner
 from moestream.engine.prompt_cache import Conversation, PromptCache
 from moestream.engine.sampling import Sampler
+from moestream.engine.scheduler import Scheduler
 from moestream.engine.stats import EngineSnapshot, Generation, GenerationStats, GenerationStep
 from moestream.engine.threads import StepThreads
 from moestream.errors import ContextError
@@ -57,17 +57,17 @@ class Engine:
         self.batch_kvs = [self.model.new_kv(self.ctx) for _ in range(self.max_batch - 1)]
         self.plan: BudgetPlan | None = None
         self.ubatch, n_slots = o.ubatch or DEFAULT_UBATCH, o.n_slots
-        self.span = o.prefill_span or self.ctx  # without a budget to fit: the whole prompt
+        self.prompt_span = o.prefill_span or self.ctx  # without a budget to fit: the whole prompt
         if n_slots is None:
             self.plan, self.ubatch, read_ahead = planner.plan(read_ahead)
-            n_slots, self.span = self.plan.n_slots, self.plan.span
+            n_slots, self.prompt_span = self.plan.n_slots, self.plan.span
         # conversations kept across requests, in the MB the plan counted (without a budget: the option's)
         cache_mb = planner.prompt_cache_mb
         self.prompt_cache = PromptCache(cache_mb * MB) if cache_mb else None
         for kv in [self.kv, *self.batch_kvs]:  # a span's attention runs a micro-batch of queries at a time
             kv.query_chunk = self.ubatch
         self.reader = open_reader(self.file, self.cfg, o, read_ahead)
-        self.cache, self._trace = open_cache(self.file, self.reader, self.cfg, o, n_slots, read_ahead, model_path)
+        self.cache, self.trace = open_cache(self.file, self.reader, self.cfg, o, n_slots, read_ahead, model_path)
         # router choices replayed from a trace (--route-trace), handed to every forward step
         self.route_hook = RouteTrace(o.route_trace, cfg.n_experts, cfg.top_k) if o.route_trace is not None else None
         # what a prompt step frees is kept for its next layers, within the activations' room the plan counts
@@ -160,10 +160,10 @@ class Engine:
             gen.tokens.append(step.token)
         return gen
 
-    def batch(self) -> Batch:
+    def scheduler(self) -> Scheduler:
         """Sequences that generate together (serve): up to max_batch at a time, each in its own KV cache."""
         self._finish_active()
-        return Batch(self)
+        return Scheduler(self)
 
     def check_model_file(self) -> None:
         """Raise DiskError if the model file was truncated, rewritten or replaced since it was opened: the
@@ -189,15 +189,15 @@ class Engine:
     def _steps(
         self, prompt: list[int], max_new_tokens: int, sampler: Sampler, stop_ids: set[int], st: GenerationStats
     ) -> Generator[GenerationStep, None, None]:
-        """One sequence generating alone: the scheduler serve runs (Batch), with this engine's own conversation
-        as its one slot."""
-        batch = Batch(self, slots=[self.conversation])
-        seq = batch.add(prompt, max_new_tokens, sampler, stop_ids, stats=st)
+        """One sequence generating alone: the scheduler serve runs, with this engine's own conversation as its
+        one slot."""
+        scheduler = Scheduler(self, slots=[self.conversation])
+        seq = scheduler.add(prompt, max_new_tokens, sampler, stop_ids, stats=st)
         counters = _Counters(self.cache.stats, st)
         held: int | None = None  # the token sampled last, yielded once the next step has been asked for
         try:
             while seq.finish_reason is None:
-                events = batch.step()
+                events = scheduler.step()
                 if counters.b1 is None and not seq.prefilling:
                     counters.decode_begins()
                 counters.update()
@@ -208,7 +208,7 @@ class Engine:
                     try:
                         yield GenerationStep(ev.token, st)
                     except GeneratorExit:
-                        batch.cancel(seq)
+                        scheduler.cancel(seq)
                         raise
         finally:
             counters.update()
@@ -236,8 +236,8 @@ class Engine:
         self.threads.begin_step(longest, self.model.lane_decode)
         # the cache's growth allowance counts the micro-batches of all the step's tokens
         units = -(-total // self.ubatch)
-        if self._trace is not None:
-            self._trace.begin_step(units, positions[0], phase)
+        if self.trace is not None:
+            self.trace.begin_step(units, positions[0], phase)
         self.cache.begin_step(units, phase)
         # a prompt step keeps what its layers free for the next ones (FreedHeap); a decode step leaves it
         heap = self.heap.prompt_step() if prompt and total > 1 and self.heap is not None else nullcontext()
@@ -250,9 +250,9 @@ class Engine:
         self._finish_active()
         if self.elastic is not None:
             self.elastic.stop()
-        if self._trace is not None:
-            self._trace.close()
-            self._trace = None
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
         self.lock_report.unlock()
         self.cache.close()
         self.reader.close()

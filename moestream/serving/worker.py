@@ -1,6 +1,6 @@
 """The one thread that runs the engine for the HTTP server: its jobs, the batch they decode in, its metrics.
 
-Requests decode together (engine/batch.py): each step takes one token from every admitted request, whose
+Requests decode together (engine/scheduler.py): each step takes one token from every admitted request, whose
 prompt, KV cache, sampling and stops are its own. A request that finds every sequence slot taken waits in a
 bounded queue (beyond it the server answers 429); each slot keeps its last conversation, so a follow-up turn
 only computes its new tokens. Tokens travel from the worker to the request's asyncio task through a
@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from moestream.engine.batch import BatchEvent, Sequence
 from moestream.engine.sampling import Sampler
+from moestream.engine.scheduler import Sequence, TokenEvent
 from moestream.errors import ContextError, DiskError
 from moestream.serving.answer import usage_of
 from moestream.serving.schemas import APIError
@@ -169,7 +169,7 @@ class Worker:
         admission: Admission = Admission(),
     ):
         self.engine = engine
-        self.batch = engine.batch()
+        self.batch = engine.scheduler()
         self.admission = admission
         self.jobs: queue.Queue[Job | None] = queue.Queue()  # submitted, not yet seen by the worker
         self.active: dict[Sequence, _Active] = {}
@@ -297,7 +297,7 @@ class Worker:
         for ev in events:
             self._deliver(ev)
 
-    def _deliver(self, ev: BatchEvent) -> None:
+    def _deliver(self, ev: TokenEvent) -> None:
         seq, job = ev.sequence, self.active[ev.sequence].job
         try:
             delta = job.text.add(ev.token, ev.finish_reason)

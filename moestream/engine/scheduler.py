@@ -24,11 +24,11 @@ from moestream.engine.sampling import Sampler
 from moestream.engine.stats import GenerationStats
 
 
-class BatchEngine(Protocol):
+class SchedulerEngine(Protocol):
     """What a batch needs of the engine (engine.Engine): its slots' KV caches, its prompt cache and forwards."""
 
     ctx: int
-    span: int
+    prompt_span: int
     cache: Any  # the expert cache: phase and generation()
     conversation: Conversation
     batch_kvs: list[Any]
@@ -63,7 +63,7 @@ class Sequence:
 
 
 @dataclass
-class BatchEvent:
+class TokenEvent:
     """A token a sequence generated; finish_reason is set on its last one."""
 
     sequence: Sequence
@@ -71,10 +71,10 @@ class BatchEvent:
     finish_reason: str | None = None
 
 
-class Batch:
+class Scheduler:
     """The sequences of one engine that generate together; `step()` advances all of them by one token."""
 
-    def __init__(self, engine: BatchEngine, slots: list[Conversation] | None = None):
+    def __init__(self, engine: SchedulerEngine, slots: list[Conversation] | None = None):
         """slots: the conversations sequences run in (default: the engine's own and one per batch KV cache).
         Every slot keeps its conversation after the request ends, so a request that extends it (a chat's next
         turn) lands on that slot and prefills only its new tokens."""
@@ -128,7 +128,7 @@ class Batch:
             seq.conversation.forget()
         return failed
 
-    def step(self) -> list[BatchEvent]:
+    def step(self) -> list[TokenEvent]:
         """Admit waiting sequences into free slots, run one step (a token of every decoding sequence, a prompt
         span of every joining one), then sample: the tokens this step generated."""
         self._admit()
@@ -154,7 +154,7 @@ class Batch:
     def _blocks(self) -> list[tuple[Sequence, list[int]]]:
         """This step's sequences and their blocks: every decoding one's token, and the next span of each joining
         one (in arrival order) while the step's prompt tokens stay within one span."""
-        span, prompt_tokens = self.engine.span, 0
+        span, prompt_tokens = self.engine.prompt_span, 0
         out = []
         for s in self.running:
             if s.next_token is not None:
@@ -193,7 +193,7 @@ class Batch:
         if any(decoding):
             self.decode_batch_sizes[sum(decoding)] += 1
 
-    def _sample(self) -> list[BatchEvent]:
+    def _sample(self) -> list[TokenEvent]:
         events = []
         for s in [s for s in self.running if s.logits is not None]:
             assert s.logits is not None
@@ -207,7 +207,7 @@ class Batch:
                 s.next_token = token
             else:
                 self._finish(s, reason)
-            events.append(BatchEvent(s, token, reason))
+            events.append(TokenEvent(s, token, reason))
         return events
 
     def _finish(self, seq: Sequence, reason: str) -> None:
