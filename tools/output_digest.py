@@ -66,7 +66,7 @@ def forward(path: str, toks: list[int], slots: int) -> dict:
 def batched(path: str, vocab: int, slots: int) -> dict:
     eng = Engine(path, EngineOptions(n_slots=slots, max_batch=3, ubatch=8, ctx=128))
     try:
-        b = eng.batch()
+        b = eng.scheduler()
         seqs = [b.add(random_tokens(n, vocab, seed=n), 6, KeepLogits()) for n in (3, 9, 17)]
         tokens: dict[int, list[int]] = {id(s): [] for s in seqs}
         while len(b):
