@@ -10,9 +10,10 @@ import torch
 
 from moestream.compute import linear
 from moestream.models.common import ExpertProvider, RouteHook, resident_tensors
-from moestream.models.layer import DecoderLayer, Step
+from moestream.models.layer import DecoderLayer, Mixer, Step
 from moestream.models.loader import Weights
 from moestream.models.ops import rms_norm, wide_torch
+from moestream.models.rope import RoPE
 from moestream.models.rows import linear_rows, norm_blocks, norm_rows, spans_of
 
 
@@ -20,28 +21,64 @@ class MoEModel:
     """The resident part of a model plus its forward step; routed experts come from the provider a step is
     given.
 
-    An architecture's class loads its `layers` (DecoderLayer: which mixer and FFN each block uses) between
-    `__init__` (the embedding) and `_load_head` (norm and output head), so the weights are read in file
-    order, and sets `rope`; `step` runs any such stack.
+    An architecture's class says what its blocks are made of: `mixer(w, i)` and `ffn(w, i)` for block i (the
+    norms around them are read here, in file order: the mixer's norm, the mixer, the FFN's norm, the FFN),
+    its rotary table (`rotary`), its cache (`kv_cache`) and what that cache and a prompt's compute take
+    (`memory`); `step` runs any such stack.
     """
 
     arch: str
     Config: Any  # the architecture's config dataclass, with from_metadata(md, shapes, source)
+    ffn_norm = "ffn_norm"  # the tensor of each block's FFN input norm ("post_attention_norm" in some files)
 
     def __init__(self, cfg: Any, w: Weights):
         self.cfg = cfg
         self.exact = w.exact
-        self.layers: list[DecoderLayer] = []
         self.embed = w.embedding("token_embd.weight", cfg.vocab_size, cfg.hidden)
-
-    def _load_head(self, w: Weights) -> None:
-        self.norm = w.vector("output_norm.weight", self.cfg.hidden)
+        self.layers: list[DecoderLayer] = [self._block(w, i) for i in range(self.n_blocks(cfg))]
+        self.norm = w.vector("output_norm.weight", cfg.hidden)
         self.output = w.output_head("output.weight", self.embed)
         self.dense_nbytes = w.nbytes
         # the output head runs once a token, widened to every thread when it is not in the lane form (a
         # Q4_K_M's Q6_K head); the per-layer weights must all run on the lane pool for torch to stay at one
         # thread
         self.lane_decode = linear.decode_on_pool([lin for lin in w.linears if lin is not self.output])
+        self.rope = self.rotary(cfg)
+
+    def _block(self, w: Weights, i: int) -> DecoderLayer:
+        H = self.cfg.hidden
+        mixer_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
+        mixer = self.mixer(w, i)
+        ffn_norm = w.vector(f"blk.{i}.{self.ffn_norm}.weight", H)
+        return DecoderLayer(mixer_norm, mixer, ffn_norm, self.ffn(w, i))
+
+    # -- what an architecture says ----------------------------------------------------------------------
+
+    @staticmethod
+    def n_blocks(cfg: Any) -> int:
+        return cfg.n_layers
+
+    def mixer(self, w: Weights, i: int) -> Mixer:
+        raise NotImplementedError
+
+    def ffn(self, w: Weights, i: int) -> Any:
+        """Block i's feed-forward: moe.MoE or moe.DenseFFN."""
+        raise NotImplementedError
+
+    def rotary(self, cfg: Any) -> RoPE:
+        raise NotImplementedError
+
+    def kv_cache(self, ctx: int, dtype: torch.dtype) -> Any:
+        """One sequence's cache at ctx positions (with begin_step, end_step and abort_step)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def memory(cfg: Any) -> Any:
+        """What one sequence's cache and a prompt's compute take (models/memory.py's ModelMemory)."""
+        raise NotImplementedError
+
+    def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> Any:
+        return self.kv_cache(ctx, dtype or (torch.float32 if self.exact else torch.bfloat16))
 
     def resident_tensors(self) -> list[torch.Tensor | np.ndarray]:
         return resident_tensors(self)

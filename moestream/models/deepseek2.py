@@ -28,11 +28,10 @@ from typing import Any
 import torch
 
 from moestream.models.base import MoEModel
-from moestream.models.layer import DecoderLayer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.memory import LatentAttentionMemory, ModelMemory, MoEMemory
 from moestream.models.mla import MLACache, MLAttention
-from moestream.models.moe import dense_or_moe
+from moestream.models.moe import DenseFFN, MoE, dense_or_moe
 from moestream.models.rope import RoPE, yarn_inv_freq
 from moestream.models.routing import Routing
 
@@ -171,19 +170,20 @@ class DeepSeek2(MoEModel):
     arch = ARCH
     Config = DeepSeek2Config
 
-    def __init__(self, cfg: DeepSeek2Config, w: Weights):
-        super().__init__(cfg, w)
-        H = cfg.hidden
-        self.layers = []
-        for i in range(cfg.n_blocks):
-            attn_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
-            attn = MLAttention(w, i, cfg)
-            ffn_norm = w.vector(f"blk.{i}.ffn_norm.weight", H)
-            self.layers.append(DecoderLayer(attn_norm, attn, ffn_norm, dense_or_moe(w, i, cfg)))
-        self._load_head(w)
+    @staticmethod
+    def n_blocks(cfg: DeepSeek2Config) -> int:
+        return cfg.n_blocks
+
+    def mixer(self, w: Weights, i: int) -> MLAttention:
+        return MLAttention(w, i, self.cfg)
+
+    def ffn(self, w: Weights, i: int) -> DenseFFN | MoE:
+        return dense_or_moe(w, i, self.cfg)
+
+    def rotary(self, cfg: DeepSeek2Config) -> RoPE:
         inv = torch.tensor(cfg.rope_inv_freq, dtype=torch.float64) if cfg.rope_inv_freq else None
-        self.rope = RoPE(cfg.qk_rope, cfg.rope_theta, max_pos=min(cfg.context_length, 4096), inv_freq=inv,
-                         mscale=cfg.rope_mscale)  # fmt: skip
+        return RoPE(cfg.qk_rope, cfg.rope_theta, max_pos=min(cfg.context_length, 4096), inv_freq=inv,
+                    mscale=cfg.rope_mscale)  # fmt: skip
 
     @staticmethod
     def memory(cfg: DeepSeek2Config) -> ModelMemory:
@@ -193,7 +193,5 @@ class DeepSeek2(MoEModel):
         moe = MoEMemory(cfg.n_experts, cfg.top_k, cfg.expert_ffn, always_on_ffn=max(cfg.shared_ffn, cfg.dense_ffn))
         return ModelMemory(cfg.hidden, cfg.vocab_size, (mla,), moe)
 
-    def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> MLACache:
-        cfg = self.cfg
-        dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
-        return MLACache(cfg.n_blocks, cfg.kv_lora_rank, cfg.qk_rope, ctx, dtype)
+    def kv_cache(self, ctx: int, dtype: torch.dtype) -> MLACache:
+        return MLACache(self.cfg.n_blocks, self.cfg.kv_lora_rank, self.cfg.qk_rope, ctx, dtype)

@@ -27,10 +27,10 @@ import torch
 from moestream.compute import linear
 from moestream.models.base import MoEModel
 from moestream.models.kv_cache import KVCache
-from moestream.models.layer import DecoderLayer, SplitMixer
+from moestream.models.layer import SplitMixer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.memory import AttentionMemory, ModelMemory, MoEMemory
-from moestream.models.moe import dense_or_moe
+from moestream.models.moe import DenseFFN, MoE, dense_or_moe
 from moestream.models.ops import rms_norm
 from moestream.models.rope import RoPE
 from moestream.models.routing import Routing
@@ -187,19 +187,22 @@ class Glm4Moe(MoEModel):
     arch = ARCH
     Config = Glm4MoeConfig
 
-    def __init__(self, cfg: Glm4MoeConfig, w: Weights):
-        super().__init__(cfg, w)
-        H = cfg.hidden
-        self.layers = []
-        for i in range(cfg.n_blocks):
-            attn_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
-            attn = Attention(w, i, cfg)
-            ffn_norm = w.vector(f"blk.{i}.post_attention_norm.weight", H)
-            self.layers.append(DecoderLayer(attn_norm, attn, ffn_norm, dense_or_moe(w, i, cfg)))
-        self._load_head(w)
+    ffn_norm = "post_attention_norm"
+
+    @staticmethod
+    def n_blocks(cfg: Glm4MoeConfig) -> int:
+        return cfg.n_blocks
+
+    def mixer(self, w: Weights, i: int) -> Attention:
+        return Attention(w, i, self.cfg)
+
+    def ffn(self, w: Weights, i: int) -> DenseFFN | MoE:
+        return dense_or_moe(w, i, self.cfg)
+
+    def rotary(self, cfg: Glm4MoeConfig) -> RoPE:
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rope_dim, 2, dtype=torch.float64) / cfg.rope_dim))
-        self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rope_dim, max_pos=min(cfg.context_length, 4096),
-                         inv_freq=inv / cfg.rope_scale)  # fmt: skip
+        return RoPE(cfg.head_dim, cfg.rope_theta, cfg.rope_dim, max_pos=min(cfg.context_length, 4096),
+                    inv_freq=inv / cfg.rope_scale)  # fmt: skip
 
     @staticmethod
     def memory(cfg: Glm4MoeConfig) -> ModelMemory:
@@ -208,7 +211,5 @@ class Glm4Moe(MoEModel):
         moe = MoEMemory(cfg.n_experts, cfg.top_k, cfg.expert_ffn, always_on_ffn=max(cfg.shared_ffn, cfg.dense_ffn))
         return ModelMemory(cfg.hidden, cfg.vocab_size, (attention,), moe)
 
-    def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
-        cfg = self.cfg
-        dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
-        return KVCache([cfg.n_kv_heads] * cfg.n_blocks, cfg.head_dim, ctx, dtype)
+    def kv_cache(self, ctx: int, dtype: torch.dtype) -> KVCache:
+        return KVCache([self.cfg.n_kv_heads] * self.cfg.n_blocks, self.cfg.head_dim, ctx, dtype)

@@ -27,7 +27,7 @@ from moestream.compute import linear
 from moestream.models.attention import attend_with_sinks
 from moestream.models.base import MoEModel
 from moestream.models.kv_cache import KVCache
-from moestream.models.layer import DecoderLayer, SplitMixer
+from moestream.models.layer import SplitMixer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.memory import AttentionMemory, ModelMemory, MoEMemory
 from moestream.models.moe import MoE
@@ -150,20 +150,19 @@ class GptOss(MoEModel):
     arch = ARCH
     Config = GptOssConfig
 
-    def __init__(self, cfg: GptOssConfig, w: Weights):
-        super().__init__(cfg, w)
-        H = cfg.hidden
-        self.layers = []
-        for i in range(cfg.n_layers):
-            attn_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
-            attn = Attention(w, i, cfg)
-            ffn_norm = w.vector(f"blk.{i}.post_attention_norm.weight", H)
-            moe = MoE(w, i, hidden=H, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
-                      norm_topk=False, routing=Routing(gating="softmax_topk", norm=False),
-                      clamped_swiglu=(SWIGLU_ALPHA, SWIGLU_LIMIT))  # fmt: skip
-            self.layers.append(DecoderLayer(attn_norm, attn, ffn_norm, moe))
-        self._load_head(w)
-        self.rope = _rope(cfg)
+    ffn_norm = "post_attention_norm"
+
+    def mixer(self, w: Weights, i: int) -> Attention:
+        return Attention(w, i, self.cfg)
+
+    def ffn(self, w: Weights, i: int) -> MoE:
+        cfg = self.cfg
+        return MoE(w, i, hidden=cfg.hidden, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
+                   norm_topk=False, routing=Routing(gating="softmax_topk", norm=False),
+                   clamped_swiglu=(SWIGLU_ALPHA, SWIGLU_LIMIT))  # fmt: skip
+
+    def rotary(self, cfg: GptOssConfig) -> RoPE:
+        return _rope(cfg)
 
     @staticmethod
     def memory(cfg: GptOssConfig) -> ModelMemory:
@@ -172,7 +171,5 @@ class GptOss(MoEModel):
         moe = MoEMemory(cfg.n_experts, cfg.top_k, cfg.expert_ffn, clamped=True)
         return ModelMemory(cfg.hidden, cfg.vocab_size, (attention,), moe)
 
-    def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
-        cfg = self.cfg
-        dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
-        return KVCache([cfg.n_kv_heads] * cfg.n_layers, cfg.head_dim, ctx, dtype)
+    def kv_cache(self, ctx: int, dtype: torch.dtype) -> KVCache:
+        return KVCache([self.cfg.n_kv_heads] * self.cfg.n_layers, self.cfg.head_dim, ctx, dtype)

@@ -21,7 +21,7 @@ import torch
 from moestream.compute import linear
 from moestream.models.base import MoEModel
 from moestream.models.kv_cache import KVCache
-from moestream.models.layer import DecoderLayer, SplitMixer
+from moestream.models.layer import SplitMixer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.memory import AttentionMemory, ModelMemory, MoEMemory
 from moestream.models.moe import MoE
@@ -152,20 +152,16 @@ class GQAMoEModel(MoEModel):
     rope_pairs = False
     qk_norm = False
 
-    def __init__(self, cfg: GQAMoEConfig, w: Weights):
-        super().__init__(cfg, w)
-        H = cfg.hidden
-        self.layers = []
-        for i in range(cfg.n_layers):
-            attn_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
-            attn = GQAttention(w, i, cfg, rope_pairs=self.rope_pairs, qk_norm=self.qk_norm)
-            ffn_norm = w.vector(f"blk.{i}.ffn_norm.weight", H)
-            moe = MoE(w, i, hidden=H, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
-                      norm_topk=cfg.norm_topk_prob, shared_ffn=cfg.shared_ffn,
-                      shared_gate=cfg.shared_gate)  # fmt: skip
-            self.layers.append(DecoderLayer(attn_norm, attn, ffn_norm, moe))
-        self._load_head(w)
-        self.rope = RoPE(cfg.head_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 4096))
+    def mixer(self, w: Weights, i: int) -> GQAttention:
+        return GQAttention(w, i, self.cfg, rope_pairs=self.rope_pairs, qk_norm=self.qk_norm)
+
+    def ffn(self, w: Weights, i: int) -> MoE:
+        cfg = self.cfg
+        return MoE(w, i, hidden=cfg.hidden, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
+                   norm_topk=cfg.norm_topk_prob, shared_ffn=cfg.shared_ffn, shared_gate=cfg.shared_gate)  # fmt: skip
+
+    def rotary(self, cfg: GQAMoEConfig) -> RoPE:
+        return RoPE(cfg.head_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 4096))
 
     @staticmethod
     def memory(cfg: GQAMoEConfig) -> ModelMemory:
@@ -175,7 +171,5 @@ class GQAMoEModel(MoEModel):
         moe = MoEMemory(cfg.n_experts, cfg.top_k, cfg.expert_ffn, always_on_ffn=cfg.shared_ffn, gate_logits=1)
         return ModelMemory(cfg.hidden, cfg.vocab_size, (attention,), moe)
 
-    def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
-        cfg = self.cfg
-        dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
-        return KVCache([cfg.n_kv_heads] * cfg.n_layers, cfg.head_dim, ctx, dtype)
+    def kv_cache(self, ctx: int, dtype: torch.dtype) -> KVCache:
+        return KVCache([self.cfg.n_kv_heads] * self.cfg.n_layers, self.cfg.head_dim, ctx, dtype)

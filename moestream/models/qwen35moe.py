@@ -28,7 +28,7 @@ from moestream.models.attention import by_query_chunks
 from moestream.models.base import MoEModel
 from moestream.models.deltanet import GatedDeltaNet, HybridCache
 from moestream.models.kv_cache import KVCache
-from moestream.models.layer import DecoderLayer, Mixer
+from moestream.models.layer import Mixer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.memory import AttentionMemory, DeltaNetMemory, ModelMemory, MoEMemory
 from moestream.models.moe import MoE
@@ -162,19 +162,18 @@ class Qwen35Moe(MoEModel):
     arch = ARCH
     Config = Qwen35MoeConfig
 
-    def __init__(self, cfg: Qwen35MoeConfig, w: Weights):
-        super().__init__(cfg, w)
-        H = cfg.hidden
-        self.layers = []
-        for i in range(cfg.n_layers):
-            attn_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
-            mixer = GatedDeltaNet(w, i, cfg) if cfg.recurrent[i] else GatedAttention(w, i, cfg)
-            ffn_norm = w.vector(f"blk.{i}.post_attention_norm.weight", H)
-            moe = MoE(w, i, hidden=H, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
-                      norm_topk=True, shared_ffn=cfg.shared_ffn, shared_gate=True)  # fmt: skip
-            self.layers.append(DecoderLayer(attn_norm, mixer, ffn_norm, moe))
-        self._load_head(w)
-        self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rot_dim, max_pos=min(cfg.context_length, 4096))
+    ffn_norm = "post_attention_norm"
+
+    def mixer(self, w: Weights, i: int) -> GatedDeltaNet | GatedAttention:
+        return GatedDeltaNet(w, i, self.cfg) if self.cfg.recurrent[i] else GatedAttention(w, i, self.cfg)
+
+    def ffn(self, w: Weights, i: int) -> MoE:
+        cfg = self.cfg
+        return MoE(w, i, hidden=cfg.hidden, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
+                   norm_topk=True, shared_ffn=cfg.shared_ffn, shared_gate=True)  # fmt: skip
+
+    def rotary(self, cfg: Qwen35MoeConfig) -> RoPE:
+        return RoPE(cfg.head_dim, cfg.rope_theta, cfg.rot_dim, max_pos=min(cfg.context_length, 4096))
 
     @staticmethod
     def memory(cfg: Qwen35MoeConfig) -> ModelMemory:
@@ -185,6 +184,5 @@ class Qwen35Moe(MoEModel):
         moe = MoEMemory(cfg.n_experts, cfg.top_k, cfg.expert_ffn, always_on_ffn=cfg.shared_ffn)
         return ModelMemory(cfg.hidden, cfg.vocab_size, (attention, deltanet), moe)
 
-    def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> HybridCache:
-        dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
+    def kv_cache(self, ctx: int, dtype: torch.dtype) -> HybridCache:
         return HybridCache(self.cfg, ctx, dtype)

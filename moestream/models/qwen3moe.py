@@ -19,7 +19,7 @@ from moestream.compute import kernels, linear
 from moestream.models.attention import by_query_chunks
 from moestream.models.base import MoEModel
 from moestream.models.kv_cache import KVCache
-from moestream.models.layer import DecoderLayer, Mixer
+from moestream.models.layer import Mixer
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.memory import AttentionMemory, ModelMemory, MoEMemory
 from moestream.models.moe import MoE
@@ -154,19 +154,16 @@ class Qwen3Moe(MoEModel):
     arch = ARCH
     Config = Qwen3MoeConfig
 
-    def __init__(self, cfg: Qwen3MoeConfig, w: Weights):
-        super().__init__(cfg, w)
-        H = cfg.hidden
-        self.layers = []
-        for i in range(cfg.n_layers):
-            attn_norm = w.vector(f"blk.{i}.attn_norm.weight", H)
-            attn = Attention(w, i, cfg)
-            ffn_norm = w.vector(f"blk.{i}.ffn_norm.weight", H)
-            moe = MoE(w, i, hidden=H, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
-                      norm_topk=cfg.norm_topk_prob, shared_ffn=cfg.shared_ffn)  # fmt: skip
-            self.layers.append(DecoderLayer(attn_norm, attn, ffn_norm, moe))
-        self._load_head(w)
-        self.rope = RoPE(cfg.head_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 4096))
+    def mixer(self, w: Weights, i: int) -> Attention:
+        return Attention(w, i, self.cfg)
+
+    def ffn(self, w: Weights, i: int) -> MoE:
+        cfg = self.cfg
+        return MoE(w, i, hidden=cfg.hidden, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
+                   norm_topk=cfg.norm_topk_prob, shared_ffn=cfg.shared_ffn)  # fmt: skip
+
+    def rotary(self, cfg: Qwen3MoeConfig) -> RoPE:
+        return RoPE(cfg.head_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 4096))
 
     @staticmethod
     def memory(cfg: Qwen3MoeConfig) -> ModelMemory:
@@ -176,7 +173,5 @@ class Qwen3Moe(MoEModel):
         moe = MoEMemory(cfg.n_experts, cfg.top_k, cfg.expert_ffn)
         return ModelMemory(cfg.hidden, cfg.vocab_size, (attention,), moe)
 
-    def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> KVCache:
-        cfg = self.cfg
-        dtype = dtype or (torch.float32 if self.exact else torch.bfloat16)
-        return KVCache([cfg.n_kv_heads] * cfg.n_layers, cfg.head_dim, ctx, dtype)
+    def kv_cache(self, ctx: int, dtype: torch.dtype) -> KVCache:
+        return KVCache([self.cfg.n_kv_heads] * self.cfg.n_layers, self.cfg.head_dim, ctx, dtype)
