@@ -196,20 +196,21 @@ class Engine:
         counters = _Counters(self.cache.stats, st)
         held: int | None = None  # the token sampled last, yielded once the next step has been asked for
         try:
-            while seq.finish_reason is None:
-                events = scheduler.step()
-                if counters.b1 is None and not seq.prefilling:
-                    counters.decode_begins()
-                counters.update()
-                for ev in events:
-                    if ev.finish_reason is not None:
-                        held = ev.token
-                        break
-                    try:
-                        yield GenerationStep(ev.token, st)
-                    except GeneratorExit:
-                        scheduler.cancel(seq)
-                        raise
+            with self.cache.generation():  # the whole generation, not step by step: no prefault in between
+                while seq.finish_reason is None:
+                    events = scheduler.step()
+                    if counters.b1 is None and not seq.prefilling:
+                        counters.decode_begins()
+                    counters.update()
+                    for ev in events:
+                        if ev.finish_reason is not None:
+                            held = ev.token
+                            break
+                        try:
+                            yield GenerationStep(ev.token, st)
+                        except GeneratorExit:
+                            scheduler.cancel(seq)
+                            raise
         finally:
             counters.update()
             st.n_slots = self.cache.n_slots

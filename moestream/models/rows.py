@@ -65,6 +65,8 @@ def f32_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     native gemv."""
     if not kernels.available() or x.dtype != torch.float32 or not w.is_contiguous():
         return per_row(lambda r: f32_matmul(r, w), x)
+    if x.shape[0] <= GEMV_ROWS:
+        return f32_matmul(x, w)
     return torch.cat([f32_matmul(x[a : a + GEMV_ROWS], w) for a in range(0, x.shape[0], GEMV_ROWS)])
 
 

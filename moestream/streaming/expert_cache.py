@@ -49,6 +49,7 @@ class ExpertCache:
         self.arena = SlotArena(store, reader, self.policy)
         self.ahead = ReadAhead(self.arena)
         self.phase = "decode"  # or "prompt": what the current forward step runs (begin_step)
+        self._generations = 0  # generation() contexts open (nested: a scheduler's steps in a generation)
         self.trace: TraceSink | None = None
         self.read_ahead = True  # a prompt fetch may read the next layer ahead (read_ahead.py)
 
@@ -90,15 +91,21 @@ class ExpertCache:
 
     @contextmanager
     def generation(self) -> Iterator[None]:
-        """While the model generates: steps grow the LRU by their allowance only, and the prefault waits."""
-        self.policy.growth.generating = True
-        self.arena.idle.clear()
+        """While the model generates: steps grow the LRU by their allowance only, and the prefault waits.
+        Nested (a scheduler's step inside a whole generation), only the outermost one counts: the prefault
+        must not run between the steps of one generation."""
+        self._generations += 1
+        if self._generations == 1:
+            self.policy.growth.generating = True
+            self.arena.idle.clear()
         try:
             yield
         finally:
-            self.policy.growth.generating = False
-            self.phase = "decode"
-            self.arena.idle.set()
+            self._generations -= 1
+            if not self._generations:
+                self.policy.growth.generating = False
+                self.phase = "decode"
+                self.arena.idle.set()
 
     def begin_step(self, units: int = 1, phase: str | None = None) -> None:
         """A forward step of `units` micro-batches starts, in `phase` ('prompt' or 'decode'; the current
