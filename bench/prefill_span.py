@@ -23,11 +23,11 @@ import tempfile
 
 from harness import add_results_args, log, median_range, save_rows
 
-from moestream.analysis.synth import write_synth
 from moestream.engine.engine import Engine
 from moestream.engine.model_file import open_model
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
+from moestream.synth.shapes import write_synth
 
 
 def run_once(args: argparse.Namespace, prompt: list[int], span: int | None) -> dict:

@@ -7,8 +7,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFWriter
 
-from moestream.analysis.synth import write_synth
 from moestream.cli.main import main
+from moestream.synth.shapes import write_synth
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from typing import Any
 import openai
 import pytest
 
-from moestream.analysis.synth import write_synth
 from moestream.analysis.trace import DECODE, read_trace
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
@@ -26,6 +25,7 @@ from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
 from moestream.serving.text import TextStream
 from moestream.serving.worker import Admission, DoneEvent, Job, TextEvent, Worker
+from moestream.synth.shapes import write_synth
 from tests.test_server import MODEL, _metrics, _post, serve_process
 
 PROMPTS = [

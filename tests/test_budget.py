@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-from moestream.analysis.synth import write_synth
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.errors import BudgetError
@@ -20,6 +19,7 @@ from moestream.streaming import budget
 from moestream.streaming.budget import MB, UBATCH_CHOICES, choose_span, choose_ubatch, plan_slots
 from moestream.streaming.expert_cache import ORDERED_ROOM
 from moestream.streaming.heap import FreedHeap, release_free_heap
+from moestream.synth.shapes import write_synth
 
 SLOT = 3 * MB
 PLAN = dict(resident=300 * MB, compute=40 * MB, reader=10 * MB, slot_nbytes=SLOT, min_slots=8, max_slots=256)

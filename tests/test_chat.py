@@ -10,13 +10,13 @@ from typing import Any
 import pexpect
 import pytest
 
-from moestream.analysis.synth import write_synth
 from moestream.engine.sampling import Sampler
 from moestream.engine.stats import EngineSnapshot, GenerationStats, GenerationStep
 from moestream.errors import MoestreamError
 from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.tokenizer import Tokenizer
 from moestream.serving.chat import ChatSession
+from moestream.synth.shapes import write_synth
 
 PROMPT = "\r\n> "
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from moestream.analysis.synth import write_synth
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.serving.chat import DIM, PLAIN, ChatSession
+from moestream.synth.shapes import write_synth
 from tests.test_harmony import CASES, harmony_tokenizer
 from tests.test_server import ScriptedEngine
 

@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 import pytest
 
-from moestream.analysis.synth import write_synth
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
@@ -33,6 +32,7 @@ from moestream.streaming import reader as reader_module
 from moestream.streaming.expert_cache import ExpertCache
 from moestream.streaming.expert_store import ExpertStore
 from moestream.streaming.reader import ALIGN, RETRY_DELAYS_S
+from moestream.synth.shapes import write_synth
 
 PROMPT = list(range(5, 45))
 N = 8

@@ -83,7 +83,7 @@ def test_read_stats(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from moestream.analysis.synth import write_synth
+    from moestream.synth.shapes import write_synth
 
     return write_synth("tiny", "Q4_0", tmp_path_factory.mktemp("m") / "tiny.gguf", progress=False)
 

@@ -363,10 +363,10 @@ def test_packing_many_segments_at_once_equals_one_by_one(count):
 def test_q4_k_m_model_computes_its_q6_k_experts_in_lane_form(tmp_path):
     """llama.cpp's Q4_K_M keeps ffn_down in Q6_K on some layers: those experts take lane slots (not bf16 ones,
     over twice the bytes), and the output does not depend on the budget."""
-    from moestream.analysis.synth import use_more_bits, write_synth
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
     from moestream.engine.sampling import Sampler
+    from moestream.synth.shapes import use_more_bits, write_synth
 
     path = write_synth("tiny", "Q4_K_M", tmp_path / "m.gguf", progress=False)
     prompt = list(range(5, 45))
@@ -394,10 +394,10 @@ def test_v2_lite_style_model_computes_its_q5_0_downs_in_lane_form(tmp_path, monk
     not whole 256-groups) as Q5_0, or Q8_0 on the layers given more bits. Those experts now take slots of their
     GGUF size instead of widened bf16 ones, and give the greedy tokens and (up to activation rounding) the
     logits of the widened form, streamed or not."""
-    from moestream.analysis.synth import write_synth
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
     from moestream.engine.sampling import Sampler
+    from moestream.synth.shapes import write_synth
 
     path = write_synth("tiny-deepseek2", "Q4_K_M", tmp_path / "m.gguf", progress=False)
     prompt = list(range(20, 60))

@@ -9,10 +9,10 @@ import textwrap
 import pytest
 import torch
 
-from moestream.analysis.synth import write_synth
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.streaming.mlock import LockReport, fmt_bytes, resident_ranges, routed_nbytes
+from moestream.synth.shapes import write_synth
 
 # Run the CLI in a child whose RLIMIT_MEMLOCK is `limit` bytes and which has dropped CAP_IPC_LOCK (root
 # keeps the capability otherwise, and with it the kernel ignores the limit).

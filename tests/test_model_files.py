@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 
-from moestream.analysis.synth import write_synth
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
@@ -18,6 +17,7 @@ from moestream.errors import ModelFileError
 from moestream.formats.gguf_file import GGUFFile
 from moestream.models.qwen3moe import Qwen3MoeConfig
 from moestream.models.qwen35moe import Qwen35MoeConfig
+from moestream.synth.shapes import write_synth
 from tests.hf_gguf import rewrite_gguf
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moestream.analysis.synth import write_synth
 from moestream.formats.gguf_file import GGUFFile
 from moestream.models import routed
 from moestream.streaming.expert_cache import ExpertCache
 from moestream.streaming.expert_store import ExpertStore
 from moestream.streaming.read_ahead import ahead_experts
 from moestream.streaming.reader import ExpertReader
+from moestream.synth.shapes import write_synth
 
 LAYERS, EXPERTS = 4, 16
 

@@ -38,7 +38,7 @@ def test_probe_small_file_is_not_representative(small_file):
 
 
 def test_probe_reads_the_models_own_segment_size(tmp_path):
-    from moestream.analysis.synth import write_synth
+    from moestream.synth.shapes import write_synth
 
     model = write_synth("tiny", "Q4_0", tmp_path / "tiny.gguf", progress=False)
     seg, expert, (lo, hi) = probe.expert_geometry(model)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moestream.analysis.synth import write_synth
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.prompt_cache import PromptCache
 from moestream.errors import MoestreamError
 from moestream.models.kv_cache import KVCache
 from moestream.streaming.budget import MB
+from moestream.synth.shapes import write_synth
 from tests.hf_gguf import QWEN3MOE, QWEN35MOE, one_torch_thread, random_tokens
 from tests.hf_gguf_deepseek import DEEPSEEK_V2_LITE
 

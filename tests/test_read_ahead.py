@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from moestream.analysis.synth import write_synth
 from moestream.errors import MoestreamError
 from moestream.formats.gguf_file import GGUFFile
 from moestream.streaming.expert_cache import ExpertCache
 from moestream.streaming.expert_store import ExpertStore
 from moestream.streaming.read_ahead import ahead_experts, ahead_reads
 from moestream.streaming.reader import ExpertReader, run_length
+from moestream.synth.shapes import write_synth
 
 LAYERS, EXPERTS = 4, 16
 

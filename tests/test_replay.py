@@ -20,7 +20,7 @@ OTHERS = ("lru", "fifo", "lfu-decay", "s3fifo", "pin", "pin+lru")
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from moestream.analysis.synth import write_synth
+    from moestream.synth.shapes import write_synth
 
     return write_synth("tiny", "Q4_0", tmp_path_factory.mktemp("model") / "tiny.gguf", progress=False)
 

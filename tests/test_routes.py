@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from moestream.analysis.routes import RouteTrace
-from moestream.analysis.synth import write_synth
 from moestream.analysis.trace import DECODE, read_trace
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
+from moestream.synth.shapes import write_synth
 
 
 @pytest.fixture(scope="module")

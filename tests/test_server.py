@@ -26,7 +26,6 @@ import openai
 import pytest
 import uvicorn
 
-from moestream.analysis.synth import write_synth
 from moestream.engine.prompt_cache import Conversation
 from moestream.engine.scheduler import Sequence, TokenEvent
 from moestream.engine.stats import EngineSnapshot, GenerationStats, GenerationStep
@@ -37,6 +36,7 @@ from moestream.serving.app import create_app, message_dict
 from moestream.serving.chat_formats import QWEN, output_parser
 from moestream.serving.schemas import Message
 from moestream.serving.text import TextDelta, TextStream, ToolCall, ToolCallParser, parse_tool_calls
+from moestream.synth.shapes import write_synth
 
 CTX = 2048
 MODEL = "tiny"

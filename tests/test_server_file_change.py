@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from moestream.analysis.synth import write_synth
+from moestream.synth.shapes import write_synth
 
 
 def _free_port() -> int:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from moestream.analysis.synth import write_synth
+from moestream.synth.shapes import write_synth
 from tests.hostile_requests import MAX_TOKENS_DEFAULT, MODEL, Case, free_port, make_cases, send, start_server, table
 from tests.hostile_requests import wait_healthy as _wait_healthy
 

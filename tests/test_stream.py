@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from moestream.analysis.synth import write_synth
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
+from moestream.synth.shapes import write_synth
 
 PROMPT = list(range(3, 20))
 

@@ -16,14 +16,14 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from moestream.analysis.synth import SHAPES, synth_nbytes, use_more_bits, write_synth
-from moestream.analysis.synth_blocks import random_blocks
-from moestream.analysis.synth_gqa_arches import HARMONY_TOKENS, GqaShape, harmony_tokenizer_metadata
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.tokenizer import build_tiny_bpe_metadata
+from moestream.synth.blocks import random_blocks
+from moestream.synth.gqa_arches import HARMONY_TOKENS, GqaShape, harmony_tokenizer_metadata
+from moestream.synth.shapes import SHAPES, synth_nbytes, use_more_bits, write_synth
 from tests.hf_gguf import one_torch_thread, rel_error
 from tests.test_synth_deepseek import _llama_run, plain_llama_cpp
 

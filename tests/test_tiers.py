@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from moestream.analysis.replay import Admission, accesses_from_trace, live_result, replay
-from moestream.analysis.synth import write_synth
 from moestream.analysis.trace import read_trace
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.errors import BudgetError
 from moestream.streaming.elastic import ElasticWatcher
+from moestream.synth.shapes import write_synth
 
 PROMPT_A = list(range(5, 45))
 PROMPT_B = list(range(300, 340))

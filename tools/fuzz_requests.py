@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moestream.analysis.synth import write_synth  # noqa: E402
+from moestream.synth.shapes import write_synth  # noqa: E402
 from tests.hostile_requests import (  # noqa: E402
     MODEL,
     Case,

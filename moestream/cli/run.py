@@ -18,7 +18,6 @@ import time
 
 from tqdm import tqdm
 
-from moestream.analysis.synth import SHAPES, SynthShape, llama_cpp_loads, synth_nbytes, write_synth
 from moestream.cli import values
 from moestream.cli.options import add_engine_args, add_sampling_args, engine_options, sampler
 from moestream.engine.engine import Engine
@@ -33,6 +32,7 @@ from moestream.formats.tokenizer import Tokenizer
 from moestream.paths import cache_dir
 from moestream.serving.text import TextStream, stream_text
 from moestream.streaming.budget import MB
+from moestream.synth.shapes import SHAPES, SynthShape, llama_cpp_loads, synth_nbytes, write_synth
 
 DEFAULT_SHAPE = "qwen3-30b-a3b"
 DEFAULT_LAYERS = 8

@@ -28,9 +28,9 @@ from typing import Any
 
 from gguf import GGMLQuantizationType as T
 
-from moestream.analysis.synth_blocks import fit_rows, norm_spec, spec, uniform_spec, use_more_bits
 from moestream.formats.gguf_write import TensorSpec
 from moestream.formats.tokenizer import CONTROL, build_tiny_bpe_metadata
+from moestream.synth.blocks import fit_rows, norm_spec, spec, uniform_spec, use_more_bits
 
 W_OUT = 0.002  # residual writers (attn_output, ffn_down): small, the embedding keeps dominating
 FLOATS = (T.F32, T.F16, T.BF16)

@@ -1,6 +1,6 @@
 """Synthetic GGUF models at real shapes with random weights: qwen3moe and qwen35moe here, deepseek2
-(DeepSeek-V2/V3, Kimi-K2) and glm4moe (GLM-4.5/4.6) in synth_arches.py, gpt-oss, Mixtral, OLMoE and
-Qwen2-MoE in synth_gqa_arches.py.
+(DeepSeek-V2/V3, Kimi-K2) and glm4moe (GLM-4.5/4.6) in arches.py, gpt-oss, Mixtral, OLMoE and
+Qwen2-MoE in gqa_arches.py.
 
 They exercise the engine (and llama.cpp, for baselines) at full size without downloading anything:
 same tensor names, shapes, types and expert layout as a converted GGUF of that model.
@@ -23,11 +23,11 @@ from typing import Any
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
-from moestream.analysis.synth_arches import ARCH_SHAPES, DeepSeekShape, GlmShape, llama_cpp_loads
-from moestream.analysis.synth_blocks import header_table, norm_spec, random_blocks, spec, uniform_spec, use_more_bits
-from moestream.analysis.synth_gqa_arches import GQA_SHAPES, GqaShape
 from moestream.formats.gguf_write import TensorSpec, write_gguf
 from moestream.formats.tokenizer import build_tiny_bpe_metadata
+from moestream.synth.arches import ARCH_SHAPES, DeepSeekShape, GlmShape, llama_cpp_loads
+from moestream.synth.blocks import header_table, norm_spec, random_blocks, spec, uniform_spec, use_more_bits
+from moestream.synth.gqa_arches import GQA_SHAPES, GqaShape
 
 __all__ = ["SHAPES", "QUANTS", "SynthShape", "header_table", "llama_cpp_loads", "q4_k_m_type", "random_blocks",
            "shape_metadata", "synth_nbytes", "synth_tensors", "use_more_bits", "write_synth"]  # fmt: skip

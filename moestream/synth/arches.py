@@ -22,8 +22,8 @@ from typing import Any
 
 from gguf import GGMLQuantizationType as T
 
-from moestream.analysis.synth_blocks import fit_rows, norm_spec, spec, uniform_spec, use_more_bits
 from moestream.formats.gguf_write import TensorSpec
+from moestream.synth.blocks import fit_rows, norm_spec, spec, uniform_spec, use_more_bits
 
 W_OUT = 0.002  # residual writers (attn_output, ffn_down): small, the embedding keeps dominating
 
