@@ -16,9 +16,9 @@ from gguf import GGUFReader
 from gguf import GGUFValueType as V
 from gguf.quants import dequantize
 
-from moestream.analysis import synth
 from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.gguf_write import TensorSpec, array_tensor, write_gguf
+from moestream.synth import shapes as synth
 from moestream.synth.shapes import SHAPES, random_blocks, synth_nbytes, write_synth
 from tests.test_synth_deepseek import plain_llama_cpp
 

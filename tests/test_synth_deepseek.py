@@ -13,13 +13,13 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
-from moestream.analysis import synth
 from moestream.engine.engine import Engine
 from moestream.engine.model_file import dense_estimate, open_model, trunk_blocks
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
 from moestream.models import ARCHITECTURES
+from moestream.synth import shapes as synth
 from moestream.synth.arches import DeepSeekShape, GlmShape
 from moestream.synth.shapes import SHAPES, synth_nbytes, write_synth
 from tests.hf_gguf import one_torch_thread, rel_error

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from moestream.analysis import synth
 from moestream.formats.gguf_write import write_gguf
 from moestream.formats.tokenizer import build_tiny_bpe_metadata
+from moestream.synth import shapes as synth
 
 U8, I8, U16, I16, U32, I32, F32, BOOL, STR, ARR, U64, I64, F64 = range(13)
 SCALAR_FMT = {U8: "<B", I8: "<b", U16: "<H", I16: "<h", U32: "<I", I32: "<i", F32: "<f", BOOL: "<?",
