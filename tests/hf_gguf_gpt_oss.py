@@ -225,3 +225,37 @@ def _perturb_gpt_oss(model: Any) -> None:
 
 GPT_OSS = TinyArch("gpt-oss", "GptOssForCausalLM", tiny_gpt_oss_config, write_gpt_oss_from_hf, _perturb_gpt_oss,
                    ((T.F32, T.F32), (T.Q8_0, T.Q4_0)), _expected_gpt_oss)  # fmt: skip
+
+
+# gpt-oss-20b/120b's rope_scaling: the ramp's ends (8.09 and 17.4 dims) are not whole numbers
+REAL_ROPE = {"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+             "truncate": False, "original_max_position_embeddings": 4096}  # fmt: skip
+
+# the held-out check's shape (issue 39): head_dim 32 with more query heads than the hidden size holds, a
+# window of 8, 16 experts top-4, the real checkpoints' YaRN
+SHARP = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2,
+             head_dim=32, num_local_experts=16, num_experts_per_tok=4, sliding_window=8, rope_parameters=REAL_ROPE,
+             max_position_embeddings=131072)  # fmt: skip
+
+
+def sharp_gpt_oss(seed: int) -> Any:
+    """A GPT-OSS of the SHARP shape whose every bias and sink is N(0, 1) and whose q/k weights are large: keys
+    far from zero and heads that attend to one or two positions, where how finely the KV cache holds a key
+    moves the output."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(tiny_gpt_oss_config(**SHARP)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate_up_proj_bias"):
+                p.normal_(0.0, 6.0)  # past the clamp at 7 for a good share of gate values
+            elif "bias" in name or name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+            elif p.ndim == 1:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(("gate_up_proj", "down_proj")):
+                p.normal_(0.0, 0.05)
+            else:
+                p.normal_(0.0, 0.1)
+    return model

@@ -59,9 +59,10 @@ def test_absorbed_attention_equals_the_naive_form(v3):
         eng.close()
 
 
-def test_native_decode_step_reads_bf16_weights_and_cache(v3):
-    """The decode step's C path with bf16 up-projections and a bf16 cache (a quantized file's) equals the
-    torch formula on the same values widened to float32."""
+@pytest.mark.parametrize("cache", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_native_decode_step_reads_bf16_weights_and_16_bit_caches(v3, cache):
+    """The decode step's C path with bf16 up-projections and a 16-bit cache (a quantized file's: float16 by
+    default, bf16 as earlier versions held it) equals the torch formula on the same values widened to float32."""
     _, path = v3
     eng = Engine(path, EngineOptions(n_slots=8))
     try:
@@ -70,8 +71,8 @@ def test_native_decode_step_reads_bf16_weights_and_cache(v3):
         S = 37
         q_nope = torch.randn(1, cfg.n_heads, cfg.qk_nope, generator=g)
         q_pe = torch.randn(1, cfg.n_heads, cfg.qk_rope, generator=g)
-        lat = torch.randn(S, cfg.kv_lora_rank, generator=g).bfloat16()
-        kpe = torch.randn(S, cfg.qk_rope, generator=g).bfloat16()
+        lat = torch.randn(S, cfg.kv_lora_rank, generator=g).to(cache)
+        kpe = torch.randn(S, cfg.qk_rope, generator=g).to(cache)
         attn.k_b, attn.v_b = attn.k_b.bfloat16(), attn.v_b.bfloat16()
         got = attn.absorbed(q_nope, q_pe, lat, kpe, S - 1)
         k_b, v_b, lf, kf = attn.k_b.float(), attn.v_b.float(), lat.float(), kpe.float()

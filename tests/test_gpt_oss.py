@@ -19,20 +19,18 @@ from moestream.models.gpt_oss import GptOss, GptOssConfig, _rope
 from tests.hf_gguf import one_torch_thread, random_tokens, rel_error, rewrite_gguf
 from tests.hf_gguf_gpt_oss import (
     GPT_OSS,
+    REAL_ROPE,
     mxfp4_checkpoint,
     mxfp4_to_ggml,
     mxfp4_values,
     quantize_gpt_oss_experts,
+    sharp_gpt_oss,
     tiny_gpt_oss_config,
     write_gpt_oss_from_hf,
 )
 
 transformers = pytest.importorskip("transformers")
 one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
-
-# gpt-oss-20b/120b's rope_scaling: the ramp's ends (8.09 and 17.4 dims) are not whole numbers
-REAL_ROPE = {"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-             "truncate": False, "original_max_position_embeddings": 4096}  # fmt: skip
 
 
 @pytest.mark.parametrize("rope", [REAL_ROPE, None], ids=["gpt-oss-120b", "tiny"])
@@ -176,3 +174,64 @@ def test_llama_cpp_reads_the_mxfp4_file(mxfp4_model):
     # ggml multiplies MXFP4 against 8-bit activations (~1%); a wrong nibble order or scale is off by ~100%
     assert rel_error(theirs, ref[:40]) < 3e-2
     assert (theirs.argmax(-1) == ref[:40].argmax(-1)).float().mean() > 0.9
+
+
+# ---- sharp heads: the held-out check's shape (issue 39) -------------------------------------------------
+
+SHARP_PROMPT, SHARP_DECODE = 89, 12
+
+
+@pytest.fixture(scope="module", params=[0, 1, 2], ids=lambda s: f"seed{s}")
+def sharp(request, tmp_path_factory):
+    """(MXFP4 file, F32 file, prompt + transformers' greedy continuation, their float32 logits at every
+    position from the prompt's last on)."""
+    model = sharp_gpt_oss(request.param)
+    packed = quantize_gpt_oss_experts(model)
+    d = tmp_path_factory.mktemp(f"sharp{request.param}")
+    mxfp4, f32 = str(d / "mxfp4.gguf"), str(d / "f32.gguf")
+    write_gpt_oss_from_hf(model, mxfp4, mxfp4=packed)
+    write_gpt_oss_from_hf(model, f32)
+    prompt = random_tokens(SHARP_PROMPT, model.config.vocab_size, seed=request.param)
+    with torch.no_grad():
+        seq = model.generate(torch.tensor([prompt]), max_new_tokens=SHARP_DECODE, do_sample=False)[0].tolist()
+        ref = model(torch.tensor([seq[:-1]])).logits[0, SHARP_PROMPT - 1 :].float()
+    return mxfp4, f32, seq, ref
+
+
+def _decode_logits(path: str, seq: list[int], **options) -> torch.Tensor:
+    """The prompt in one call, then the reference's tokens one at a time: logits [1 + decoded - 1, V]."""
+    eng = Engine(path, EngineOptions(**{"n_slots": 64, **options}))
+    try:
+        with torch.inference_mode():
+            rows = [eng.forward(seq[:SHARP_PROMPT], 0)]
+            rows += [eng.forward([t], SHARP_PROMPT + j) for j, t in enumerate(seq[SHARP_PROMPT:-1])]
+    finally:
+        eng.close()
+    return torch.stack(rows).float()
+
+
+@pytest.mark.parametrize("slots", [64, 6], ids=["cached", "streamed"])
+def test_sharp_exact_logits_within_1e3_at_every_step(sharp, slots):
+    mxfp4, _, seq, ref = sharp
+    err = (_decode_logits(mxfp4, seq, n_slots=slots, exact=True) - ref).abs().amax(-1)
+    assert err.max() < 1e-3, err
+
+
+def test_sharp_default_cache_keeps_keys_finely_enough(sharp):
+    """Every weight in float32 and exact off: only the KV cache rounds (to float16, as llama.cpp's), and the
+    logits stay within 2e-2 of the model's at every step; a bf16 cache moves them by up to ~0.5 here."""
+    _, f32, seq, ref = sharp
+    err = (_decode_logits(f32, seq, exact=False) - ref).abs().amax(-1)
+    assert err.max() < 2e-2, err
+
+
+@pytest.mark.parametrize("slots", [64, 6], ids=["cached", "streamed"])
+@pytest.mark.parametrize("exact", [True, None], ids=["exact", "default"])
+def test_sharp_greedy_tokens_equal_transformers(sharp, slots, exact):
+    mxfp4, _, seq, _ = sharp
+    eng = Engine(mxfp4, EngineOptions(n_slots=slots, exact=exact))
+    try:
+        got = eng.generate(seq[:SHARP_PROMPT], SHARP_DECODE, Sampler()).tokens
+    finally:
+        eng.close()
+    assert got == seq[SHARP_PROMPT:]

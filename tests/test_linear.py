@@ -29,6 +29,9 @@ def reference(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> np.nda
 needs_native = pytest.mark.skipif(native.lib() is None, reason="native library unavailable")
 
 
+KV_DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}  # the C side's kv_type codes
+
+
 @pytest.fixture
 def no_lane(monkeypatch):
     """The torch int4 / bf16 forms, as on a CPU without AVX-512 VNNI."""
@@ -186,17 +189,17 @@ def test_native_gemvs_equal_a_float64_product(scalar):
 @needs_native
 @pytest.mark.parametrize("scalar", [False, True])
 def test_native_decode_attention_equals_sdpa(scalar):
-    # one query token over a bf16 or float32 cache, head sizes that take the SIMD loops (AVX-512 or AVX2) or not
+    # one query token over a float16, kv or float32 cache, head sizes that take the SIMD loops (AVX-512 or AVX2) or not
     lib = native.lib(("-DMS_SCALAR",) if scalar else ())
     rng = np.random.default_rng(12)
-    for s, h, hkv, d, bf16 in ((37, 8, 2, 128, 1), (37, 8, 2, 128, 0), (5, 4, 4, 64, 1), (9, 6, 3, 24, 0)):
+    for s, h, hkv, d, kv in ((37, 8, 2, 128, 1), (37, 8, 2, 128, 0), (37, 8, 2, 128, 2), (5, 4, 4, 64, 1),
+                              (9, 6, 3, 24, 0), (9, 6, 3, 24, 2)):  # fmt: skip
         q = torch.from_numpy(rng.standard_normal((h, d), dtype=np.float32))
         k = torch.from_numpy(rng.standard_normal((s, hkv, d), dtype=np.float32))
         v = torch.from_numpy(rng.standard_normal((s, hkv, d), dtype=np.float32))
-        if bf16:
-            k, v = k.bfloat16(), v.bfloat16()
+        k, v = k.to(KV_DTYPES[kv]), v.to(KV_DTYPES[kv])
         out = torch.empty(h, d)
-        rc = lib.ms_attn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), s, h, hkv, d, bf16, d**-0.5, out.data_ptr())
+        rc = lib.ms_attn_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), s, h, hkv, d, kv, d**-0.5, out.data_ptr())
         assert rc == 0
         kh = k.float().transpose(0, 1).repeat_interleave(h // hkv, 0)  # [h, s, d]
         vh = v.float().transpose(0, 1).repeat_interleave(h // hkv, 0)
@@ -207,17 +210,19 @@ def test_native_decode_attention_equals_sdpa(scalar):
 @needs_native
 @pytest.mark.parametrize("scalar", [False, True])
 @pytest.mark.parametrize(
-    "t, pos, h, hkv, d, bf16",
+    "t, pos, h, hkv, d, kv",
     [
         (130, 70, 16, 2, 256, 1),
         (5, 0, 8, 2, 128, 0),
         (33, 100, 12, 4, 64, 0),
         (64, 3, 4, 4, 128, 1),
         (1, 9, 6, 3, 24, 1),
+        (130, 70, 16, 2, 256, 2),
+        (33, 100, 12, 4, 64, 2),
     ],
 )
-def test_native_prompt_attention_equals_sdpa_and_ignores_the_chunking(t, pos, h, hkv, d, bf16, scalar):
-    # queries at positions pos.. over a bf16 or float32 cache: GQA and MHA, head sizes 24..256, a last key block
+def test_native_prompt_attention_equals_sdpa_and_ignores_the_chunking(t, pos, h, hkv, d, kv, scalar):
+    # queries at positions pos.. over a float16, kv or float32 cache: GQA and MHA, head sizes 24..256, a last key block
     # cut short, a query block cut short; then the same queries cut in two calls give the same bits
     lib = native.lib(("-DMS_SCALAR",) if scalar else ())
     rng = np.random.default_rng(t)
@@ -225,13 +230,12 @@ def test_native_prompt_attention_equals_sdpa_and_ignores_the_chunking(t, pos, h,
     q = torch.from_numpy(rng.standard_normal((t, h, d), dtype=np.float32)) * 2
     k = torch.from_numpy(rng.standard_normal((s, hkv, d), dtype=np.float32)) * 2
     v = torch.from_numpy(rng.standard_normal((s, hkv, d), dtype=np.float32))
-    if bf16:
-        k, v = k.bfloat16(), v.bfloat16()
+    k, v = k.to(KV_DTYPES[kv]), v.to(KV_DTYPES[kv])
 
     def run(a: int, b: int) -> torch.Tensor:
         out = torch.empty(b - a, h, d)
         qc = q[a:b].contiguous()
-        rc = lib.ms_attn_prefill(qc.data_ptr(), k.data_ptr(), v.data_ptr(), b - a, s, h, hkv, d, pos + a, bf16,
+        rc = lib.ms_attn_prefill(qc.data_ptr(), k.data_ptr(), v.data_ptr(), b - a, s, h, hkv, d, pos + a, kv,
                                  d**-0.5, out.data_ptr())  # fmt: skip
         assert rc == 0
         return out
@@ -247,8 +251,8 @@ def test_native_prompt_attention_equals_sdpa_and_ignores_the_chunking(t, pos, h,
 
 
 @needs_native
-@pytest.mark.parametrize("bf16", [0, 1])
-def test_native_prompt_attention_ignores_what_the_cache_holds_past_the_prompt(bf16):
+@pytest.mark.parametrize("kv", [0, 1, 2])
+def test_native_prompt_attention_ignores_what_the_cache_holds_past_the_prompt(kv):
     # a cache longer than the prompt, NaN past its last position (in the last key block the queries read): the
     # rows are those of the exactly sized cache, bit for bit
     t, pos, h, hkv, d = 20, 10, 4, 2, 32
@@ -258,34 +262,34 @@ def test_native_prompt_attention_ignores_what_the_cache_holds_past_the_prompt(bf
     v = torch.full((pos + t + 7, hkv, d), float("nan"))
     k[: pos + t] = torch.from_numpy(rng.standard_normal((pos + t, hkv, d), dtype=np.float32))
     v[: pos + t] = torch.from_numpy(rng.standard_normal((pos + t, hkv, d), dtype=np.float32))
-    if bf16:
-        k, v = k.bfloat16(), v.bfloat16()
+    k, v = k.to(KV_DTYPES[kv]), v.to(KV_DTYPES[kv])
     lib = native.lib()
     outs = []
     for s in (pos + t, pos + t + 7):
         out = torch.empty(t, h, d)
         kc, vc = k[:s].contiguous(), v[:s].contiguous()
-        assert lib.ms_attn_prefill(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), t, s, h, hkv, d, pos, bf16,
+        assert lib.ms_attn_prefill(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), t, s, h, hkv, d, pos, kv,
                                    d**-0.5, out.data_ptr()) == 0  # fmt: skip
         outs.append(out)
     assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.skipif(native.lane_isa() != "avx512-vnni", reason="compares the AVX2 build with the AVX-512 one")
-@pytest.mark.parametrize("t, pos, h, hkv, d, bf16", [(130, 70, 16, 2, 256, 1), (33, 100, 12, 4, 64, 0)])
-def test_native_prompt_attention_gives_the_same_bits_with_avx2(t, pos, h, hkv, d, bf16):
+@pytest.mark.parametrize(
+    "t, pos, h, hkv, d, kv", [(130, 70, 16, 2, 256, 1), (33, 100, 12, 4, 64, 0), (33, 100, 12, 4, 64, 2)]
+)
+def test_native_prompt_attention_gives_the_same_bits_with_avx2(t, pos, h, hkv, d, kv):
     # gemm.h's 16-float tiles take each sum in the order of the 8-float ones, and attn.c's softmax is 8 lanes
     # wide in both builds: this CPU's library built without AVX-512 gives the same bits
     rng = np.random.default_rng(t)
     q = torch.from_numpy(rng.standard_normal((t, h, d), dtype=np.float32))
     k = torch.from_numpy(rng.standard_normal((pos + t, hkv, d), dtype=np.float32))
     v = torch.from_numpy(rng.standard_normal((pos + t, hkv, d), dtype=np.float32))
-    if bf16:
-        k, v = k.bfloat16(), v.bfloat16()
+    k, v = k.to(KV_DTYPES[kv]), v.to(KV_DTYPES[kv])
     outs = []
     for lib in (native.lib(), native.lib(("-mno-avx512f",))):
         out = torch.empty(t, h, d)
-        rc = lib.ms_attn_prefill(q.data_ptr(), k.data_ptr(), v.data_ptr(), t, pos + t, h, hkv, d, pos, bf16,
+        rc = lib.ms_attn_prefill(q.data_ptr(), k.data_ptr(), v.data_ptr(), t, pos + t, h, hkv, d, pos, kv,
                                  d**-0.5, out.data_ptr())  # fmt: skip
         assert rc == 0
         outs.append(out)

@@ -125,11 +125,15 @@ for s, h, hkv, d in ((1, 4, 3, 16), (0, 4, 2, 16), (1, 4, 0, 16), (1, 4, 2, 0), 
 kv = np.full(8 * 2 * 16, np.nan, np.float32)
 call(lib.ms_attn_decode, ptr(x), ptr(kv), ptr(kv), 8, 4, 2, 16, 0, 1.0, ptr(out))
 call(lib.ms_attn_decode, ptr(x), ptr(kv), ptr(kv), 8, 4, 2, 24, 1, 1.0, ptr(out))
+call(lib.ms_attn_decode, ptr(x), ptr(kv), ptr(kv), 8, 4, 2, 24, 2, 1.0, ptr(out))
+call(lib.ms_attn_decode, ptr(x), ptr(kv), ptr(kv), 8, 4, 2, 24, 3, 1.0, ptr(out), want=native.BAD_TYPE)
 # a prompt's attention: 3 queries at positions 5..7 over 8 keys (4 heads on 2), exactly sized arrays
 pq, pout = rng.standard_normal(3 * 4 * 16).astype(np.float32), np.zeros(3 * 4 * 16, np.float32)
 pkv = np.full(8 * 2 * 16, np.nan, np.float32)
 call(lib.ms_attn_prefill, ptr(pq), ptr(pkv), ptr(pkv), 3, 8, 4, 2, 16, 5, 0, 1.0, ptr(pout))
 call(lib.ms_attn_prefill, ptr(pq), ptr(pkv), ptr(pkv), 3, 8, 4, 2, 16, 5, 1, 1.0, ptr(pout))
+call(lib.ms_attn_prefill, ptr(pq), ptr(pkv), ptr(pkv), 3, 8, 4, 2, 16, 5, 2, 1.0, ptr(pout))
+call(lib.ms_attn_prefill, ptr(pq), ptr(pkv), ptr(pkv), 3, 8, 4, 2, 16, 5, -1, 1.0, ptr(pout), want=native.BAD_TYPE)
 for t_, s, h, hkv, d, p0 in ((3, 8, 4, 3, 16, 5), (3, 8, 4, 2, 12, 5), (3, 8, 4, 2, 16, 6), (3, 8, 4, 2, 16, -1),
                              (-1, 8, 4, 2, 16, 5), (3, 0, 4, 2, 16, 0), (3, 8, 4, 2, 520, 5),
                              (1 << 40, 1 << 41, 4, 2, 16, 0)):

@@ -19,8 +19,12 @@ def available() -> bool:
     return native.lib() is not None
 
 
-def _is_bf16(t: torch.Tensor) -> int:
-    return int(t.dtype == torch.bfloat16)
+# the C side's element types of a KV cache (and of MLA's up-projections): MS_KV_F32, MS_KV_BF16, MS_KV_F16
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _kv_type(t: torch.Tensor) -> int:
+    return KV_TYPES[t.dtype]
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,13 +71,13 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: in
 
 
 def attn_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
-    """One query [1, H, D] (float32) over contiguous keys/values [S, Hkv, D] (bf16 or float32); None where
+    """One query [1, H, D] (float32) over contiguous keys/values [S, Hkv, D] (any KV_TYPES); None where
     the kernel declines the shape."""
     q1 = q.contiguous()
     out = torch.empty_like(q1)
     S, H, D = keys.shape[0], q.shape[1], q.shape[2]
     rc = native.lib().ms_attn_decode(q1.data_ptr(), keys.data_ptr(), values.data_ptr(), S, H, keys.shape[1], D,
-                                     _is_bf16(keys), 1.0 / math.sqrt(D), out.data_ptr())  # fmt: skip
+                                     _kv_type(keys), 1.0 / math.sqrt(D), out.data_ptr())  # fmt: skip
     return out if rc == 0 else None
 
 
@@ -83,7 +87,7 @@ def attn_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos:
     out = torch.empty_like(q1)
     T, H, D = q.shape
     native.lib().ms_attn_prefill(q1.data_ptr(), keys.data_ptr(), values.data_ptr(), T, keys.shape[0], H,
-                                 keys.shape[1], D, pos, _is_bf16(keys), 1.0 / math.sqrt(D),
+                                 keys.shape[1], D, pos, _kv_type(keys), 1.0 / math.sqrt(D),
                                  out.data_ptr())  # fmt: skip
     return out
 
@@ -127,8 +131,8 @@ def mla_decode(
     lat, kpe = latents.contiguous(), keys.contiguous()
     H, nope, rope = qn.shape[1], qn.shape[2], qp.shape[2]
     out = torch.empty(1, H, v_head_dim)
-    native.lib().ms_mla_decode(qn.data_ptr(), qp.data_ptr(), k_b.data_ptr(), v_b.data_ptr(), _is_bf16(k_b),
-                               lat.data_ptr(), kpe.data_ptr(), _is_bf16(lat), lat.shape[0], H, lat.shape[1], rope,
+    native.lib().ms_mla_decode(qn.data_ptr(), qp.data_ptr(), k_b.data_ptr(), v_b.data_ptr(), _kv_type(k_b),
+                               lat.data_ptr(), kpe.data_ptr(), _kv_type(lat), lat.shape[0], H, lat.shape[1], rope,
                                nope, v_head_dim, kq_scale, out.data_ptr())  # fmt: skip
     return out
 
@@ -149,7 +153,7 @@ def attn_block_decode_rows(
     """A whole grouped-query attention block (norm, fused q/k/v in the lane form, q/k norms, rotary, attention
     over each row's own cache, output projection) for rows of x [B, hidden], in one call that reads the
     projections once. heads: (query heads, kv heads, head dim); rope_rows: each row's (cos, sin) table rows;
-    caches: each row's (keys, values) [ctx, Hkv, D], all bf16 or all float32."""
+    caches: each row's (keys, values) [ctx, Hkv, D], all of one of KV_TYPES."""
     B = x.shape[0]
     n_heads, n_kv_heads, head_dim = heads
     x = x.contiguous()
@@ -161,7 +165,7 @@ def attn_block_decode_rows(
         ptrs(*(c.data_ptr() for c, _ in rope_rows)), ptrs(*(s.data_ptr() for _, s in rope_rows)),
         2 * (rope_rows[0][0].shape[-1]),
         ptrs(*(kc.data_ptr() for kc, _ in caches)), ptrs(*(vc.data_ptr() for _, vc in caches)),
-        _is_bf16(caches[0][0]), (ctypes.c_int64 * B)(*positions), o.ggml_type, o.weight.data_ptr(), out.data_ptr(),
+        _kv_type(caches[0][0]), (ctypes.c_int64 * B)(*positions), o.ggml_type, o.weight.data_ptr(), out.data_ptr(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"ms_attn_block_decode_rows failed ({rc})")

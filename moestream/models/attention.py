@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moestream.compute import kernels
 from moestream.models.ops import wide_torch
 
 
@@ -53,7 +54,7 @@ def native_prefill_ok(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     D = q.shape[2]
     return (
         q.dtype == torch.float32
-        and keys.dtype in (torch.bfloat16, torch.float32)
+        and keys.dtype in kernels.KV_TYPES
         and keys.dtype == values.dtype
         and keys.is_contiguous()
         and values.is_contiguous()

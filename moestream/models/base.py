@@ -78,7 +78,7 @@ class MoEModel:
         raise NotImplementedError
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> Any:
-        return self.kv_cache(ctx, dtype or (torch.float32 if self.exact else torch.bfloat16))
+        return self.kv_cache(ctx, dtype or (torch.float32 if self.exact else torch.float16))
 
     def resident_tensors(self) -> list[torch.Tensor | np.ndarray]:
         return resident_tensors(self)

@@ -11,6 +11,17 @@ from moestream.compute import kernels
 from moestream.models.attention import attend_sdpa, native_prefill_ok
 
 QUERY_CHUNK = 128  # queries attended at once unless the engine sets its micro-batch (KVCache.query_chunk)
+F16_MAX = 65504.0  # float16's largest finite value
+
+
+def as_cached(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in a cache's dtype. The default caches are float16, as llama.cpp's are: bf16 in the same bytes keeps
+    three fewer mantissa bits, and keys rounded that coarsely move the scores of sharp heads (large attention
+    biases) enough to change greedy tokens. A value past float16's range saturates instead of becoming inf,
+    as the native block decode stores it (kv_store1)."""
+    if dtype == torch.float16:
+        x = x.clamp(-F16_MAX, F16_MAX)
+    return x.to(dtype)
 
 
 class KVCache:
@@ -46,8 +57,8 @@ class KVCache:
         kc, vc = self.k[layer], self.v[layer]
         assert kc is not None and vc is not None
         T = k.shape[0]
-        kc[pos : pos + T] = k.to(self.dtype)
-        vc[pos : pos + T] = v.to(self.dtype)
+        kc[pos : pos + T] = as_cached(k, self.dtype)
+        vc[pos : pos + T] = as_cached(v, self.dtype)
         return kc[: pos + T], vc[: pos + T]
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int) -> torch.Tensor:
@@ -58,7 +69,7 @@ class KVCache:
             T == 1
             and native_ok
             and q.dtype == torch.float32
-            and keys.dtype in (torch.bfloat16, torch.float32)
+            and keys.dtype in kernels.KV_TYPES
             and keys.dtype == values.dtype
             and keys.is_contiguous()
             and values.is_contiguous()

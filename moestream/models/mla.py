@@ -22,14 +22,14 @@ import torch.nn.functional as F
 
 from moestream.compute import kernels
 from moestream.models.attention import causal_mask, query_chunks
-from moestream.models.kv_cache import QUERY_CHUNK, KVCache
+from moestream.models.kv_cache import QUERY_CHUNK, KVCache, as_cached
 from moestream.models.layer import SplitMixer
 from moestream.models.loader import Weights
 from moestream.models.ops import wide_torch
 from moestream.models.rope import RoPE
 from moestream.models.rows import Ops
 
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the native decode step reads
+NATIVE_DTYPES = tuple(kernels.KV_TYPES)  # cache dtypes the native decode step reads
 # the per-head up-projections, held as dense arrays: bf16 unless exact (float32)
 UP_PROJECTIONS = ("attn_k_b.weight", "attn_v_b.weight", "attn_kv_b.weight")
 
@@ -54,8 +54,8 @@ class MLACache:
     def update(self, layer: int, pos: int, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store positions pos..pos+T-1; returns every position's latents [S, L] and rotary keys [S, R]."""
         T = c.shape[0]
-        self.latent[layer][pos : pos + T] = c.to(self.dtype)
-        self.rope[layer][pos : pos + T] = k_pe.to(self.dtype)
+        self.latent[layer][pos : pos + T] = as_cached(c, self.dtype)
+        self.rope[layer][pos : pos + T] = as_cached(k_pe, self.dtype)
         return self.latent[layer][: pos + T], self.rope[layer][: pos + T]
 
     def advance(self, length: int) -> None:

@@ -119,7 +119,7 @@ class Attention(Mixer):
             or qkv.kind != "lane"
             or o.kind != "lane"
             or len(dtypes) != 1
-            or dtypes.pop() not in (torch.bfloat16, torch.float32)
+            or dtypes.pop() not in kernels.KV_TYPES
             or any(p >= kc.shape[0] for (kc, _), p in zip(caches, positions, strict=True))
         ):
             return None

@@ -53,7 +53,7 @@ typedef struct {
     const void *k, *v;
     float *out;
     int64_t T, S, H, Hkv, D, pos;
-    int bf16;
+    int kv_type;
     float scale;
     int64_t queries; /* a task's block of queries */
     int64_t blocks;  /* blocks of queries per key head */
@@ -65,14 +65,6 @@ typedef struct {
     float *scratch;  /* scratch_floats a thread */
     _Atomic int64_t next;
 } at_ctx;
-
-static inline float kv_float(const void *base, int bf16, int64_t i) {
-    if (!bf16) return ((const float *)base)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* item: key block kb of head g into KT and V, as floats. Keys no query sees (past the last query's position,
  * though the cache may hold more) are 0: a masked key's P is 0, and 0 x a NaN or inf left in the cache past
@@ -90,11 +82,11 @@ static void at_keys_task(void *vctx, int64_t item) {
             continue;
         }
         const int64_t at = s * stride + g * D;
-        for (int64_t d = 0; d < D; d++) KT[d * AT_KEYS + j] = kv_float(c->k, c->bf16, at + d);
-        if (c->bf16)
-            for (int64_t d = 0; d < D; d++) vr[d] = kv_float(c->v, 1, at + d);
-        else
+        for (int64_t d = 0; d < D; d++) KT[d * AT_KEYS + j] = kv_load1(c->k, c->kv_type, at + d);
+        if (c->kv_type == MS_KV_F32)
             memcpy(vr, (const float *)c->v + at, (size_t)D * 4);
+        else
+            for (int64_t d = 0; d < D; d++) vr[d] = kv_load1(c->v, c->kv_type, at + d);
     }
 }
 
@@ -172,19 +164,20 @@ static void at_task(void *vctx, int64_t t) {
 }
 
 /* out [T][H][D] = causal attention of q [T][H][D] (float32; query t at position pos + t) over keys and values
- * [S][Hkv][D] (bf16 when kv_bf16, else float32): query t sees keys 0 .. pos + t, and pos + T <= S. Scores
+ * [S][Hkv][D] (of kv_type): query t sees keys 0 .. pos + t, and pos + T <= S. Scores
  * scaled by `scale`. D a multiple of 8, at most 512; H a multiple of Hkv. */
 int ms_attn_prefill(const float *q, const void *k, const void *v, int64_t T, int64_t S, int64_t H, int64_t Hkv,
-                    int64_t D, int64_t pos, int kv_bf16, float scale, float *out) {
+                    int64_t D, int64_t pos, int kv_type, float scale, float *out) {
     if (!count_ok(T) || !dim_ok(S) || !dim_ok(H) || !dim_ok(Hkv) || H % Hkv || D < 8 || D % 8 || D > AT_MAX_D ||
         pos < 0 || pos + T > S || !prod_ok(T, H) || !prod_ok(T * H, D) || !prod_ok(S + AT_KEYS, Hkv) ||
         !prod_ok((S + AT_KEYS) * Hkv, D))
         return MS_BAD_SHAPE;
+    if (!kv_type_ok(kv_type)) return MS_BAD_TYPE;
     if (T == 0) return MS_OK;
     if (!q || !k || !v || !out) return MS_BAD_PTR;
     const int64_t rep = H / Hkv, queries = rep >= AT_ROWS ? 1 : AT_ROWS / rep;
     const int64_t rows = (queries * rep + 3) / 4 * 4, key_blocks = (pos + T + AT_KEYS - 1) / AT_KEYS;
-    at_ctx c = {q, k, v, out, T, S, H, Hkv, D, pos, kv_bf16 != 0, scale, queries, (T + queries - 1) / queries,
+    at_ctx c = {q, k, v, out, T, S, H, Hkv, D, pos, kv_type, scale, queries, (T + queries - 1) / queries,
                 rows, key_blocks, NULL, NULL, 2 * rows * D + rows * AT_KEYS + 2 * rows, NULL, 0};
     const int64_t items = c.blocks * Hkv, threads = ms_internal_threads(), keys = key_blocks * AT_KEYS * D;
     const int tasks = (int)(items < threads ? items : threads);

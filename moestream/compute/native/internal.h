@@ -93,6 +93,38 @@
 #define MS_LANE 1
 #endif
 
+/* The KV cache's element types (kv_type arguments): float32 in exact mode, otherwise 16 bits a value. f16
+ * keeps three more mantissa bits than bf16 in the same bytes, which a cache of large keys (attention biases,
+ * sharp heads) needs; bf16 caches are still read. */
+enum { MS_KV_F32 = 0, MS_KV_BF16 = 1, MS_KV_F16 = 2 };
+
+static inline int kv_type_ok(int kv_type) { return kv_type == MS_KV_F32 || kv_type == MS_KV_BF16 || kv_type == MS_KV_F16; }
+
+static inline float kv_load1(const void *p, int kv_type, int64_t i) {
+    if (kv_type == MS_KV_F32) return ((const float *)p)[i];
+    const uint16_t h = ((const uint16_t *)p)[i];
+    if (kv_type == MS_KV_F16) return fp16_to_fp32(h);
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* x stored as the cache's type, rounded to nearest even as torch's .to(dtype) rounds; f16 saturates, as
+ * models/kv_cache.py's as_cached does */
+static inline void kv_store1(void *p, int kv_type, int64_t i, float x) {
+    if (kv_type == MS_KV_F32) {
+        ((float *)p)[i] = x;
+    } else if (kv_type == MS_KV_F16) {
+        const _Float16 h = (_Float16)(x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x);
+        memcpy((uint16_t *)p + i, &h, 2);
+    } else {
+        uint32_t b;
+        memcpy(&b, &x, 4);
+        ((uint16_t *)p)[i] = (uint16_t)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+    }
+}
+
 /* Software prefetch into L2, 16 KiB ahead: with only the hardware prefetcher a core streams weights from RAM
  * well below the rate at which it computes with them, so a one-token matvec would wait on memory. */
 #define PF_DIST 16384
@@ -157,7 +189,7 @@ int ms_attn_block_decode_rows(int64_t b, const float *x, const float *norm_w, in
                               int qkv_type, const uint8_t *qkv_w, const float *q_norm, const float *k_norm,
                               int64_t n_heads, int64_t n_kv, int64_t head_dim, const float *const *cosv,
                               const float *const *sinv, int64_t rot, void *const *k_cache, void *const *v_cache,
-                              int kv_bf16, const int64_t *pos, int o_type, const uint8_t *o_w, float *out);
+                              int kv_type, const int64_t *pos, int o_type, const uint8_t *o_w, float *out);
 
 /* ---------------------------------------------------------------------------------------------------- */
 /* the worker pool (pool.c) */

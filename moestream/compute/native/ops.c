@@ -17,6 +17,7 @@ typedef __m512 vf;
 static inline vf vf_load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+static inline vf vf_load_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 #elif defined(MS_AVX2_FMA)
 #define MS_VF 8
 typedef __m256 vf;
@@ -35,6 +36,7 @@ static inline float vf_sum(vf v) {
 static inline vf vf_load_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+static inline vf vf_load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #endif
 
 /* ---------------------------------------------------------------------------------------------------- */
@@ -231,31 +233,22 @@ int ms_rope_neox(float *x, int64_t t, int64_t h, int64_t d, int64_t rot, const f
     return MS_OK;
 }
 
-/* Attention of one new token: q [H][D] float32 over keys/values [S][Hkv][D] (bf16 when kv_bf16, else
- * float32), query head i reading kv head i / (H / Hkv); out [H][D]. One task per kv head on the pool. */
+/* Attention of one new token: q [H][D] float32 over keys/values [S][Hkv][D] (of the cache's
+ * kv_type), query head i reading kv head i / (H / Hkv); out [H][D]. One task per kv head on the pool. */
 typedef struct {
     const float *q;
     const void *k, *v;
     int64_t s, h, hkv, d;
-    int bf16;
+    int kv_type;
     float scale;
     float *out;
     _Atomic int rc;
 } attn_ctx;
 
-static inline float kv_at(const void *p, int bf16, int64_t i) {
-    if (bf16) {
-        uint32_t b = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &b, 4);
-        return f;
-    }
-    return ((const float *)p)[i];
-}
-
 #ifdef MS_VF
-static inline vf kv_vec(const void *p, int bf16, int64_t i) {
-    return bf16 ? vf_load_bf16((const uint16_t *)p + i) : vf_load((const float *)p + i);
+static inline vf kv_vec(const void *p, int kv_type, int64_t i) {
+    if (kv_type == MS_KV_F16) return vf_load_f16((const uint16_t *)p + i);
+    return kv_type == MS_KV_BF16 ? vf_load_bf16((const uint16_t *)p + i) : vf_load((const float *)p + i);
 }
 
 /* the same loops, MS_VF lanes at a time (d a multiple of MS_VF, at most 256) */
@@ -268,7 +261,7 @@ static void attn_task_simd(attn_ctx *c, int64_t g) {
     }
     vf row[256 / MS_VF];
     for (int64_t t = 0; t < s; t++) {
-        for (int64_t e = 0; e < nv; e++) row[e] = kv_vec(c->k, c->bf16, t * stride + g * d + MS_VF * e);
+        for (int64_t e = 0; e < nv; e++) row[e] = kv_vec(c->k, c->kv_type, t * stride + g * d + MS_VF * e);
         for (int64_t r = 0; r < rep; r++) {
             const float *q = c->q + (g * rep + r) * d;
             vf acc = vf_mul(vf_load(q), row[0]);
@@ -287,7 +280,7 @@ static void attn_task_simd(attn_ctx *c, int64_t g) {
         for (int64_t e = 0; e < nv; e++) o[e] = vf_zero();
         for (int64_t t = 0; t < s; t++) {
             vf p = vf_set1(sc[r * s + t]);
-            for (int64_t e = 0; e < nv; e++) o[e] = vf_fmadd(p, kv_vec(c->v, c->bf16, t * stride + g * d + MS_VF * e), o[e]);
+            for (int64_t e = 0; e < nv; e++) o[e] = vf_fmadd(p, kv_vec(c->v, c->kv_type, t * stride + g * d + MS_VF * e), o[e]);
         }
         float *out = c->out + (g * rep + r) * d;
         for (int64_t e = 0; e < nv; e++) vf_store(out + MS_VF * e, o[e]);
@@ -312,7 +305,7 @@ static void attn_task(void *vctx, int64_t g) {
     }
     float *row = sc + rep * s;
     for (int64_t t = 0; t < s; t++) { /* scores */
-        for (int64_t e = 0; e < d; e++) row[e] = kv_at(c->k, c->bf16, t * stride + g * d + e);
+        for (int64_t e = 0; e < d; e++) row[e] = kv_load1(c->k, c->kv_type, t * stride + g * d + e);
         for (int64_t r = 0; r < rep; r++) {
             const float *q = c->q + (g * rep + r) * d;
             float acc = 0;
@@ -329,7 +322,7 @@ static void attn_task(void *vctx, int64_t g) {
         for (int64_t e = 0; e < d; e++) o[e] = 0;
     }
     for (int64_t t = 0; t < s; t++) { /* weighted values */
-        for (int64_t e = 0; e < d; e++) row[e] = kv_at(c->v, c->bf16, t * stride + g * d + e);
+        for (int64_t e = 0; e < d; e++) row[e] = kv_load1(c->v, c->kv_type, t * stride + g * d + e);
         for (int64_t r = 0; r < rep; r++) {
             float p = sc[r * s + t], *o = c->out + (g * rep + r) * d;
             for (int64_t e = 0; e < d; e++) o[e] += p * row[e];
@@ -339,11 +332,12 @@ static void attn_task(void *vctx, int64_t g) {
 }
 
 int ms_attn_decode(const float *q, const void *k, const void *v, int64_t s, int64_t h, int64_t hkv, int64_t d,
-                   int kv_bf16, float scale, float *out) {
+                   int kv_type, float scale, float *out) {
     if (!dim_ok(s) || !dim_ok(h) || !dim_ok(hkv) || !dim_ok(d) || h % hkv) return MS_BAD_SHAPE;
+    if (!kv_type_ok(kv_type)) return MS_BAD_TYPE;
     if (!prod_ok(s, hkv) || !prod_ok(s * hkv, d) || !prod_ok(h, d) || !prod_ok(s, h / hkv)) return MS_BAD_SHAPE;
     if (!q || !k || !v || !out) return MS_BAD_PTR;
-    attn_ctx c = {q, k, v, s, h, hkv, d, kv_bf16, scale, out, MS_OK};
+    attn_ctx c = {q, k, v, s, h, hkv, d, kv_type, scale, out, MS_OK};
     ms_internal_dispatch(attn_task, &c, hkv);
     return atomic_load(&c.rc);
 }
@@ -396,15 +390,15 @@ int ms_route_topk(const float *logits, int64_t t, int64_t e, int64_t k, int norm
 /* A whole grouped-query attention block for one decode token (qwen3moe): RMSNorm of x, the fused q|k|v
  * projection, RMSNorm of each q and k head, NeoX RoPE at `pos`, k and v appended to the layer's cache at
  * `pos`, attention over positions 0..pos, the output projection. out [hidden] is the block's output (the
- * caller adds the residual). Projections are in the lane layout; the cache is bf16 when kv_bf16 else f32.
+ * caller adds the residual). Projections are in the lane layout; the cache's values are of kv_type.
  * One C call instead of ~15 torch ops, each of which costs more in dispatch here than its arithmetic. */
 int ms_attn_block_decode(const float *x, const float *norm_w, int64_t hidden, float eps, int qkv_type,
                          const uint8_t *qkv_w, const float *q_norm, const float *k_norm, int64_t n_heads,
                          int64_t n_kv, int64_t head_dim, const float *cosv, const float *sinv, int64_t rot,
-                         void *k_cache, void *v_cache, int kv_bf16, int64_t pos, int o_type, const uint8_t *o_w,
+                         void *k_cache, void *v_cache, int kv_type, int64_t pos, int o_type, const uint8_t *o_w,
                          float *out) {
     return ms_attn_block_decode_rows(1, x, norm_w, hidden, eps, qkv_type, qkv_w, q_norm, k_norm, n_heads, n_kv,
-                                     head_dim, &cosv, &sinv, rot, &k_cache, &v_cache, kv_bf16, &pos, o_type, o_w,
+                                     head_dim, &cosv, &sinv, rot, &k_cache, &v_cache, kv_type, &pos, o_type, o_w,
                                      out);
 }
 
@@ -416,9 +410,10 @@ int ms_attn_block_decode_rows(int64_t b, const float *x, const float *norm_w, in
                               int qkv_type, const uint8_t *qkv_w, const float *q_norm, const float *k_norm,
                               int64_t n_heads, int64_t n_kv, int64_t head_dim, const float *const *cosv,
                               const float *const *sinv, int64_t rot, void *const *k_cache, void *const *v_cache,
-                              int kv_bf16, const int64_t *pos, int o_type, const uint8_t *o_w, float *out) {
+                              int kv_type, const int64_t *pos, int o_type, const uint8_t *o_w, float *out) {
     if (!dim_ok(hidden) || !dim_ok(n_heads) || !dim_ok(n_kv) || !dim_ok(head_dim) || n_heads % n_kv) return MS_BAD_SHAPE;
     if (b < 1 || b > 4096 || !prod_ok(n_heads, head_dim) || rot < 0 || rot > head_dim || rot % 2) return MS_BAD_SHAPE;
+    if (!kv_type_ok(kv_type)) return MS_BAD_TYPE;
     if (!x || !norm_w || !qkv_w || !q_norm || !k_norm || !cosv || !sinv || !k_cache || !v_cache || !pos || !o_w || !out)
         return MS_BAD_PTR;
     const int64_t nq = n_heads * head_dim, nkv = n_kv * head_dim, nqkv = nq + 2 * nkv;
@@ -441,18 +436,10 @@ int ms_attn_block_decode_rows(int64_t b, const float *x, const float *norm_w, in
         if (rc == MS_OK) rc = ms_rope_neox(k, 1, n_kv, head_dim, rot, cosv[r], sinv[r]);
         if (rc != MS_OK) break;
         for (int64_t i = 0; i < nkv; i++) {
-            if (kv_bf16) { /* round to nearest even, as torch's .to(bfloat16) */
-                uint32_t bk, bv;
-                memcpy(&bk, &k[i], 4);
-                memcpy(&bv, &v[i], 4);
-                ((uint16_t *)k_cache[r])[p * nkv + i] = (uint16_t)((bk + 0x7FFF + ((bk >> 16) & 1)) >> 16);
-                ((uint16_t *)v_cache[r])[p * nkv + i] = (uint16_t)((bv + 0x7FFF + ((bv >> 16) & 1)) >> 16);
-            } else {
-                ((float *)k_cache[r])[p * nkv + i] = k[i];
-                ((float *)v_cache[r])[p * nkv + i] = v[i];
-            }
+            kv_store1(k_cache[r], kv_type, p * nkv + i, k[i]);
+            kv_store1(v_cache[r], kv_type, p * nkv + i, v[i]);
         }
-        rc = ms_attn_decode(q, k_cache[r], v_cache[r], p + 1, n_heads, n_kv, head_dim, kv_bf16,
+        rc = ms_attn_decode(q, k_cache[r], v_cache[r], p + 1, n_heads, n_kv, head_dim, kv_type,
                             1.0f / sqrtf((float)head_dim), att);
     }
     if (rc == MS_OK) rc = ms_qmm(o_type, o_w, hidden, nq, att_all, b, nq, out, hidden);
