@@ -235,3 +235,19 @@ def test_sharp_greedy_tokens_equal_transformers(sharp, slots, exact):
     finally:
         eng.close()
     assert got == seq[SHARP_PROMPT:]
+
+
+@pytest.mark.parametrize("flag, exact, kv", [("--exact", True, torch.float32), ("--no-exact", False, torch.float16)])
+def test_exact_is_a_command_line_choice(sharp, flag, exact, kv):
+    """--exact / --no-exact reach the engine: float32 compute and cache, or the quantized kernels (here on an F32
+    file, whose default is exact) with a float16 cache."""
+    from moestream.cli.main import build_parser
+    from moestream.cli.options import open_engine
+
+    _, f32, *_ = sharp
+    args = build_parser("run").parse_args(["run", "-m", f32, "-p", "hi", flag])
+    eng = open_engine(args)
+    try:
+        assert eng.exact is exact and eng.kv.k[0].dtype == kv
+    finally:
+        eng.close()

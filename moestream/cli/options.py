@@ -28,6 +28,15 @@ def _add_memory_args(p: argparse.ArgumentParser) -> None:
         "machine has available, minus 1 GB)",
     )
     p.add_argument("--ctx", type=values.positive, default=None, help="context length (default: min(model's, 4096))")
+    p.add_argument(
+        "--exact",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compute in float32 with a float32 KV cache, every weight widened to float32 (experts take 4-8x "
+        "the memory of a quantized file's): logits within 1e-3 of the model's own float32 forward (default: on "
+        "for F32/F16 files; a quantized file runs its weights at their own bits with int8 activations and a "
+        "float16 KV cache, as llama.cpp does)",
+    )
     p.add_argument("--threads", type=values.threads, default=None, help="compute threads (default: all cores)")
     p.add_argument("--io-threads", type=values.io_threads, default=4, help="parallel reads in flight (default 4)")
     p.add_argument(
@@ -139,6 +148,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(
         ram_budget_mb=args.ram_budget_mb,
         ctx=args.ctx,
+        exact=args.exact,
         threads=args.threads,
         io_threads=args.io_threads,
         ubatch=args.ubatch,
