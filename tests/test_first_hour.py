@@ -1,0 +1,28 @@
+"""The first hour of a new user (issue 45): what the commands say when an option is off, a port is taken, a
+file is missing, and what they print along the way. Each case runs the real command on a tiny model."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from moestream.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("first_hour") / "tiny.gguf")
+    assert main(["synth", "--shape", "tiny", "--layers", "2", "-o", path]) == 0
+    return path
+
+
+def test_serve_on_a_taken_port_fails_before_loading(model, capsys):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        rc = main(["serve", "-m", model, "--port", str(port), "--ram-budget-mb", "2000"])
+    out, err = capsys.readouterr()
+    assert rc == 2
+    assert "serving" not in out and "budget" not in out  # nothing was loaded
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"port {port} is already in use" in lines[0] and "--port" in lines[0]
