@@ -3,6 +3,7 @@ file is missing, and what they print along the way. Each case runs the real comm
 
 from __future__ import annotations
 
+import re
 import socket
 
 import pytest
@@ -26,3 +27,10 @@ def test_serve_on_a_taken_port_fails_before_loading(model, capsys):
     assert "serving" not in out and "budget" not in out  # nothing was loaded
     lines = err.strip().splitlines()
     assert len(lines) == 1 and f"port {port} is already in use" in lines[0] and "--port" in lines[0]
+
+
+def test_run_says_sizes_in_binary_units_named_as_such(model, capsys):
+    assert main(["run", "-m", model, "-p", "hello", "-n", "3", "--ram-budget-mb", "2000"]) == 0
+    err = capsys.readouterr().err
+    assert "MiB/tok" in err and re.search(r"peak RSS \d+ MiB", err) and re.search(r"budget \d+ MiB", err)
+    assert not re.search(r"\d ?(MB|GB|kB)\b", err), err

@@ -24,8 +24,8 @@ def _add_memory_args(p: argparse.ArgumentParser) -> None:
         "--ram-budget-mb",
         type=values.megabytes,
         default=None,
-        help="RAM the whole process may use; experts are cached in what is left (default: what the "
-        "machine has available, minus 1 GB)",
+        help="RAM the whole process may use, in MiB (2**20 bytes, as every --*-mb option); experts are cached "
+        "in what is left (default: what the machine has available, minus 1 GiB)",
     )
     p.add_argument("--ctx", type=values.positive, default=None, help="context length (default: min(model's, 4096))")
     p.add_argument("--threads", type=values.threads, default=None, help="compute threads (default: all cores)")
@@ -74,7 +74,7 @@ def _add_read_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="with the read-ahead, a prompt reads adjacent experts' matrices in one read of up to 4 MiB (less CPU "
-        "per GB read); --no-run-reads reads one matrix at a time (default on)",
+        "per GiB read); --no-run-reads reads one matrix at a time (default on)",
     )
     p.add_argument(
         "--route-trace",
@@ -94,7 +94,7 @@ def _add_cache_policy_args(p: argparse.ArgumentParser) -> None:
         metavar="PROFILE",
         help="pin the hottest experts of a profile (moestream profile) in RAM at start",
     )
-    p.add_argument("--pin-mb", type=values.megabytes, default=None, help="MB of the cache for the pinned profile part")
+    p.add_argument("--pin-mb", type=values.megabytes, default=None, help="MiB of the cache for the pinned profile part")
     p.add_argument(
         "--prompt-admit",
         action=argparse.BooleanOptionalAction,
@@ -111,7 +111,7 @@ def _add_cache_policy_args(p: argparse.ArgumentParser) -> None:
         "--keep-free-mb",
         type=values.megabytes,
         default=None,
-        help="elastic cache: give expert slots back when available RAM falls below this",
+        help="elastic cache: give expert slots back when available RAM falls below this many MiB",
     )
 
 
@@ -121,9 +121,9 @@ def add_prompt_cache_arg(p: argparse.ArgumentParser) -> None:
         "--prompt-cache-mb",
         type=values.whole(0, values.MB_MAX),
         default=0,
-        help="MB of the budget that keep recent conversations' KV cache, so that a request extending one of "
+        help="MiB of the budget that keep recent conversations' KV cache, so that a request extending one of "
         "several interleaved conversations prefills only its new tokens (default 0: only the last "
-        "conversation's KV cache is kept; the MB come out of the expert cache)",
+        "conversation's KV cache is kept; the MiB come out of the expert cache)",
     )
 
 

@@ -196,8 +196,8 @@ class ChatSession:
             )
         lines.append(
             f"session: expert hit rate {100 * e.hit_rate:.1f}% | cache slots {e.used_slots}/"
-            f"{e.n_slots} used | disk read {e.bytes_read / MB:.1f} MB | "
-            f"RSS {rss_bytes() / MB:.0f} MB (peak {peak_rss_bytes() / MB:.0f} MB)"
+            f"{e.n_slots} used | disk read {e.bytes_read / MB:.1f} MiB | "
+            f"RSS {rss_bytes() / MB:.0f} MiB (peak {peak_rss_bytes() / MB:.0f} MiB)"
         )
         turns = sum(m["role"] == "user" for m in self.messages)
         dropped = f", {self.dropped} oldest dropped to fit the context" if self.dropped else ""

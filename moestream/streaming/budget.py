@@ -94,10 +94,10 @@ class BudgetPlan:
     def describe(self) -> str:
         span = f" (prompt span {self.span} tokens)" if self.span else ""
         return (
-            f"budget {self.budget / MB:.0f} MB = resident {self.resident / MB:.0f} (dense weights, KV, runtime)"
+            f"budget {self.budget / MB:.0f} MiB = resident {self.resident / MB:.0f} (dense weights, KV, runtime)"
             f" + compute {self.compute / MB:.0f}{span} + reader {self.reader / MB:.0f}"
             f" + reserve {self.reserve / MB:.0f}"
-            f" + {self.n_slots} expert slots x {self.slot_nbytes / MB:.2f} MB"
+            f" + {self.n_slots} expert slots x {self.slot_nbytes / MB:.2f} MiB"
         )
 
 
@@ -120,12 +120,12 @@ def plan_slots(
         need_mb = (fixed + min_slots * slot_nbytes + MB - 1) // MB
         if budget_mb is None:
             raise BudgetError(
-                f"not enough free RAM: one token needs {need_mb} MB but about {budget // MB} MB is available; "
+                f"not enough free RAM: one token needs {need_mb} MiB but about {budget // MB} MiB is available; "
                 "close other programs or use a smaller context (--ctx)"
             )
         raise BudgetError(
-            f"--ram-budget-mb {budget_mb} is too small: dense weights, KV cache and buffers take {fixed // MB} MB "
-            f"and one layer's {min_slots} active experts {min_slots * slot_nbytes // MB + 1} MB more; "
+            f"--ram-budget-mb {budget_mb} is too small: dense weights, KV cache and buffers take {fixed // MB} MiB "
+            f"and one layer's {min_slots} active experts {min_slots * slot_nbytes // MB + 1} MiB more; "
             f"use at least --ram-budget-mb {need_mb} (or a smaller --ctx)"
         )
     return BudgetPlan(
