@@ -9,6 +9,7 @@ import socket
 import pytest
 
 from moestream.cli.main import main
+from moestream.compute import native
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +35,14 @@ def test_run_says_sizes_in_binary_units_named_as_such(model, capsys):
     err = capsys.readouterr().err
     assert "MiB/tok" in err and re.search(r"peak RSS \d+ MiB", err) and re.search(r"budget \d+ MiB", err)
     assert not re.search(r"\d ?(MB|GB|kB)\b", err), err
+
+
+def test_compiling_the_kernels_says_so_once(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "k.c").write_text("int ms_abi_version(void) { return 0; }\n")
+    flags = ("-O1", "-shared", "-fPIC")
+    native.build_library(flags, tmp_path / "out", source_dir=src)
+    assert "compiling the native kernels" in capsys.readouterr().err
+    native.build_library(flags, tmp_path / "out", source_dir=src)  # the cached build: nothing to say
+    assert capsys.readouterr().err == ""
