@@ -3,13 +3,16 @@ file is missing, and what they print along the way. Each case runs the real comm
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 
 import pytest
 
+from moestream.analysis import probe
 from moestream.cli.main import main
 from moestream.compute import native
+from moestream.streaming.budget import total_ram
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +49,15 @@ def test_compiling_the_kernels_says_so_once(tmp_path, capsys):
     assert "compiling the native kernels" in capsys.readouterr().err
     native.build_library(flags, tmp_path / "out", source_dir=src)  # the cached build: nothing to say
     assert capsys.readouterr().err == ""
+
+
+def test_probe_names_this_machines_ram_not_twice_it(tmp_path):
+    path = tmp_path / "blob.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    r = probe.probe_file(str(path), inflight=(1,), reads_per_row=2, seconds_per_row=0.2, progress=False)
+    (warning,) = [w for w in r.warnings if "not representative" in w]
+    with open("/proc/meminfo") as f:
+        mem_total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
+    ram, kind = total_ram()
+    assert ram <= mem_total and kind in ("total physical RAM", "cgroup memory limit")
+    assert f"RAM ({ram / 2**30:.1f} GiB, {kind})" in warning

@@ -49,9 +49,8 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def available_bytes() -> int:
-    """MemAvailable, capped by the cgroup limit when one is set."""
-    avail = psutil.virtual_memory().available
+def _cgroup_memory() -> tuple[int, int] | None:
+    """(limit, usage) of this process's cgroup memory limit (v2, else v1), or None where none is set."""
     for path, usage_path in (
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
@@ -64,11 +63,30 @@ def available_bytes() -> int:
             with open(usage_path) as f:
                 usage = int(f.read().strip())
             limit = int(limit_s)
-            if limit < (1 << 60):
-                avail = min(avail, max(0, limit - usage))
+            if limit < (1 << 60):  # v1 writes "no limit" as a huge number
+                return limit, usage
         except (OSError, ValueError):
             continue
+    return None
+
+
+def available_bytes() -> int:
+    """MemAvailable, capped by the cgroup limit when one is set."""
+    avail = psutil.virtual_memory().available
+    cgroup = _cgroup_memory()
+    if cgroup is not None:
+        avail = min(avail, max(0, cgroup[0] - cgroup[1]))
     return avail
+
+
+def total_ram() -> tuple[int, str]:
+    """The most RAM this process can have, and what sets it: the machine's total physical RAM, or the cgroup's
+    memory limit where that is lower."""
+    total = psutil.virtual_memory().total
+    cgroup = _cgroup_memory()
+    if cgroup is not None and cgroup[0] < total:
+        return cgroup[0], "cgroup memory limit"
+    return total, "total physical RAM"
 
 
 def budget_bytes(budget_mb: int | None, resident: int) -> int:
