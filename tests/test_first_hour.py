@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import re
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -61,3 +63,61 @@ def test_probe_names_this_machines_ram_not_twice_it(tmp_path):
     ram, kind = total_ram()
     assert ram <= mem_total and kind in ("total physical RAM", "cgroup memory limit")
     assert f"RAM ({ram / 2**30:.1f} GiB, {kind})" in warning
+
+
+def _moestream(*argv: str, stdin: str = "") -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "moestream", *argv]
+    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("argv", [["-p", ""], ["-p", "  \n"], ["-p", "-"], ["-f", "{EMPTY}"]])
+def test_an_empty_prompt_fails_before_loading(model, tmp_path, argv):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    argv = [a.replace("{EMPTY}", str(empty)) for a in argv]
+    r = _moestream("run", "-m", model, *argv, stdin="")
+    assert r.returncode == 2 and r.stderr.splitlines() == [r.stderr.strip()]
+    assert "the prompt is empty" in r.stderr and "mlock" not in r.stderr  # the model was never loaded
+
+
+def test_the_prompt_from_stdin_or_a_file_is_the_same_as_from_p(model, tmp_path):
+    text = "hello there"
+    (tmp_path / "prompt.txt").write_text(text)
+    base = ["run", "-m", model, "-n", "4", "--ram-budget-mb", "2000", "--seed", "1"]
+    outs = [
+        _moestream(*base, "-p", text).stdout,
+        _moestream(*base, "-p", "-", stdin=text).stdout,
+        _moestream(*base, "--prompt-file", str(tmp_path / "prompt.txt")).stdout,
+    ]
+    assert outs[0] and outs == [outs[0]] * 3
+
+
+@pytest.mark.parametrize("content", [None, b"caf\xe9"])
+def test_an_unreadable_prompt_file_is_one_line(model, tmp_path, content, capsys):
+    path = tmp_path / "p.txt"
+    if content is None:
+        path.write_text("hi")
+        path.chmod(0)
+        if os.access(path, os.R_OK):
+            pytest.skip("running as root: every file is readable")
+    else:
+        path.write_bytes(content)
+    assert main(["run", "-m", model, "-f", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and "mlock" not in err
+
+
+def test_a_context_over_the_models_is_capped_and_said(model, capsys):
+    assert main(["run", "-m", model, "-p", "hi", "-n", "2", "--ctx", "100000000", "--ram-budget-mb", "2000"]) == 0
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if "--ctx" in x]
+    assert re.fullmatch(r"note: --ctx 100000000 is more than the model's context; capped at \d+", line)
+
+
+def test_a_budget_over_this_machines_ram_is_warned(model, capsys):
+    ram_mb = total_ram()[0] >> 20
+    # the model is tiny: a budget beyond RAM only sizes the cache to the model
+    assert main(["run", "-m", model, "-p", "hi", "-n", "2", "--ram-budget-mb", str(2 * ram_mb)]) == 0
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("warning: --ram-budget-mb")]
+    assert f"more than this machine's RAM ({ram_mb} MiB" in line

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from moestream.cli import values
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
+from moestream.streaming.budget import MB, total_ram
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -161,7 +163,30 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def open_engine(args: argparse.Namespace) -> Engine:
-    return Engine(args.model, engine_options(args))
+    check_budget(args)
+    engine = Engine(args.model, engine_options(args))
+    say_caps(args, engine)
+    return engine
+
+
+def check_budget(args: argparse.Namespace) -> None:
+    """Before loading: a --ram-budget-mb beyond what this machine has is allowed (the kernel may find room by
+    swapping) but is likely a typo or a unit slip, so a line says so."""
+    if args.ram_budget_mb is None:
+        return
+    ram, kind = total_ram()
+    if args.ram_budget_mb * MB > ram:
+        print(
+            f"warning: --ram-budget-mb {args.ram_budget_mb} is more than this machine's RAM ({ram // MB} MiB, "
+            f"{kind}); the process may be swapped out or killed, give at most {ram // MB}",
+            file=sys.stderr,
+        )
+
+
+def say_caps(args: argparse.Namespace, engine: Engine) -> None:
+    """A value the engine lowered to what the model allows is said, not silently used."""
+    if args.ctx is not None and engine.ctx < args.ctx:
+        print(f"note: --ctx {args.ctx} is more than the model's context; capped at {engine.ctx}", file=sys.stderr)
 
 
 def sampler(args: argparse.Namespace) -> Sampler:

@@ -19,7 +19,7 @@ import time
 from tqdm import tqdm
 
 from moestream.cli import values
-from moestream.cli.options import add_engine_args, add_sampling_args, engine_options, sampler
+from moestream.cli.options import add_engine_args, add_sampling_args, check_budget, engine_options, sampler, say_caps
 from moestream.engine.engine import Engine
 from moestream.engine.model_file import open_model
 from moestream.engine.options import EngineOptions
@@ -45,9 +45,12 @@ CACHE_SHARE = 0.33
 
 def cmd_run(args: argparse.Namespace) -> int:
     pick = sampler(args)
-    tok, ids = prompt_ids(args)
+    text = prompt_text(args)
+    check_budget(args)
+    tok, ids = prompt_ids(args, text)
     # the plan sets aside prompt buffers for this prompt only (the rest: expert slots, the read-ahead's buffers)
     engine = Engine(args.model, dataclasses.replace(engine_options(args), longest_prompt=len(ids) or None), tok)
+    say_caps(args, engine)
     print(engine.lock_report.line(), file=sys.stderr)
     try:
         if args.preload:
@@ -74,7 +77,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def prompt_ids(args: argparse.Namespace) -> tuple[Tokenizer, list[int]]:
+def prompt_text(args: argparse.Namespace) -> str:
+    """The prompt from -p TEXT, -p - (standard input) or -f FILE, checked before anything is loaded."""
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = getattr(exc, "strerror", None) or "not UTF-8 text"
+            raise MoestreamError(f"cannot read --prompt-file {args.prompt_file}: {why}") from None
+    elif args.prompt == "-":
+        text = sys.stdin.read()
+    else:
+        text = args.prompt
+    if not text.strip():
+        raise MoestreamError("the prompt is empty; give text with -p TEXT, -p - (standard input) or -f FILE")
+    return text
+
+
+def prompt_ids(args: argparse.Namespace, prompt: str) -> tuple[Tokenizer, list[int]]:
     """The file's tokenizer, read from the model's header before the engine loads it, and the prompt (in the
     file's chat template with --chat) in its tokens."""
     model = open_model(args.model, check_types=False)
@@ -82,7 +103,6 @@ def prompt_ids(args: argparse.Namespace) -> tuple[Tokenizer, list[int]]:
         tok = Tokenizer.from_metadata(model.gguf.metadata)
     finally:
         model.close()
-    prompt = args.prompt
     if args.chat:
         if not tok.chat_template:
             raise MoestreamError("this model has no chat template; drop --chat")
@@ -190,8 +210,11 @@ def demo_budget_mb(path: str) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if not args.prompt.strip():
+        raise MoestreamError("the prompt is empty; give text with --prompt, or leave it out for the default")
     path = demo_model(args.shape, args.quant, args.layers, args.data_dir or str(cache_dir() / "models"))
     file_bytes = os.path.getsize(path)
+    check_budget(args)
     budget_mb = args.ram_budget_mb if args.ram_budget_mb is not None else demo_budget_mb(path)
     engine = Engine(path, EngineOptions(ram_budget_mb=budget_mb, threads=args.threads))
     try:
@@ -265,7 +288,11 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
 def _run_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_sampling_args(p)
-    p.add_argument("-p", "--prompt", required=True, type=values.text)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("-p", "--prompt", type=values.text, help="the prompt; - reads it from standard input")
+    source.add_argument(
+        "-f", "--prompt-file", type=values.input_file, metavar="FILE", help="read the prompt from this UTF-8 file"
+    )
     p.add_argument("-n", type=values.positive, default=64, help="tokens to generate (default 64)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument(
