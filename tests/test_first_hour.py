@@ -3,6 +3,7 @@ file is missing, and what they print along the way. Each case runs the real comm
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import socket
@@ -11,8 +12,9 @@ import sys
 
 import pytest
 
+import moestream
 from moestream.analysis import probe
-from moestream.cli.main import main
+from moestream.cli.main import build_parser, main
 from moestream.compute import native
 from moestream.streaming.budget import total_ram
 
@@ -121,3 +123,31 @@ def test_a_budget_over_this_machines_ram_is_warned(model, capsys):
     err = capsys.readouterr().err
     (line,) = [x for x in err.splitlines() if x.startswith("warning: --ram-budget-mb")]
     assert f"more than this machine's RAM ({ram_mb} MiB" in line
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"moestream {moestream.__version__}"
+    assert _moestream("--version").stdout.strip() == f"moestream {moestream.__version__}"
+
+
+def test_every_option_of_every_command_has_help():
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = [
+        f"{name} {'/'.join(action.option_strings) or action.dest}"
+        for name, sub in commands.choices.items()
+        for action in sub._actions
+        if not action.help
+    ]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("command", ["run", "serve", "chat", "demo", "synth", "probe"])
+def test_an_unknown_option_points_at_the_commands_help(model, command, capsys):
+    argv = {"run": ["-m", model, "-p", "hi"], "serve": ["-m", model], "chat": ["-m", model]}.get(command, [])
+    argv += {"synth": ["--shape", "tiny", "-o", os.devnull], "probe": ["--file", model]}.get(command, [])
+    assert main([command, *argv, "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: unrecognized arguments: --bogus (see moestream {command} --help)\n"

@@ -40,6 +40,8 @@ DEFAULT_LAYERS = 8
 # Of the experts' bytes, the share the demo's cache may hold: small enough that decoding has to read the disk.
 CACHE_SHARE = 0.33
 
+DEMO_PROMPT = "Explain how a computer streams data from a disk into memory."
+
 # ---- run -----------------------------------------------------------------------------------------
 
 
@@ -338,11 +340,16 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
         "--ram-budget-mb",
         type=values.megabytes,
         default=None,
-        help="RAM budget (default: dense weights plus a third of the experts)",
+        help="RAM budget in MiB (default: dense weights plus a third of the experts)",
     )
-    p.add_argument("--threads", type=values.threads, default=None)
-    p.add_argument("--prompt", type=values.text, default="Explain how a computer streams data from a disk into memory.")
+    p.add_argument("--threads", type=values.threads, default=None, help="compute threads (default: all cores)")
     p.add_argument(
-        "--data-dir", default=None, type=values.text, help="where the demo model is kept (default ~/.cache/moestream)"
+        "--prompt", type=values.text, default=DEMO_PROMPT, help="the prompt to continue (default: a sentence on disks)"
+    )
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        type=values.text,
+        help="where the demo model is kept (default: models/ in $MOESTREAM_HOME, else in ~/.cache/moestream)",
     )
     p.set_defaults(func=cmd_demo)

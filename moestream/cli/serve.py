@@ -145,7 +145,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", type=values.text, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=values.port, default=8080, help="port (default 8080)")
     p.add_argument("--model-name", type=values.text, default=None, help="model id clients use (default: the file name)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="the HTTP server's log level (default info)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
