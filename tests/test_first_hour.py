@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import select
 import socket
 import subprocess
 import sys
+import termios
 
 import pytest
 
@@ -16,6 +18,8 @@ import moestream
 from moestream.analysis import probe
 from moestream.cli.main import build_parser, main
 from moestream.compute import native
+from moestream.serving.app import DEFAULT_MAX_TOKENS
+from moestream.serving.chat import quiet_keys
 from moestream.streaming.budget import total_ram
 
 
@@ -151,3 +155,28 @@ def test_an_unknown_option_points_at_the_commands_help(model, command, capsys):
     assert main([command, *argv, "--bogus"]) == 2
     err = capsys.readouterr().err
     assert err == f"error: unrecognized arguments: --bogus (see moestream {command} --help)\n"
+
+
+def test_keys_typed_during_an_answer_are_not_echoed_nor_kept():
+    master, slave = os.openpty()
+    try:
+        with quiet_keys(slave):
+            assert not termios.tcgetattr(slave)[3] & termios.ECHO
+            os.write(master, b"typed during the answer\n")
+            assert not select.select([master], [], [], 0.3)[0], "the terminal echoed the keys"
+        assert termios.tcgetattr(slave)[3] & termios.ECHO
+        os.set_blocking(slave, False)
+        with pytest.raises(BlockingIOError):  # dropped, not left to become the next question
+            os.read(slave, 100)
+        with pytest.raises(KeyboardInterrupt), quiet_keys(slave):
+            raise KeyboardInterrupt
+        assert termios.tcgetattr(slave)[3] & termios.ECHO  # restored however the answer ends
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_chat_answers_have_a_default_limit(model):
+    args = build_parser("chat").parse_args(["chat", "-m", model])
+    assert args.n == DEFAULT_MAX_TOKENS
+    assert f"default {DEFAULT_MAX_TOKENS}" in " ".join(_moestream("chat", "--help").stdout.split())

@@ -92,7 +92,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             f"slots)\n{HELP}",
             flush=True,
         )
-        repl(session)
+        repl(session, tty=sys.stdin.fileno() if sys.stdin.isatty() else None)
     finally:
         engine.close()
     return 0
@@ -158,7 +158,13 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_prompt_cache_arg(p)
     add_sampling_args(p)
-    p.add_argument("-n", type=values.positive, default=None, help="most tokens per answer (default: up to the context)")
+    p.add_argument(
+        "-n",
+        type=values.positive,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"most tokens per answer (default {DEFAULT_MAX_TOKENS}, as serve's requests; never more than fits "
+        "the context): a model that never stops is cut there",
+    )
     p.add_argument("--system", type=values.text, default=None, help="system message")
     p.add_argument("--no-think", action="store_true", help="ask Qwen3-style models not to think first")
     p.set_defaults(func=cmd_chat)
