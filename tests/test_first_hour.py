@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import termios
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +181,13 @@ def test_chat_answers_have_a_default_limit(model):
     args = build_parser("chat").parse_args(["chat", "-m", model])
     assert args.n == DEFAULT_MAX_TOKENS
     assert f"default {DEFAULT_MAX_TOKENS}" in " ".join(_moestream("chat", "--help").stdout.split())
+
+
+def test_moestream_home_holds_the_demo_model_as_the_readme_says(tmp_path):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "**`MOESTREAM_HOME`**" in readme and "`$MOESTREAM_HOME/models`" in readme
+    env = {**os.environ, "MOESTREAM_HOME": str(tmp_path), "MOESTREAM_NATIVE_LIB": native.lib()._name}
+    cmd = [sys.executable, "-m", "moestream", "demo", "--shape", "tiny", "--layers", "1", "--tokens", "2"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["tiny-Q4_0-L1.gguf"]
