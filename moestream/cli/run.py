@@ -255,6 +255,7 @@ def demo_generate(engine: Engine, prompt: str, tokens: int) -> tuple[str, Genera
         if not pieces:
             bar.set_description("decoding")
             bar.reset(total=tokens)
+            bar.start_t -= step.stats.decode_s  # the stats' decode clock started at the prompt's end, not here
         pieces.append(step.text)
         snap = engine.snapshot()
         bar.update(1)
