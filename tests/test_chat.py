@@ -58,7 +58,7 @@ def _stats(child: pexpect.spawn) -> dict[str, int]:
     child.sendline("/stats")
     child.expect(r"prompt (\d+) tok \((\d+) cached\).*decode (\d+) tok @ [\d.]+ tok/s")
     prompt, cached, decoded = (int(x) for x in child.match.groups())
-    child.expect(r"session: expert hit rate [\d.]+% \| cache slots \d+/\d+ used .* RSS \d+ MB")
+    child.expect(r"session: expert hit rate [\d.]+% \| cache slots \d+/\d+ used .* RSS \d+ MiB")
     child.expect(r"conversation: (\d+) turns?")
     turns = int(child.match.group(1))
     child.expect(PROMPT)

@@ -11,8 +11,9 @@ import torch
 
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
-from moestream.streaming.mlock import LockReport, fmt_bytes, resident_ranges, routed_nbytes
+from moestream.streaming.mlock import LockReport, resident_ranges, routed_nbytes
 from moestream.synth.shapes import write_synth
+from moestream.units import fmt_bytes
 
 # Run the CLI in a child whose RLIMIT_MEMLOCK is `limit` bytes and which has dropped CAP_IPC_LOCK (root
 # keeps the capability otherwise, and with it the kernel ignores the limit).
@@ -65,8 +66,12 @@ def _run_limited(tiny: str, limit: int, mode: str = "check", *extra: str) -> sub
 
 def test_line_reads_like_the_summary():
     r = LockReport(locked_bytes=int(1.21 * (1 << 30)), failed_bytes=0, skipped_bytes=int(15.9 * (1 << 30)))
-    assert r.line() == "mlock: locked 1.21 GB of dense weights, 0 B failed, 15.9 GB of routed experts skipped"
-    assert fmt_bytes(8 << 20) == "8 MB" and fmt_bytes(64 << 10) == "64 kB"
+    assert r.line() == (
+        "mlock: locked 1.21 GiB of dense weights, 0 B failed; routed experts (15.9 GiB) stream from disk, "
+        "deliberately not locked"
+    )
+    assert "skipped" not in r.line()  # it read as a failure
+    assert fmt_bytes(8 << 20) == "8 MiB" and fmt_bytes(64 << 10) == "64 KiB"
 
 
 def test_every_dense_tensor_is_found_and_no_expert(tiny):
@@ -111,7 +116,7 @@ def test_low_rlimit_falls_back_and_names_the_limit(tiny):
     assert r.returncode == 0, r.stderr
     line = next(s for s in r.stderr.splitlines() if s.startswith("mlock:"))
     assert line.startswith("mlock: locked 0 B of dense weights, 1.")  # all of the ~1.7 MB failed
-    assert "RLIMIT_MEMLOCK is 64 kB" in line and "ulimit -l" in line and "--no-mlock" in line
+    assert "RLIMIT_MEMLOCK is 64 KiB" in line and "ulimit -l" in line and "--no-mlock" in line
     assert "decode 3 tok" in r.stderr  # the engine ran anyway
 
 

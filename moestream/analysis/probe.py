@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-import psutil
 from tqdm import tqdm
 
 from moestream.errors import MoestreamError
 from moestream.formats.gguf_file import GGUFFile
+from moestream.streaming.budget import total_ram
 from moestream.streaming.reader import open_direct
 
 ALIGN = 4096
@@ -246,14 +246,14 @@ def probe_file(
         lo, hi = 0, file_bytes
     if file_bytes < max(sizes) + ALIGN:
         raise MoestreamError(f"{path} is only {file_bytes} bytes; the probe needs a file larger than a read")
-    ram = psutil.virtual_memory().total
+    ram, ram_kind = total_ram()
     warnings = []
     representative = file_bytes >= 2 * ram
     if not representative:
         warnings.append(
             f"not representative: the {file_bytes / GIB:.1f} GiB file is under twice this machine's RAM "
-            f"({2 * ram / GIB:.0f} GiB), so a drive or host cache may hold it and flatter the figures; probe "
-            "a larger model file, or --dir with a larger --size"
+            f"({ram / GIB:.1f} GiB, {ram_kind}), so a drive or host cache may hold it and flatter the figures; "
+            "probe a larger model file, or --dir with a larger --size"
         )
     rng = np.random.default_rng(seed)
     fds = {"buffered": os.open(path, os.O_RDONLY)}

@@ -362,8 +362,8 @@ def _probe_args(p: argparse.ArgumentParser) -> None:
         "run reads take up to 4 MiB)",
     )
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--buffered-only", action="store_true")
-    g.add_argument("--direct-only", action="store_true")
+    g.add_argument("--buffered-only", action="store_true", help="probe buffered reads only (not O_DIRECT)")
+    g.add_argument("--direct-only", action="store_true", help="probe O_DIRECT reads only (not buffered)")
     p.add_argument(
         "-o", "--output", type=values.output_file, help="also save the result as JSON (for moestream forecast --probe)"
     )
@@ -403,26 +403,28 @@ def _replay_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--pin-fraction", type=values.real(0, 1), default=0.5, help="share of slots pinned by pin+lru")
     p.add_argument("--plot", type=values.output_file, help="PNG path (default: next to the trace, .replay.png)")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="draw no plot")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=cmd_replay)
 
 
 def _stats_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", type=values.input_file)
+    p.add_argument("trace", type=values.input_file, help="a trace written with --trace")
     p.add_argument("--k", default="1,2,4,8,16,32", help="batch sizes for U(k) (default 1,2,4,8,16,32)")
     p.add_argument("--window", type=values.positive, default=48, help="window for singletons, in tokens (default 48)")
     p.add_argument("--top", help="N for the top-N coverage (default powers of two and the trace's slots)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the tables")
     p.set_defaults(func=cmd_stats)
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", type=values.input_file)
+    p.add_argument("trace", type=values.input_file, help="a trace written with --trace")
     p.add_argument(
         "-o", "--output", required=True, type=values.output_file, help="profile file (.json for JSON, else text)"
     )
-    p.add_argument("--phases", choices=("decode", "all"), default="decode")
+    p.add_argument(
+        "--phases", choices=("decode", "all"), default="decode", help="count decode accesses only (default) or all"
+    )
     p.set_defaults(func=cmd_profile)
 
 
@@ -460,5 +462,5 @@ def _forecast_args(p: argparse.ArgumentParser) -> None:
         "--measured", help="measured decode tok/s, or a stats JSON (decode and prompt), to print beside the forecast"
     )
     fp.add_prefill_args(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=cmd_forecast)

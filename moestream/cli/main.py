@@ -10,6 +10,7 @@ import importlib
 import sys
 from typing import NoReturn
 
+from moestream import __version__
 from moestream.errors import MoestreamError
 
 EXIT_USER_ERROR = 2
@@ -38,19 +39,30 @@ class ArgumentParser(argparse.ArgumentParser):
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with `command`, that command's arguments too (None: all of them)."""
     parser = ArgumentParser(prog="moestream", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"moestream {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command", help="one of:")
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text)
         if command is None or command == name:
             importlib.import_module(module).add_arguments(name, p)
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, but an unknown option is the command's error, pointing at `moestream COMMAND --help` (argparse
+    leaves what a command does not know to the top parser, whose message points at `moestream --help`)."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = argv[0] if argv and argv[0] in COMMANDS else ""
     try:
-        args = build_parser(command).parse_args(argv)
+        args = parse(build_parser(command), argv)
     except SystemExit as exc:  # --help, or a bad option (argparse printed it): a code for callers of main()
         return exc.code if isinstance(exc.code, int) else EXIT_USER_ERROR
     try:

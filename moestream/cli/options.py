@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from moestream.cli import values
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
+from moestream.streaming.budget import MB, total_ram
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -24,8 +26,8 @@ def _add_memory_args(p: argparse.ArgumentParser) -> None:
         "--ram-budget-mb",
         type=values.megabytes,
         default=None,
-        help="RAM the whole process may use; experts are cached in what is left (default: what the "
-        "machine has available, minus 1 GB)",
+        help="RAM the whole process may use, in MiB (2**20 bytes, as every --*-mb option); experts are cached "
+        "in what is left (default: what the machine has available, minus 1 GiB)",
     )
     p.add_argument("--ctx", type=values.positive, default=None, help="context length (default: min(model's, 4096))")
     p.add_argument(
@@ -83,7 +85,7 @@ def _add_read_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="with the read-ahead, a prompt reads adjacent experts' matrices in one read of up to 4 MiB (less CPU "
-        "per GB read); --no-run-reads reads one matrix at a time (default on)",
+        "per GiB read); --no-run-reads reads one matrix at a time (default on)",
     )
     p.add_argument(
         "--route-trace",
@@ -103,7 +105,7 @@ def _add_cache_policy_args(p: argparse.ArgumentParser) -> None:
         metavar="PROFILE",
         help="pin the hottest experts of a profile (moestream profile) in RAM at start",
     )
-    p.add_argument("--pin-mb", type=values.megabytes, default=None, help="MB of the cache for the pinned profile part")
+    p.add_argument("--pin-mb", type=values.megabytes, default=None, help="MiB of the cache for the pinned profile part")
     p.add_argument(
         "--prompt-admit",
         action=argparse.BooleanOptionalAction,
@@ -120,7 +122,7 @@ def _add_cache_policy_args(p: argparse.ArgumentParser) -> None:
         "--keep-free-mb",
         type=values.megabytes,
         default=None,
-        help="elastic cache: give expert slots back when available RAM falls below this",
+        help="elastic cache: give expert slots back when available RAM falls below this many MiB",
     )
 
 
@@ -130,9 +132,9 @@ def add_prompt_cache_arg(p: argparse.ArgumentParser) -> None:
         "--prompt-cache-mb",
         type=values.whole(0, values.MB_MAX),
         default=0,
-        help="MB of the budget that keep recent conversations' KV cache, so that a request extending one of "
+        help="MiB of the budget that keep recent conversations' KV cache, so that a request extending one of "
         "several interleaved conversations prefills only its new tokens (default 0: only the last "
-        "conversation's KV cache is kept; the MB come out of the expert cache)",
+        "conversation's KV cache is kept; the MiB come out of the expert cache)",
     )
 
 
@@ -171,7 +173,30 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def open_engine(args: argparse.Namespace) -> Engine:
-    return Engine(args.model, engine_options(args))
+    check_budget(args)
+    engine = Engine(args.model, engine_options(args))
+    say_caps(args, engine)
+    return engine
+
+
+def check_budget(args: argparse.Namespace) -> None:
+    """Before loading: a --ram-budget-mb beyond what this machine has is allowed (the kernel may find room by
+    swapping) but is likely a typo or a unit slip, so a line says so."""
+    if args.ram_budget_mb is None:
+        return
+    ram, kind = total_ram()
+    if args.ram_budget_mb * MB > ram:
+        print(
+            f"warning: --ram-budget-mb {args.ram_budget_mb} is more than this machine's RAM ({ram // MB} MiB, "
+            f"{kind}); the process may be swapped out or killed, give at most {ram // MB}",
+            file=sys.stderr,
+        )
+
+
+def say_caps(args: argparse.Namespace, engine: Engine) -> None:
+    """A value the engine lowered to what the model allows is said, not silently used."""
+    if args.ctx is not None and engine.ctx < args.ctx:
+        print(f"note: --ctx {args.ctx} is more than the model's context; capped at {engine.ctx}", file=sys.stderr)
 
 
 def sampler(args: argparse.Namespace) -> Sampler:

@@ -19,7 +19,7 @@ import time
 from tqdm import tqdm
 
 from moestream.cli import values
-from moestream.cli.options import add_engine_args, add_sampling_args, engine_options, sampler
+from moestream.cli.options import add_engine_args, add_sampling_args, check_budget, engine_options, sampler, say_caps
 from moestream.engine.engine import Engine
 from moestream.engine.model_file import open_model
 from moestream.engine.options import EngineOptions
@@ -33,20 +33,26 @@ from moestream.paths import cache_dir
 from moestream.serving.text import TextStream, stream_text
 from moestream.streaming.budget import MB
 from moestream.synth.shapes import SHAPES, SynthShape, llama_cpp_loads, synth_nbytes, write_synth
+from moestream.units import fmt_bytes, gib, mib
 
 DEFAULT_SHAPE = "qwen3-30b-a3b"
 DEFAULT_LAYERS = 8
 # Of the experts' bytes, the share the demo's cache may hold: small enough that decoding has to read the disk.
 CACHE_SHARE = 0.33
 
+DEMO_PROMPT = "Explain how a computer streams data from a disk into memory."
+
 # ---- run -----------------------------------------------------------------------------------------
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     pick = sampler(args)
-    tok, ids = prompt_ids(args)
+    text = prompt_text(args)
+    check_budget(args)
+    tok, ids = prompt_ids(args, text)
     # the plan sets aside prompt buffers for this prompt only (the rest: expert slots, the read-ahead's buffers)
     engine = Engine(args.model, dataclasses.replace(engine_options(args), longest_prompt=len(ids) or None), tok)
+    say_caps(args, engine)
     print(engine.lock_report.line(), file=sys.stderr)
     try:
         if args.preload:
@@ -73,7 +79,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def prompt_ids(args: argparse.Namespace) -> tuple[Tokenizer, list[int]]:
+def prompt_text(args: argparse.Namespace) -> str:
+    """The prompt from -p TEXT, -p - (standard input) or -f FILE, checked before anything is loaded."""
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = getattr(exc, "strerror", None) or "not UTF-8 text"
+            raise MoestreamError(f"cannot read --prompt-file {args.prompt_file}: {why}") from None
+    elif args.prompt == "-":
+        text = sys.stdin.read()
+    else:
+        text = args.prompt
+    if not text.strip():
+        raise MoestreamError("the prompt is empty; give text with -p TEXT, -p - (standard input) or -f FILE")
+    return text
+
+
+def prompt_ids(args: argparse.Namespace, prompt: str) -> tuple[Tokenizer, list[int]]:
     """The file's tokenizer, read from the model's header before the engine loads it, and the prompt (in the
     file's chat template with --chat) in its tokens."""
     model = open_model(args.model, check_types=False)
@@ -81,7 +105,6 @@ def prompt_ids(args: argparse.Namespace) -> tuple[Tokenizer, list[int]]:
         tok = Tokenizer.from_metadata(model.gguf.metadata)
     finally:
         model.close()
-    prompt = args.prompt
     if args.chat:
         if not tok.chat_template:
             raise MoestreamError("this model has no chat template; drop --chat")
@@ -135,11 +158,11 @@ def cmd_synth(args: argparse.Namespace) -> int:
     free = shutil.disk_usage(out_dir).free
     if need > free:
         raise MoestreamError(
-            f"{args.shape} in {args.quant} needs {need / 1e9:.1f} GB but {out_dir} has "
-            f"{free / 1e9:.1f} GB free; use --layers to make a shallower model"
+            f"{args.shape} in {args.quant} needs {gib(need, 1)} but {out_dir} has "
+            f"{gib(free, 1)} free; use --layers to make a shallower model"
         )
     write_synth(args.shape, args.quant, args.output, layers=args.layers, seed=args.seed, progress=True)
-    print(f"wrote {args.output} ({os.path.getsize(args.output) / 1e9:.2f} GB)", file=sys.stderr)
+    print(f"wrote {args.output} ({gib(os.path.getsize(args.output))})", file=sys.stderr)
     shape = SHAPES[args.shape]
     if not isinstance(shape, SynthShape) and not llama_cpp_loads(
         dataclasses.replace(shape, n_layers=args.layers or shape.n_layers)
@@ -166,18 +189,16 @@ def demo_model(shape: str, quant: str, layers: int | None, directory: str) -> st
         need = synth_nbytes(shape, quant, n)
         if need + 512 * MB < free:
             if n < want:
-                print(
-                    f"only {free / 1e9:.1f} GB free in {directory}: using {n} layers instead of {want}", file=sys.stderr
-                )
+                print(f"only {gib(free, 1)} free in {directory}: using {n} layers instead of {want}", file=sys.stderr)
             print(
-                f"writing a synthetic {shape} model ({n} layers, {quant}, {need / 1e9:.2f} GB) to {path} "
+                f"writing a synthetic {shape} model ({n} layers, {quant}, {gib(need)}) to {path} "
                 "(once; later runs reuse it)",
                 file=sys.stderr,
             )
             write_synth(shape, quant, path, layers=n, progress=True)
             return path
     raise MoestreamError(
-        f"not enough free disk in {directory} ({free / 1e9:.2f} GB) for even a 1-layer {shape}; "
+        f"not enough free disk in {directory} ({gib(free)}) for even a 1-layer {shape}; "
         "free some space or set MOESTREAM_HOME to a bigger disk"
     )
 
@@ -191,52 +212,73 @@ def demo_budget_mb(path: str) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if not args.prompt.strip():
+        raise MoestreamError("the prompt is empty; give text with --prompt, or leave it out for the default")
     path = demo_model(args.shape, args.quant, args.layers, args.data_dir or str(cache_dir() / "models"))
     file_bytes = os.path.getsize(path)
+    check_budget(args)
     budget_mb = args.ram_budget_mb if args.ram_budget_mb is not None else demo_budget_mb(path)
     engine = Engine(path, EngineOptions(ram_budget_mb=budget_mb, threads=args.threads))
     try:
-        tok, cfg = engine.tokenizer, engine.cfg
-        n_total = cfg.n_layers * cfg.n_experts
+        cfg = engine.cfg
         print(
-            f"model {os.path.basename(path)}: {file_bytes / 1e9:.2f} GB on disk, {cfg.n_layers} layers x "
+            f"model {os.path.basename(path)}: {fmt_bytes(file_bytes)} on disk, {cfg.n_layers} layers x "
             f"{cfg.n_experts} experts (top-{cfg.top_k})",
             file=sys.stderr,
         )
         assert engine.plan is not None
         print(engine.plan.describe(), file=sys.stderr)
-        bar = tqdm(total=args.tokens, unit="tok", desc="decoding", file=sys.stderr, dynamic_ncols=True)
         t_start = time.perf_counter()
-        sampling = Sampler(temperature=0.8, top_p=0.95, seed=0)
-        for step in engine.stream(tok.encode(args.prompt), args.tokens, sampling):
-            snap = engine.snapshot()
-            bar.update(1)
-            bar.set_postfix(
-                hit=f"{100 * snap.hit_rate:.0f}%",
-                read=f"{snap.bytes_read / 1e9:.2f}GB",
-                slots=f"{snap.used_slots}/{snap.n_slots}",
-            )
-            st = step.stats
-        bar.close()
+        text, st = demo_generate(engine, args.prompt, args.tokens)
         elapsed = time.perf_counter() - t_start
         print(st.line(), file=sys.stderr)
-        n_slots = engine.snapshot().n_slots
-        print(
-            f"\nWhat happened: the model is {file_bytes / 1e9:.2f} GB but this run was allowed {budget_mb} MB of RAM. "
-            f"The dense weights (attention, router, embeddings) stayed resident; the cache held {n_slots} "
-            f"of {n_total} experts ({100 * n_slots / n_total:.0f}%), and every other expert the router picked was "
-            f"read from disk on demand: {st.bytes_read / 1e9:.2f} GB in {elapsed:.1f} s, "
-            f"{st.decode_bytes_read / 1e6 / max(1, st.decode_tokens):.0f} MB per decoded token, "
-            f"{100 * st.hit_rate:.0f}% of expert requests served from RAM. Peak RSS {st.peak_rss / MB:.0f} MB "
-            f"stayed under the budget. The weights are random, so the text is not meant to read well; "
-            "run a real GGUF with `moestream run -m MODEL.gguf -p ...`.",
-            file=sys.stderr,
-        )
+        print("\ngenerated text (random weights, so it is not meaningful text):", file=sys.stderr, flush=True)
+        print(text, flush=True)
+        print(demo_summary(engine, file_bytes, budget_mb, st, elapsed), file=sys.stderr)
         if st.peak_rss > budget_mb * MB:
-            raise MoestreamError(f"peak RSS {st.peak_rss / MB:.0f} MB went over the {budget_mb} MB budget (a bug)")
+            raise MoestreamError(f"peak RSS {mib(st.peak_rss)} went over the {budget_mb} MiB budget (a bug)")
     finally:
         engine.close()
     return 0
+
+
+def demo_generate(engine: Engine, prompt: str, tokens: int) -> tuple[str, GenerationStats]:
+    """Generate with a progress bar that says "prompt" until the first token, then "decoding" from there, its
+    clock restarted so that its tok/s is the decode rate the stats line gives (the prompt's time left out)."""
+    ids = engine.tokenizer.encode(prompt)
+    bar = tqdm(total=tokens, unit="tok", desc=f"prompt ({len(ids)} tok)", file=sys.stderr, dynamic_ncols=True,
+               smoothing=0)  # fmt: skip
+    pieces: list[str] = []
+    st = GenerationStats()
+    sampling = Sampler(temperature=0.8, top_p=0.95, seed=0)
+    for step in stream_text(engine.stream(ids, tokens, sampling), TextStream(engine.tokenizer)):
+        if not pieces:
+            bar.set_description("decoding")
+            bar.reset(total=tokens)
+            bar.start_t -= step.stats.decode_s  # the stats' decode clock started at the prompt's end, not here
+        pieces.append(step.text)
+        snap = engine.snapshot()
+        bar.update(1)
+        slots = f"{snap.used_slots}/{snap.n_slots}"
+        bar.set_postfix(hit=f"{100 * snap.hit_rate:.0f}%", read=fmt_bytes(snap.bytes_read), slots=slots)
+        st = step.stats
+    bar.close()
+    return "".join(pieces), st
+
+
+def demo_summary(engine: Engine, file_bytes: int, budget_mb: int, st: GenerationStats, elapsed: float) -> str:
+    """The closing paragraph: what streamed, in the run's own numbers."""
+    n_slots, n_total = engine.snapshot().n_slots, engine.cfg.n_layers * engine.cfg.n_experts
+    return (
+        f"\nWhat happened: the model is {fmt_bytes(file_bytes)} but this run was allowed {budget_mb} MiB of RAM. "
+        f"The dense weights (attention, router, embeddings) stayed resident; the cache held {n_slots} "
+        f"of {n_total} experts ({100 * n_slots / n_total:.0f}%), and every other expert the router picked was "
+        f"read from disk on demand: {fmt_bytes(st.bytes_read)} in {elapsed:.1f} s, "
+        f"{fmt_bytes(st.decode_bytes_read // max(1, st.decode_tokens))} per decoded token, "
+        f"{100 * st.hit_rate:.0f}% of expert requests served from RAM. Peak RSS {mib(st.peak_rss)} "
+        "stayed under the budget. The weights are random, so the text above is not meant to read well; "
+        "run a real GGUF with `moestream run -m MODEL.gguf -p ...`."
+    )
 
 
 # ---- wiring --------------------------------------------------------------------------------------
@@ -249,7 +291,11 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
 def _run_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_sampling_args(p)
-    p.add_argument("-p", "--prompt", required=True, type=values.text)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("-p", "--prompt", type=values.text, help="the prompt; - reads it from standard input")
+    source.add_argument(
+        "-f", "--prompt-file", type=values.input_file, metavar="FILE", help="read the prompt from this UTF-8 file"
+    )
     p.add_argument("-n", type=values.positive, default=64, help="tokens to generate (default 64)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument(
@@ -295,11 +341,16 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
         "--ram-budget-mb",
         type=values.megabytes,
         default=None,
-        help="RAM budget (default: dense weights plus a third of the experts)",
+        help="RAM budget in MiB (default: dense weights plus a third of the experts)",
     )
-    p.add_argument("--threads", type=values.threads, default=None)
-    p.add_argument("--prompt", type=values.text, default="Explain how a computer streams data from a disk into memory.")
+    p.add_argument("--threads", type=values.threads, default=None, help="compute threads (default: all cores)")
     p.add_argument(
-        "--data-dir", default=None, type=values.text, help="where the demo model is kept (default ~/.cache/moestream)"
+        "--prompt", type=values.text, default=DEMO_PROMPT, help="the prompt to continue (default: a sentence on disks)"
+    )
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        type=values.text,
+        help="where the demo model is kept (default: models/ in $MOESTREAM_HOME, else in ~/.cache/moestream)",
     )
     p.set_defaults(func=cmd_demo)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 
 from moestream.cli import values
@@ -14,8 +16,35 @@ from moestream.serving.chat import HELP, ChatSession, repl
 from moestream.serving.worker import DEFAULT_GATHER_MS, DEFAULT_MAX_QUEUE, Admission
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and listening, made before the model loads: a taken port fails in a
+    second instead of after the load, and uvicorn serves on this very socket, so no one takes it between."""
+    where = f"{host}:{port}"
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except socket.gaierror:
+        raise MoestreamError(f"cannot listen on {where}: unknown host {host!r}; pass an address in --host") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            why = f"port {port} is already in use; stop what listens there or pass another --port"
+        elif exc.errno == errno.EACCES:
+            why = f"permission denied for port {port}; ports below 1024 need root, pass --port 1024 or higher"
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            why = f"{host} is not an address of this machine; pass one in --host (127.0.0.1, 0.0.0.0)"
+        else:
+            why = exc.strerror or str(exc)
+        raise MoestreamError(f"cannot listen on {where}: {why}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    engine = open_engine(args)
+    sock = listen_socket(args.host, args.port)
+    try:
+        engine = open_engine(args)
+    except BaseException:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]  # --port 0: the port the system chose
     try:
         name = args.model_name or default_model_name(args.model)
         defaults = Defaults(
@@ -28,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if engine.plan is not None:
             print(engine.plan.describe(), flush=True)
         print(
-            f"moestream: serving {name} on http://{args.host}:{args.port}/v1 (context {engine.ctx} tokens, "
+            f"moestream: serving {name} on http://{args.host}:{port}/v1 (context {engine.ctx} tokens, "
             f"{engine.max_batch} requests at once, {engine.snapshot().n_slots} expert slots)",
             flush=True,
         )
@@ -40,9 +69,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             defaults=defaults,
             admission=Admission(max_queue=args.max_queue, gather_s=args.batch_window_ms / 1000),
+            sock=sock,
         )
     finally:
         engine.close()
+        sock.close()
     if stopped_by is not None:
         raise MoestreamError(stopped_by)
     return 0
@@ -61,7 +92,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             f"slots)\n{HELP}",
             flush=True,
         )
-        repl(session)
+        repl(session, tty=sys.stdin.fileno() if sys.stdin.isatty() else None)
     finally:
         engine.close()
     return 0
@@ -114,7 +145,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", type=values.text, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=values.port, default=8080, help="port (default 8080)")
     p.add_argument("--model-name", type=values.text, default=None, help="model id clients use (default: the file name)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="the HTTP server's log level (default info)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -122,7 +158,13 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_prompt_cache_arg(p)
     add_sampling_args(p)
-    p.add_argument("-n", type=values.positive, default=None, help="most tokens per answer (default: up to the context)")
+    p.add_argument(
+        "-n",
+        type=values.positive,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"most tokens per answer (default {DEFAULT_MAX_TOKENS}, as serve's requests; never more than fits "
+        "the context): a model that never stops is cut there",
+    )
     p.add_argument("--system", type=values.text, default=None, help="system message")
     p.add_argument("--no-think", action="store_true", help="ask Qwen3-style models not to think first")
     p.set_defaults(func=cmd_chat)

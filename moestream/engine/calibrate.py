@@ -49,7 +49,7 @@ def measure_compute_ms(model_path: str, tokens: int = 16, threads: int | None = 
         m.close()
     if need > 0.7 * psutil.virtual_memory().available:
         raise MoestreamError(
-            f"caching every expert takes {need / 1e9:.1f} GB, more than this machine has free; give the "
+            f"caching every expert takes {need / 2**30:.1f} GiB, more than this machine has free; give the "
             "compute time with --compute-ms, or --compute-from the stats JSON of a run with a large budget"
         )
     engine = Engine(model_path, EngineOptions(n_slots=cfg.n_layers * cfg.n_experts, threads=threads))

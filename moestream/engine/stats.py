@@ -46,8 +46,8 @@ class GenerationStats:
             f"prompt {self.prompt_tokens} tok @ {self.prompt_tps:.1f} tok/s | "
             f"decode {self.decode_tokens} tok @ {self.decode_tps:.2f} tok/s "
             f"({tok_ms:.1f} ms/tok, {wait_ms:.1f} waiting on reads) | "
-            f"expert hit rate {100 * self.hit_rate:.1f}% | disk {per_tok:.1f} MB/tok | "
-            f"cache slots {self.n_slots} | peak RSS {self.peak_rss / MB:.0f} MB"
+            f"expert hit rate {100 * self.hit_rate:.1f}% | disk {per_tok:.1f} MiB/tok | "
+            f"cache slots {self.n_slots} | peak RSS {self.peak_rss / MB:.0f} MiB"
         )
 
 

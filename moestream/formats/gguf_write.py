@@ -213,7 +213,7 @@ def write_gguf(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(desc=desc or os.path.basename(path), total=total, unit="B", unit_scale=True, unit_divisor=1024)
+        bar = tqdm(desc=desc or os.path.basename(path), total=total, unit="iB", unit_scale=True, unit_divisor=1024)
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()

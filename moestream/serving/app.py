@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import re
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -468,9 +469,11 @@ def serve(
     log_level: str,
     defaults: Defaults,
     admission: Admission = Admission(),
+    sock: socket.socket | None = None,
 ) -> str | None:
     """Serve `engine` over HTTP until a signal ends it (the caller opens and closes the engine). Returns
-    why the server stopped on its own (the model file changed), or None after a signal."""
+    why the server stopped on its own (the model file changed), or None after a signal. `sock`: a socket
+    already bound to host:port (the CLI binds before it loads the model), else uvicorn binds."""
     fatal: list[str] = []
     server: uvicorn.Server | None = None
 
@@ -491,5 +494,5 @@ def serve(
         handle_exit(sig, frame)
 
     server.handle_exit = on_signal  # type: ignore[method-assign]
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     return fatal[0] if fatal else None

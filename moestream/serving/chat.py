@@ -14,11 +14,12 @@ as gpt-oss's template expects of earlier turns. Other families' answers are show
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
-from contextlib import closing
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
 from typing import Any, TextIO
 
 from moestream.engine.sampling import Sampler
@@ -30,6 +31,10 @@ try:
     import readline  # noqa: F401 - line editing and history for input()
 except ImportError:
     pass
+try:
+    import termios
+except ImportError:  # Windows: keys typed during an answer echo as before
+    termios = None  # type: ignore[assignment]
 from moestream.streaming.budget import MB, peak_rss_bytes, rss_bytes
 
 HELP = (
@@ -196,8 +201,8 @@ class ChatSession:
             )
         lines.append(
             f"session: expert hit rate {100 * e.hit_rate:.1f}% | cache slots {e.used_slots}/"
-            f"{e.n_slots} used | disk read {e.bytes_read / MB:.1f} MB | "
-            f"RSS {rss_bytes() / MB:.0f} MB (peak {peak_rss_bytes() / MB:.0f} MB)"
+            f"{e.n_slots} used | disk read {e.bytes_read / MB:.1f} MiB | "
+            f"RSS {rss_bytes() / MB:.0f} MiB (peak {peak_rss_bytes() / MB:.0f} MiB)"
         )
         turns = sum(m["role"] == "user" for m in self.messages)
         dropped = f", {self.dropped} oldest dropped to fit the context" if self.dropped else ""
@@ -220,7 +225,30 @@ class _Interrupt:
         signal.signal(signal.SIGINT, self._old)
 
 
-def repl(session: ChatSession, inp: Callable[[str], str] = input, out: TextIO = sys.stdout) -> None:
+@contextmanager
+def quiet_keys(fd: int | None) -> Iterator[None]:
+    """While an answer streams: keys typed on the terminal `fd` are not echoed into the answer, and what they
+    typed is dropped at the end rather than sent, unseen, as the next question. Ctrl-C still stops the answer.
+    The terminal's settings come back however the answer ends. No-op where fd is None or not a terminal."""
+    if fd is None or termios is None or not os.isatty(fd):
+        yield
+        return
+    saved = termios.tcgetattr(fd)
+    quiet = list(saved)
+    quiet[3] &= ~termios.ECHO  # the local modes
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSAFLUSH, saved)  # TCSAFLUSH: drops input not read yet
+
+
+def repl(
+    session: ChatSession, inp: Callable[[str], str] = input, out: TextIO = sys.stdout, tty: int | None = None
+) -> None:
+    """The loop of questions and answers. `tty`: the terminal's file descriptor, whose echo is off while an
+    answer streams (quiet_keys)."""
+
     def write(text: str) -> None:
         out.write(text)
         out.flush()
@@ -253,7 +281,7 @@ def repl(session: ChatSession, inp: Callable[[str], str] = input, out: TextIO = 
             write(f"unknown command {text.split()[0]}; {HELP}\n")
             continue
         try:
-            with _Interrupt() as ctrl_c:
+            with _Interrupt() as ctrl_c, quiet_keys(tty):
                 session.ask(line, write, ctrl_c.flag.is_set)
         except MoestreamError as exc:
             write(f"error: {exc}\n")

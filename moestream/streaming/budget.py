@@ -49,9 +49,8 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def available_bytes() -> int:
-    """MemAvailable, capped by the cgroup limit when one is set."""
-    avail = psutil.virtual_memory().available
+def _cgroup_memory() -> tuple[int, int] | None:
+    """(limit, usage) of this process's cgroup memory limit (v2, else v1), or None where none is set."""
     for path, usage_path in (
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
@@ -64,11 +63,30 @@ def available_bytes() -> int:
             with open(usage_path) as f:
                 usage = int(f.read().strip())
             limit = int(limit_s)
-            if limit < (1 << 60):
-                avail = min(avail, max(0, limit - usage))
+            if limit < (1 << 60):  # v1 writes "no limit" as a huge number
+                return limit, usage
         except (OSError, ValueError):
             continue
+    return None
+
+
+def available_bytes() -> int:
+    """MemAvailable, capped by the cgroup limit when one is set."""
+    avail = psutil.virtual_memory().available
+    cgroup = _cgroup_memory()
+    if cgroup is not None:
+        avail = min(avail, max(0, cgroup[0] - cgroup[1]))
     return avail
+
+
+def total_ram() -> tuple[int, str]:
+    """The most RAM this process can have, and what sets it: the machine's total physical RAM, or the cgroup's
+    memory limit where that is lower."""
+    total = psutil.virtual_memory().total
+    cgroup = _cgroup_memory()
+    if cgroup is not None and cgroup[0] < total:
+        return cgroup[0], "cgroup memory limit"
+    return total, "total physical RAM"
 
 
 def budget_bytes(budget_mb: int | None, resident: int) -> int:
@@ -94,10 +112,10 @@ class BudgetPlan:
     def describe(self) -> str:
         span = f" (prompt span {self.span} tokens)" if self.span else ""
         return (
-            f"budget {self.budget / MB:.0f} MB = resident {self.resident / MB:.0f} (dense weights, KV, runtime)"
+            f"budget {self.budget / MB:.0f} MiB = resident {self.resident / MB:.0f} (dense weights, KV, runtime)"
             f" + compute {self.compute / MB:.0f}{span} + reader {self.reader / MB:.0f}"
             f" + reserve {self.reserve / MB:.0f}"
-            f" + {self.n_slots} expert slots x {self.slot_nbytes / MB:.2f} MB"
+            f" + {self.n_slots} expert slots x {self.slot_nbytes / MB:.2f} MiB"
         )
 
 
@@ -120,12 +138,12 @@ def plan_slots(
         need_mb = (fixed + min_slots * slot_nbytes + MB - 1) // MB
         if budget_mb is None:
             raise BudgetError(
-                f"not enough free RAM: one token needs {need_mb} MB but about {budget // MB} MB is available; "
+                f"not enough free RAM: one token needs {need_mb} MiB but about {budget // MB} MiB is available; "
                 "close other programs or use a smaller context (--ctx)"
             )
         raise BudgetError(
-            f"--ram-budget-mb {budget_mb} is too small: dense weights, KV cache and buffers take {fixed // MB} MB "
-            f"and one layer's {min_slots} active experts {min_slots * slot_nbytes // MB + 1} MB more; "
+            f"--ram-budget-mb {budget_mb} is too small: dense weights, KV cache and buffers take {fixed // MB} MiB "
+            f"and one layer's {min_slots} active experts {min_slots * slot_nbytes // MB + 1} MiB more; "
             f"use at least --ram-budget-mb {need_mb} (or a smaller --ctx)"
         )
     return BudgetPlan(

@@ -28,6 +28,7 @@ import torch
 from moestream.formats.gguf_file import GGUFFile
 from moestream.streaming import libc
 from moestream.streaming.expert_store import is_routed_expert_tensor
+from moestream.units import fmt_bytes
 
 PAGE = mmap.PAGESIZE
 CAP_IPC_LOCK = 14  # with it the kernel ignores RLIMIT_MEMLOCK
@@ -38,17 +39,6 @@ class Resident(Protocol):
     """A model: what it keeps in RAM for the whole run (its weights and tables, not the expert cache)."""
 
     def resident_tensors(self) -> list[torch.Tensor | np.ndarray]: ...
-
-
-def fmt_bytes(n: int) -> str:
-    """1.21 GB, 15.9 GB, 8 MB, 0 B, in the binary units the budget uses (MB = 2**20, as --ram-budget-mb)."""
-    if n <= 0:
-        return "0 B"
-    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("kB", 1 << 10)):
-        if n >= size:
-            v = n / size
-            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
-    return f"{n} B"
 
 
 @dataclass
@@ -62,11 +52,12 @@ class LockReport:
     _finalizer: weakref.finalize | None = field(default=None, repr=False)
 
     def line(self) -> str:
-        skipped = f"{fmt_bytes(self.skipped_bytes)} of routed experts skipped"
+        # routed experts are left out by design: say so, lest their bytes read as a failure to lock
+        routed = f"routed experts ({fmt_bytes(self.skipped_bytes)}) stream from disk, deliberately not locked"
         failed = fmt_bytes(self.failed_bytes)
         if not self.enabled:
-            return f"mlock: off (--no-mlock); {failed} of dense weights can be evicted, {skipped}"
-        s = f"mlock: locked {fmt_bytes(self.locked_bytes)} of dense weights, {failed} failed, {skipped}"
+            return f"mlock: off (--no-mlock); {failed} of dense weights can be evicted; {routed}"
+        s = f"mlock: locked {fmt_bytes(self.locked_bytes)} of dense weights, {failed} failed; {routed}"
         return f"{s}; {self.error}" if self.error else s
 
     def unlock(self) -> None:

@@ -120,6 +120,8 @@ def build_library(flags: Sequence[str], out_dir: Path, cc: str | None = None, so
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
+    # the first run waits on the compiler with nothing else on screen: say why (a cached build says nothing)
+    print(f"moestream: compiling the native kernels for this CPU into {out_dir} (once)", file=sys.stderr, flush=True)
     # compile to a private name, then rename: parallel processes never load a half-written file
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=out_dir)
     os.close(fd)
