@@ -62,6 +62,15 @@ def _split_int(f: GGUFFile, key: str) -> int | None:
     return value
 
 
+def model_nbytes(path: str) -> int:
+    """Bytes of a model on disk: its file, or every part of a split model (benchmarks record it)."""
+    model = GGUFModel(path)
+    try:
+        return model.file_size
+    finally:
+        model.close()
+
+
 class GGUFModel:
     """One model over one or several GGUF files: the first part's metadata, every part's tensors.
 
@@ -111,7 +120,7 @@ class GGUFModel:
         first = self.parts[0]
         seen: dict[str, str] = {}
         for part in self.parts:
-            for key, value in part.metadata.items():
+            for key, value in part.metadata.items() if part is not first else ():
                 if key not in PER_PART_KEYS and key in first.metadata and first.metadata[key] != value:
                     raise ModelFileError(
                         f"{part.path} belongs to another model: its {key} differs from the first part's "
