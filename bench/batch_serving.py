@@ -58,6 +58,8 @@ from serve_runs import (
 )
 from skewed_routes import draw_routes, topic_popularity, write_route_trace
 
+from moestream.formats.gguf_model import model_nbytes
+
 CONDITIONS = ("pagecache", "pressure", "routes", "routes-shared")
 LLAMA_BATCHED = os.path.join(BENCH_DIR, "llamacpp_batched.py")
 
@@ -307,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --conditions from {', '.join(CONDITIONS)}; --streams must include 1", file=sys.stderr)
         return 2
     args.sizes = read_sizes(args.model)
-    file_mb = os.path.getsize(args.model) // MIB
+    file_mb = model_nbytes(args.model) // MIB
     args.budget_mb = args.budget_mb or file_mb + 2048
     args.pressure_budget_mb = args.pressure_budget_mb or int(args.leave_gb * 1024) - 1024
     longest = max(max(prompt_lengths(args, c, max(args.streams))) for c in conditions) + args.tokens
@@ -326,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "meta": run_meta(
             args,
-            model_bytes=os.path.getsize(args.model),
+            model_bytes=model_nbytes(args.model),
             read_sizes={
                 "dense": sizes.dense,
                 "expert_mean": float(np.mean(list(sizes.expert.values()))),

@@ -56,6 +56,8 @@ from engine_runs import (
 )
 from harness import DEFAULT_PROMPT, GIB, add_results_args, cell, check_conditions, log, run_meta, save_results, spread
 
+from moestream.formats.gguf_model import model_nbytes
+
 CONDITIONS = ("pagecache", "cold", "pressure")
 
 
@@ -327,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     extra = shlex.split(args.moestream_args)
     doc: dict[str, Any] = {
-        "meta": run_meta(args, model_bytes=os.path.getsize(args.model), llama_cpp_version=_llama_version(), notes=[]),
+        "meta": run_meta(args, model_bytes=model_nbytes(args.model), llama_cpp_version=_llama_version(), notes=[]),
         "conditions": [],
     }
     compute_ms = None

@@ -27,6 +27,8 @@ from harness import (
     tail,
 )
 
+from moestream.formats.gguf_model import model_nbytes
+
 LLAMA_RUNNER = os.path.join(BENCH_DIR, "llamacpp_run.py")
 METRICS = (
     "decode_tps",
@@ -245,7 +247,7 @@ def prepare(condition: str, model: str, balloon: Balloon | None = None) -> dict[
 
 
 def pagecache_fits(model: str) -> tuple[bool, str]:
-    size, avail = os.path.getsize(model), meminfo()["MemAvailable"]
+    size, avail = model_nbytes(model), meminfo()["MemAvailable"]
     if size + GIB > avail:
         return False, (
             f"the {size / GIB:.1f} GiB file does not fit in the page cache next to 1 GiB "

@@ -32,7 +32,7 @@ from skewed_routes import session, topic_popularity, write_route_trace
 from moestream.analysis.accesses import Accesses, accesses_from_trace
 from moestream.analysis.replay import replay
 from moestream.analysis.trace import read_trace
-from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.gguf_model import GGUFModel
 
 UNITS = (1, 2, 4)  # pieces an expert is cut into
 
@@ -96,7 +96,7 @@ def break_even(rows: list[dict], bw: dict[tuple[int, int], float], segment: int,
 
 
 def cmd_routes(args: argparse.Namespace) -> None:
-    f = GGUFFile(args.model)
+    f = GGUFModel(args.model)
     layers, experts = int(f.arch_key("block_count")), int(f.arch_key("expert_count"))
     top_k = int(f.arch_key("expert_used_count"))
     f.close()

@@ -53,6 +53,8 @@ from harness import GIB, MIB, add_results_args, check_conditions, log, run_meta,
 from long_prompt_report import markdown, plot
 from prompt_text import ModelFacts, PromptMaker, corpus_info, llama_view, model_facts
 
+from moestream.formats.gguf_model import model_nbytes
+
 CONDITIONS = ("pagecache", "pressure")
 LLAMA_VARIANT = "mmap, repack off (use_extra_bufts=False)"
 
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "meta": run_meta(
             args,
-            model_bytes=os.path.getsize(args.model),
+            model_bytes=model_nbytes(args.model),
             routed_bytes=facts.routed_bytes,
             kv_bytes_per_token=facts.kv_bytes_per_token,
             corpus=corpus_info(),

@@ -23,40 +23,43 @@ import time
 
 from harness import add_results_args, drop_caches, log, median_range, save_rows
 
-from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.gguf_model import GGUFModel
 from moestream.streaming.reader import ExpertReader
 
 
-def expert_tensors(path: str) -> tuple[list[tuple[int, int]], int]:
-    """(file offset, bytes per expert) of every routed expert tensor, and the experts per tensor."""
-    f = GGUFFile(path)
+def expert_tensors(path: str) -> tuple[list[tuple[int, int, int]], int, list[str]]:
+    """(part, offset, bytes per expert) of every routed expert tensor, the experts per tensor, and the model's
+    files (a split model's parts: a run read stays in its tensor's part)."""
+    f = GGUFModel(path)
     try:
         out, n_exp = [], 0
         for t in f.tensors.values():
             if t.name.endswith("_exps.weight") and len(t.shape) == 3:
                 n_exp = t.shape[0]
-                out.append((t.offset, t.nbytes // t.shape[0]))
-        return out, n_exp
+                out.append((t.part, t.offset, t.nbytes // t.shape[0]))
+        return out, n_exp, f.paths
     finally:
         f.close()
 
 
-def one_row(path: str, tensors: list[tuple[int, int]], n_exp: int, run: int, nbytes: int, threads: int, seed: int):
-    seg = max(s for _, s in tensors)
-    reader = ExpertReader(path, seg, threads=threads, buffers=2 * threads, run_buffers=4 * threads, run_len=run)
-    reqs = [(off + e0 * s, s, min(run, n_exp - e0)) for off, s in tensors for e0 in range(0, n_exp, run)]
+def one_row(
+    paths: list[str], tensors: list[tuple[int, int, int]], n_exp: int, run: int, nbytes: int, threads: int, seed: int
+):
+    seg = max(s for _, _, s in tensors)
+    reader = ExpertReader(paths, seg, threads=threads, buffers=2 * threads, run_buffers=4 * threads, run_len=run)
+    reqs = [(p, off + e0 * s, s, min(run, n_exp - e0)) for p, off, s in tensors for e0 in range(0, n_exp, run)]
     random.Random(seed).shuffle(reqs)
     total, picked = 0, []
     for r in reqs:
         if total >= nbytes:
             break
         picked.append(r)
-        total += r[1] * r[2]
+        total += r[2] * r[3]
     drop_caches()
     t0, c0 = time.perf_counter(), time.process_time()
     window: list = []
-    for off, s, count in picked:
-        window.append(reader.read_run(off, s, count))
+    for part, off, s, count in picked:
+        window.append(reader.read_run(off, s, count, part))
         if len(window) > 4 * threads:
             for fut in window.pop(0):
                 fut.result().release()
@@ -78,13 +81,13 @@ def main() -> int:
     add_results_args(ap, "read-runs")
     args = ap.parse_args()
     runs = [int(x) for x in args.runs.split(",")]
-    tensors, n_exp = expert_tensors(args.model)
+    tensors, n_exp, paths = expert_tensors(args.model)
     if not tensors:
         sys.exit(f"error: {args.model} has no routed expert tensors (*_exps.weight)")
     rows = []
     for rep in range(args.repeat):
         for run in runs if rep % 2 == 0 else runs[::-1]:
-            row = one_row(args.model, tensors, n_exp, run, int(args.gib * 2**30), args.threads, seed=rep)
+            row = one_row(paths, tensors, n_exp, run, int(args.gib * 2**30), args.threads, seed=rep)
             row["repeat"] = rep
             rows.append(row)
             log(f"repeat {rep + 1}/{args.repeat} run {run}: {row['gb_s']:.2f} GB/s")

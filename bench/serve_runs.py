@@ -32,7 +32,7 @@ from harness import REPO_DIR, make_oom_victim, proc_read_bytes, tail
 from openai import OpenAI
 
 from moestream.analysis.trace import DECODE, PROMPT, read_trace
-from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.gguf_model import GGUFModel
 
 MODEL_NAME = "bench"
 _BLK = re.compile(r"^blk\.(\d+)\.")
@@ -58,7 +58,7 @@ class ReadSizes:
 def read_sizes(model: str) -> ReadSizes:
     """Routed experts are the `*_exps*` tensors; the token embedding reads one row per token, so it counts
     only when it doubles as the output head (no output.weight)."""
-    f = GGUFFile(model)
+    f = GGUFModel(model)
     try:
         n_experts = int(f.arch_key("expert_count"))
         top_k = int(f.arch_key("expert_used_count"))

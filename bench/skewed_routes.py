@@ -42,7 +42,7 @@ from harness import RESULTS_DIR, write_json
 from moestream.analysis.profile import Profile, write_profile
 from moestream.analysis.replay import Accesses, accesses_from_groups, accesses_from_trace, replay
 from moestream.analysis.trace import TraceWriter, read_trace
-from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.gguf_model import GGUFModel
 
 TOPICS = "ABC"
 
@@ -237,7 +237,7 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.live:
-        f = GGUFFile(args.live)
+        f = GGUFModel(args.live)
         args.layers = int(f.arch_key("block_count"))
         args.experts = int(f.arch_key("expert_count"))
         args.top_k = int(f.arch_key("expert_used_count"))

@@ -55,6 +55,7 @@ BAD = {
     "fraction": ["-0.1", "1.5", "nan", "abc"],
     "output": ["{DIR}", "{NODIR}"],
     "input": ["{MISSING}", "{DIR}"],
+    "model": ["{MISSING}"],  # a directory is a model too (the split model's parts it holds): test_split.py
     "threads": ["0", "100000", "nan"],
 }
 
@@ -70,7 +71,7 @@ ENGINE = {
     "--trace": "output",
     "--pin-profile": "input",
     "--route-trace": "input",
-    "-m": "input",
+    "-m": "model",
 }
 SAMPLING = {"--temp": "temp", "--top-k": "top_k", "--top-p": "top_p", "--seed": "seed"}
 
@@ -91,7 +92,7 @@ COMMANDS: dict[str, tuple[list[str], dict[str, str]]] = {
     "synth": (["synth", "--shape", "tiny", "-o", "{OUT}"], {"--layers": "positive", "--seed": "seed", "-o": "output"}),
     "probe": (
         ["probe", "--file", "{M}"],
-        {"--reads-per-row": "positive", "--seconds-per-row": "real_pos", "-o": "output", "--file": "input"},
+        {"--reads-per-row": "positive", "--seconds-per-row": "real_pos", "-o": "output", "--file": "model"},
     ),
     "replay": (
         ["replay", "{T}", "--no-plot"],
@@ -110,7 +111,7 @@ COMMANDS: dict[str, tuple[list[str], dict[str, str]]] = {
             "--io-threads": "threads",
             "--pack-ms": "real_nonneg",
             "--probe": "input",
-            "--model": "input",
+            "--model": "model",
             "--trace": "input",
             "--compute-from": "input",
         },

@@ -41,7 +41,7 @@ def test_probe_reads_the_models_own_segment_size(tmp_path):
     from moestream.synth.shapes import write_synth
 
     model = write_synth("tiny", "Q4_0", tmp_path / "tiny.gguf", progress=False)
-    seg, expert, (lo, hi) = probe.expert_geometry(model)
+    seg, expert, (lo, hi), _part = probe.expert_geometry(model)
     assert expert == 3 * seg and 0 < lo < hi <= os.path.getsize(model)
     r = probe.probe_file(model, modes=("buffered",), **FAST)
     assert r.segment_bytes == seg and r.expert_bytes == expert

@@ -72,10 +72,10 @@ def test_a_failed_read_ahead_raises_at_the_layer_that_needs_it_and_frees_its_slo
     real = cache.reader._read_to
     layer1 = [(s.offset, s.offset + s.nbytes * EXPERTS) for s in cache.store.segments(1, 0)]
 
-    def failing(buf, offset, nbytes):
+    def failing(buf, offset, nbytes, part=0):
         if any(lo <= offset < hi for lo, hi in layer1):  # layer 0's own reads succeed, the read-ahead's fail
             raise MoestreamError("injected read error")
-        return real(buf, offset, nbytes)
+        return real(buf, offset, nbytes, part)
 
     monkeypatch.setattr(cache.reader, "_read_to", failing)
     for _ in cache.fetch(0, list(range(EXPERTS))):

@@ -48,7 +48,7 @@ def test_a_failed_run_read_fails_every_part_and_gives_the_buffer_back(data_file,
     reader = ExpertReader(data_file, PART, threads=2, run_buffers=1, run_len=4)
     try:
 
-        def failing(buf, offset, nbytes):
+        def failing(buf, offset, nbytes, part=0):
             raise MoestreamError("injected read error")
 
         monkeypatch.setattr(reader, "_read_to", failing)

@@ -29,8 +29,12 @@ import numpy as np
 from tqdm import tqdm
 
 from moestream.errors import MoestreamError
+<<<<<<< HEAD
 from moestream.formats.gguf_file import GGUFFile
 from moestream.streaming.budget import total_ram
+=======
+from moestream.formats.gguf_model import GGUFModel
+>>>>>>> split
 from moestream.streaming.reader import open_direct
 
 ALIGN = 4096
@@ -91,12 +95,15 @@ def load_probe(path: str | os.PathLike[str]) -> ProbeResult:
         raise MoestreamError(f"{path} is not a probe result; write one with `moestream probe ... -o FILE`") from None
 
 
-def expert_geometry(path: str) -> tuple[int, int, tuple[int, int]]:
-    """(segment bytes, expert bytes, (start, end) byte span of the expert tensors) of a GGUF model."""
-    f = GGUFFile(path)
+def expert_geometry(path: str) -> tuple[int, int, tuple[int, int], str]:
+    """(segment bytes, expert bytes, (start, end) byte span of the expert tensors, the file that span is in)
+    of a GGUF model (a file, any part of a split model, or a directory holding one). A split model's reads
+    are probed in the part that holds the most expert bytes: the engine's reads never span two parts."""
+    f = GGUFModel(path)
     try:
-        segs, experts, lo, hi = [], [], None, 0
+        segs: list[int] = []
         per_layer: dict[str, int] = {}
+        spans: dict[int, list[int]] = {}  # part -> [lo, hi, expert bytes]
         for t in f.tensors.values():
             if "_exps." not in t.name or len(t.shape) != 3:
                 continue
@@ -104,16 +111,25 @@ def expert_geometry(path: str) -> tuple[int, int, tuple[int, int]]:
             segs.append(seg)
             layer = t.name.split(".")[1]
             per_layer[layer] = per_layer.get(layer, 0) + seg
-            lo = t.offset if lo is None else min(lo, t.offset)
-            hi = max(hi, t.offset + t.nbytes)
+            span = spans.setdefault(t.part, [t.offset, 0, 0])
+            span[0], span[1] = min(span[0], t.offset), max(span[1], t.offset + t.nbytes)
+            span[2] += t.nbytes
         experts = list(per_layer.values())
+        paths = f.paths
     finally:
         f.close()
-    if not segs or lo is None:
+    if not segs:
         raise MoestreamError(f"{path} has no routed expert tensors (*_exps); probe a MoE model or use --dir")
+    part = max(spans, key=lambda p: spans[p][2])
+    lo, hi, _ = spans[part]
     # The most common segment size is the read the engine issues most often.
     values, counts = np.unique(segs, return_counts=True)
-    return int(values[np.argmax(counts)]), int(round(float(np.mean(experts)))), (lo, hi)
+    return int(values[np.argmax(counts)]), int(round(float(np.mean(experts)))), (lo, hi), paths[part]
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _drop(fd: int, offset: int = 0, nbytes: int = 0) -> None:
@@ -227,20 +243,20 @@ def probe_file(
     seed: int = 0,
     progress: bool = True,
 ) -> ProbeResult:
-    """Probe random reads of an existing file (a GGUF model: its own expert segment size and region)."""
+    """Probe random reads of an existing file (a GGUF model: its own expert segment size and region; a split
+    model, or a directory holding one: the part with the most expert bytes)."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not os.path.isfile(path) and not (segment is None and os.path.isdir(path)):
         raise MoestreamError(f"no such file: {path}; pass a model file with --file or a directory with --dir")
-    file_bytes = os.path.getsize(path)
     expert_bytes = 0
-    lo, hi = 0, file_bytes
+    span = None
     if segment is None:
-        with open(path, "rb") as f:
-            is_gguf = f.read(4) == b"GGUF"
-        if is_gguf:
-            segment, expert_bytes, (lo, hi) = expert_geometry(path)
+        if os.path.isdir(path) or _is_gguf(path):
+            segment, expert_bytes, span, path = expert_geometry(path)
         else:
             segment = DEFAULT_SEGMENT
+    file_bytes = os.path.getsize(path)
+    lo, hi = span or (0, file_bytes)
     sizes = sizes or (segment, 4 * KIB)
     if hi - lo < max(sizes) + ALIGN:
         lo, hi = 0, file_bytes

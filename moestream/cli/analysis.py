@@ -340,7 +340,10 @@ def add_analysis_commands(sub: argparse._SubParsersAction) -> None:
 
 def _probe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--file", type=values.input_file, help="a GGUF model (reads its own expert segment size) or any large file"
+        "--file",
+        type=values.model_path,
+        help="a GGUF model (reads its own expert segment size; a split model: any part, or its directory) or any "
+        "large file",
     )
     p.add_argument("--dir", type=values.directory, help="write a temporary test file here, probe it and delete it")
     p.add_argument(
@@ -432,7 +435,9 @@ def _forecast_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--probe", type=values.input_file, help="JSON from moestream probe -o (default: a brief probe of --model)"
     )
-    p.add_argument("--model", type=values.input_file, help="GGUF model: geometry (layers, top_k, expert bytes)")
+    p.add_argument(
+        "--model", type=values.model_path, help="GGUF model (or a split model's part): layers, top_k, expert bytes"
+    )
     p.add_argument("--layers", type=values.positive, help="MoE layers (instead of --model)")
     p.add_argument("--top-k", type=values.positive, help="experts per token per layer")
     p.add_argument("--expert-bytes", type=values.whole(1, 1 << 40), help="bytes one expert reads from disk")

@@ -14,6 +14,10 @@ from moestream import __version__
 from moestream.errors import MoestreamError
 
 EXIT_USER_ERROR = 2
+MODEL_HELP = (
+    "A model (-m) is a GGUF file; a split model (NAME-00001-of-0000N.gguf, llama.cpp's gguf-split) is given by "
+    "any of its parts or the directory holding them, and `synth --split-max-size 2G` writes one."
+)
 
 COMMANDS = {  # name: (module, help)
     "run": ("moestream.cli.run", "generate text from a prompt"),
@@ -38,9 +42,14 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with `command`, that command's arguments too (None: all of them)."""
+<<<<<<< HEAD
     parser = ArgumentParser(prog="moestream", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command", help="one of:")
+=======
+    parser = ArgumentParser(prog="moestream", description=__doc__.split("\n")[0], epilog=MODEL_HELP)
+    sub = parser.add_subparsers(dest="command", required=True)
+>>>>>>> split
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if command is None or command == name:

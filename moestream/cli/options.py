@@ -14,7 +14,13 @@ from moestream.streaming.budget import MB, total_ram
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", required=True, type=values.input_file, help="GGUF model file")
+    p.add_argument(
+        "-m",
+        "--model",
+        required=True,
+        type=values.model_path,
+        help="GGUF model file; for a split model (NAME-00001-of-0000N.gguf) any of its parts or their directory",
+    )
     _add_memory_args(p)
     _add_read_args(p)
     _add_cache_policy_args(p)

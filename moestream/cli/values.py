@@ -61,6 +61,23 @@ count = whole(0)
 threads = whole(1, 1024)
 io_threads = whole(1, 256)
 megabytes = whole(1, MB_MAX)
+SIZE_UNITS = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3}  # gguf-split's: powers of 1000
+SIZE_MAX = 1 << 50
+
+
+def byte_size(text: str) -> int:
+    """Bytes as gguf-split's --split-max-size writes them: a whole number, optionally K, M or G (x1000)."""
+    t = text.strip().upper()
+    unit = t[-1:] if t[-1:] in ("K", "M", "G") else ""
+    digits = t[: len(t) - len(unit)]
+    if not digits.isdigit() or not digits.isascii():
+        raise Bad(f"must be a size like 2G, 500M or 100K (K/M/G: x1000), got {text!r}")
+    value = int(digits) * SIZE_UNITS[unit]
+    if not 0 < value <= SIZE_MAX:
+        raise Bad(f"must be between 1 byte and {SIZE_MAX // 1000**4}T, got {text!r}")
+    return value
+
+
 port = whole(0, 65535)
 seed = whole(0, SEED_MAX)
 
@@ -101,6 +118,15 @@ def input_file(path: str) -> str:
         raise Bad(f"{path}: not found")
     if os.path.isdir(path):
         raise Bad(f"{path} is a directory; give a file")
+    if not os.access(path, os.R_OK):
+        raise Bad(f"{path} is not readable (permission denied)")
+    return path
+
+
+def model_path(path: str) -> str:
+    """A model: a GGUF file, any part of a split model, or a directory holding one (GGUFModel checks the rest)."""
+    if not os.path.exists(path):
+        raise Bad(f"{path}: not found")
     if not os.access(path, os.R_OK):
         raise Bad(f"{path} is not readable (permission denied)")
     return path

@@ -22,7 +22,7 @@ def measure_pack_ms(model_path: str, repeats: int = 9) -> float:
     try:
         store = m.store
         segs = store.segments(0, 0)
-        raws = [m.gguf.read_range(s.offset, s.nbytes) for s in segs]
+        raws = [m.gguf.read_range(s.offset, s.nbytes, s.part) for s in segs]
     finally:
         m.close()
     layout = store.layouts[0]

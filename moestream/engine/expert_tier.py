@@ -19,10 +19,10 @@ from moestream.streaming.reader import ExpertReader
 
 
 def open_reader(file: Any, cfg: Any, options: EngineOptions, read_ahead: bool) -> ExpertReader:
-    """The parallel reader over the model file, its buffers sized for the cache's reads in flight."""
+    """The parallel reader over the model's files, its buffers sized for the cache's reads in flight."""
     store = file.store
     single, runs = read_buffers(cfg, store, options.io_threads, read_ahead, options.run_reads)
-    return ExpertReader(file.gguf.path, store.max_segment_nbytes, threads=options.io_threads, direct=options.direct,
+    return ExpertReader(store.paths, store.max_segment_nbytes, threads=options.io_threads, direct=options.direct,
                         buffers=single, run_buffers=runs, run_len=store.run_len)  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""Opening a model file: GGUF -> architecture -> config -> expert store, in one place."""
+"""Opening a model: its GGUF file (or a split set's files) -> architecture -> config -> expert store, in one place."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from moestream.compute import linear
 from moestream.engine.options import EngineOptions
 from moestream.errors import ModelFileError, MoestreamError
 from moestream.formats import quants
-from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.gguf_model import GGUFModel
 from moestream.formats.tokenizer import Tokenizer
 from moestream.models import ARCHITECTURES
 from moestream.models.loader import GGUFWeights, config_from_gguf
@@ -26,7 +26,7 @@ FLOAT_TYPES = {0, 1}  # F32, F16: computed in float32 (exact mode)
 class OpenModel:
     """A model file read as far as its header: what every user of the file needs before loading weights."""
 
-    gguf: GGUFFile
+    gguf: GGUFModel  # one file, or every part of a split model
     arch: type  # the architecture's model class (ARCHITECTURES)
     cfg: Any  # the architecture's config, from the file's metadata
     exact: bool  # float32 compute (float files) instead of the quantized kernels
@@ -41,8 +41,9 @@ class OpenModel:
 
 
 def open_model(path: str, exact: bool | None = None, *, check_types: bool = True) -> OpenModel:
-    """Open `path` and read what it holds; the caller closes it. exact None: float32 for float files."""
-    f = GGUFFile(path)
+    """Open `path` (a model file, any part of a split model, or a directory holding one model) and read what
+    it holds; the caller closes it. exact None: float32 for float files."""
+    f = GGUFModel(path)
     try:
         arch = ARCHITECTURES.get(f.arch)
         if arch is None:
@@ -65,11 +66,11 @@ def open_model(path: str, exact: bool | None = None, *, check_types: bool = True
     return OpenModel(f, arch, cfg, exact, store)
 
 
-def is_float_model(f: GGUFFile) -> bool:
+def is_float_model(f: GGUFModel) -> bool:
     return all(t.ggml_type in FLOAT_TYPES for t in f.tensors.values() if len(t.shape) >= 2)
 
 
-def _check_types(f: GGUFFile) -> None:
+def _check_types(f: GGUFModel) -> None:
     for t in f.tensors.values():
         if t.ggml_type not in quants.SUPPORTED_TYPES:
             supported = ", ".join(quants.type_name(x) for x in sorted(quants.SUPPORTED_TYPES))
@@ -79,7 +80,7 @@ def _check_types(f: GGUFFile) -> None:
             )
 
 
-def slow_path_note(f: GGUFFile, exact: bool) -> str:
+def slow_path_note(f: GGUFModel, exact: bool) -> str:
     """One line naming the weight types this file holds that no native kernel computes (decoded to bf16 by
     numpy when loaded, an expert at each cache fill), or '' when there are none."""
     slow = set()
@@ -93,7 +94,7 @@ def slow_path_note(f: GGUFFile, exact: bool) -> str:
     return f"note: {names} tensors are decoded to {form} when loaded (slower than the native kernels)"
 
 
-def tokenizer_if_any(f: GGUFFile) -> Tokenizer | None:
+def tokenizer_if_any(f: GGUFModel) -> Tokenizer | None:
     """The file's tokenizer, or None when it has none (Engine.tokenizer then says why, if asked)."""
     if "tokenizer.ggml.model" not in f.metadata:
         return None
@@ -108,7 +109,7 @@ def trunk_blocks(cfg: Any) -> int:
     return getattr(cfg, "n_blocks", cfg.n_layers)
 
 
-def dense_estimate(f: GGUFFile, exact: bool, n_blocks: int | None = None) -> int:
+def dense_estimate(f: GGUFModel, exact: bool, n_blocks: int | None = None) -> int:
     """Bytes the resident weights will take, from the tensor table alone (checked before loading).
 
     n_blocks: tensors of blocks from this one on (multi-token-prediction blocks, never loaded) are left out."""

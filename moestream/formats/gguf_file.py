@@ -60,8 +60,9 @@ class TensorInfo:
     ggml_type: int
     # numpy order: the last dimension is the contiguous one (a weight [out, in] has shape (out, in))
     shape: tuple[int, ...]
-    offset: int  # absolute byte offset in the file
+    offset: int  # absolute byte offset in the file (in its part's file, for a split model)
     nbytes: int
+    part: int = 0  # which file of a split model holds it (gguf_model.GGUFModel); 0 for a whole model
 
     @property
     def type_name(self) -> str:
@@ -307,6 +308,11 @@ class GGUFFile:
             self.close()
             raise ModelFileError(f"{self.path}: general.architecture must be a string, got {type(arch).__name__}")
         self.arch: str = arch
+
+    @property
+    def paths(self) -> list[str]:
+        """The files of the model: this one (a split model, gguf_model.GGUFModel, has several)."""
+        return [self.path]
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)

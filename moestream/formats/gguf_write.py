@@ -14,6 +14,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -186,15 +187,75 @@ def write_gguf(
     *,
     progress: bool = True,
     desc: str | None = None,
+    split_max_size: int = 0,
 ) -> int:
-    """Write a GGUF file; returns its size in bytes.
+    """Write a GGUF file (or a split set: write_gguf_parts); returns the bytes written, every part together."""
+    paths = write_gguf_parts(path, arch, metadata, tensors, progress=progress, desc=desc, split_max_size=split_max_size)
+    return sum(os.path.getsize(p) for p in paths)
+
+
+def write_gguf_parts(
+    path: str | os.PathLike[str],
+    arch: str,
+    metadata: Mapping[str, Any],
+    tensors: Sequence[TensorSpec],
+    *,
+    progress: bool = True,
+    desc: str | None = None,
+    split_max_size: int = 0,
+) -> list[str]:
+    """Write a GGUF file; returns the paths written: `path`, or the parts of a split set.
 
     `metadata` maps full key names (e.g. "qwen3moe.block_count") to Python values or `GGUFValue`s;
-    "general.architecture" comes from `arch`. The file appears at `path` only once complete.
+    "general.architecture" comes from `arch`. split_max_size > 0: parts of at most that many tensor bytes
+    each, as llama.cpp's gguf-split makes them (GGUFWriter's split: a tensor larger than that gets a part of
+    its own; the metadata in the first part, split.no/split.count/split.tensors.count in every part),
+    named NAME-00001-of-0000N.gguf after `path` (NAME.gguf). The files appear only once all are complete.
     """
     path = os.fspath(path)
     tmp = path + ".part"
-    w = GGUFWriter(tmp, arch)
+    w = _header_writer(tmp, arch, metadata, tensors, split_max_size)
+    # GGUFWriter names the parts after the path it writes: the temporary one, then the final one
+    tmp_paths = [str(p) for p in w.format_shard_names(Path(tmp))]
+    paths = [str(p) for p in w.format_shard_names(Path(path))]
+    total = sum(GGUFWriter.ggml_pad(t.nbytes, w.data_alignment) for t in tensors)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc=desc or os.path.basename(path), total=total, unit="iB", unit_scale=True, unit_divisor=1024)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        assert w.fout is not None and len(w.fout) == len(tmp_paths)
+        starts = []
+        for f in w.fout:
+            w.write_padding(f, f.tell())
+            starts.append(f.tell())
+        w.close()
+        by_name = {t.name: t for t in tensors}
+        for tmp_path, start, part in zip(tmp_paths, starts, w.tensors, strict=True):
+            _write_data(tmp_path, start, [by_name[name] for name in part], w.data_alignment, bar)
+        for tmp_path, final in zip(tmp_paths, paths, strict=True):
+            os.replace(tmp_path, final)
+    except BaseException:
+        w.close()
+        for tmp_path in tmp_paths:
+            if os.path.exists(tmp_path):
+                os.remove(tmp_path)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return paths
+
+
+def _header_writer(
+    path: str, arch: str, metadata: Mapping[str, Any], tensors: Sequence[TensorSpec], split_max_size: int
+) -> GGUFWriter:
+    """A GGUFWriter holding the metadata and the tensor table (split into parts where asked), no data yet."""
+    w = GGUFWriter(path, arch, split_max_size=split_max_size)
     for key, value in metadata.items():
         if key == "general.architecture":
             if value != arch:
@@ -207,46 +268,25 @@ def write_gguf(
         block, size = GGML_QUANT_SIZES[t.ggml_type]
         byte_shape = (*t.shape[:-1], t.shape[-1] // block * size)
         w.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes, raw_dtype=t.ggml_type)
+    return w
 
-    total = sum(GGUFWriter.ggml_pad(t.nbytes, w.data_alignment) for t in tensors)
-    bar = None
-    if progress:
-        from tqdm import tqdm
 
-        bar = tqdm(desc=desc or os.path.basename(path), total=total, unit="iB", unit_scale=True, unit_divisor=1024)
+def _write_data(path: str, start: int, tensors: Sequence[TensorSpec], alignment: int, bar: Any) -> None:
+    """Stream the tensors' bytes into `path` from byte `start` on, each padded to the alignment."""
+    disk = _DiskWriter(path, start, bar)
     try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        assert w.fout is not None and len(w.fout) == 1
-        f = w.fout[0]
-        w.write_padding(f, f.tell())
-        start = f.tell()
-        w.close()
-        disk = _DiskWriter(tmp, start, bar)
-        try:
-            for t in tensors:
-                done = 0
-                for chunk in t.produce():
-                    buf = _as_bytes(chunk)
-                    done += len(buf)
-                    if done > t.nbytes:
-                        raise ValueError(f"{t.name}: producer gave more than the {t.nbytes} bytes it needs")
-                    disk.put(buf)
-                if done != t.nbytes:
-                    raise ValueError(f"{t.name}: producer gave {done} bytes, expected {t.nbytes}")
-                pad = GGUFWriter.ggml_pad(t.nbytes, w.data_alignment) - t.nbytes
-                if pad:
-                    disk.put(pad)
-        finally:
-            disk.finish()
-        os.replace(tmp, path)
-    except BaseException:
-        w.close()
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+        for t in tensors:
+            done = 0
+            for chunk in t.produce():
+                buf = _as_bytes(chunk)
+                done += len(buf)
+                if done > t.nbytes:
+                    raise ValueError(f"{t.name}: producer gave more than the {t.nbytes} bytes it needs")
+                disk.put(buf)
+            if done != t.nbytes:
+                raise ValueError(f"{t.name}: producer gave {done} bytes, expected {t.nbytes}")
+            pad = GGUFWriter.ggml_pad(t.nbytes, alignment) - t.nbytes
+            if pad:
+                disk.put(pad)
     finally:
-        if bar is not None:
-            bar.close()
-    return os.path.getsize(path)
+        disk.finish()

@@ -18,7 +18,8 @@ from moestream.compute import linear
 from moestream.compute.linear import QLinear
 from moestream.errors import ModelFileError
 from moestream.formats import quants
-from moestream.formats.gguf_file import GGUFFile, TensorInfo
+from moestream.formats.gguf_file import TensorInfo
+from moestream.formats.gguf_model import GGUFModel
 from moestream.models.common import Embedding, Fused
 
 Shape = tuple[int, ...]
@@ -80,7 +81,7 @@ def _fmt(shape: Sequence[int]) -> str:
 class GGUFWeights:
     """Weights read from a GGUF file the caller opened (and closes)."""
 
-    def __init__(self, f: GGUFFile, exact: bool):
+    def __init__(self, f: GGUFModel, exact: bool):
         self.f = f
         self.exact = exact
         self.nbytes = 0
@@ -156,11 +157,11 @@ class GGUFWeights:
         return head
 
 
-def tensor_shapes(f: GGUFFile) -> dict[str, Shape]:
+def tensor_shapes(f: GGUFModel) -> dict[str, Shape]:
     return {name: info.shape for name, info in f.tensors.items()}
 
 
-def config_from_gguf(model_cls: Any, f: GGUFFile) -> Any:
+def config_from_gguf(model_cls: Any, f: GGUFModel) -> Any:
     """The architecture's config from an open file's metadata and tensor table."""
     return model_cls.Config.from_metadata(f.metadata, tensor_shapes(f), f.path)
 

@@ -457,7 +457,9 @@ def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str
 
 
 def default_model_name(path: str) -> str:
-    return re.sub(r"\.gguf$", "", os.path.basename(path), flags=re.IGNORECASE)
+    """The file's name without .gguf (a split model's without its -00001-of-0000N part number too)."""
+    name = os.path.basename(os.path.normpath(path))
+    return re.sub(r"(-\d{5}-of-\d{5})?\.gguf$", "", name, flags=re.IGNORECASE)
 
 
 def serve(

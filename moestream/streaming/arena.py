@@ -77,7 +77,7 @@ class SlotArena:
     def fill(self, layer: int, expert: int, slot: int) -> PendingExpert:
         """Start the three segment reads of an expert into pooled buffers; the caller packs them (finish)."""
         p = self.pending(layer, expert, slot)
-        return p.started([self.reader.read(seg.offset, seg.nbytes) for seg in p.segs])
+        return p.started([self.reader.read(seg.offset, seg.nbytes, seg.part) for seg in p.segs])
 
     def fill_pairs(self, layer: int, pairs: list[tuple[int, int]], prompt: bool) -> list[PendingExpert]:
         """Start reading (expert, slot) pairs: in a prompt consecutive experts together (_fill_run), in decode
@@ -89,9 +89,10 @@ class SlotArena:
 
     def _fill_run(self, layer: int, run: list[tuple[int, int]]) -> list[PendingExpert]:
         """Start reading (expert, slot) pairs of consecutive experts: each of the three matrices of the whole
-        run is one read (they are adjacent in the file), handed over expert by expert."""
+        run is one read (they are adjacent in the file), handed over expert by expert. The run lies in one merged
+        tensor, and a tensor in one file of a split model, so a run read never spans two files."""
         first = self.store.segments(layer, run[0][0])
-        runs = [self.reader.read_run(seg.offset, seg.nbytes, len(run)) for seg in first]
+        runs = [self.reader.read_run(seg.offset, seg.nbytes, len(run), seg.part) for seg in first]
         return [self.pending(layer, e, slot).started([r[j] for r in runs]) for j, (e, slot) in enumerate(run)]
 
     def finish(self, p: PendingExpert) -> ExpertWeights:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from moestream.compute import linear
 from moestream.errors import ModelFileError
-from moestream.formats.gguf_file import GGUFFile, TensorInfo
+from moestream.formats.gguf_file import TensorInfo
+from moestream.formats.gguf_model import GGUFModel
 from moestream.streaming.reader import run_length
 
 # one tensor per expert (older llama-arch Mixtral files): blk.L.ffn_gate.E.weight
@@ -32,13 +33,15 @@ def is_routed_expert_tensor(name: str) -> bool:
 
 @dataclass(frozen=True)
 class Segment:
-    """One of an expert's three matrices: W [n, k] stored as GGUF blocks at file offset `offset`."""
+    """One of an expert's three matrices: W [n, k] stored as GGUF blocks at offset `offset` of file `part`
+    (a split model's parts are separate files: a read never spans two)."""
 
     offset: int
     nbytes: int
     ggml_type: int
     n: int
     k: int
+    part: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,10 +77,11 @@ PROJECTIONS = ("gate", "up", "down")
 
 
 class ExpertStore:
-    def __init__(self, gguf: GGUFFile, n_layers: int, n_experts: int, exact: bool, first_block: int = 0):
+    def __init__(self, gguf: GGUFModel, n_layers: int, n_experts: int, exact: bool, first_block: int = 0):
         """Expert layer L is block first_block + L: where the leading blocks are dense FFNs (DeepSeek), the
         engine and the cache number only the MoE layers."""
         self.path = gguf.path
+        self.paths = list(gguf.paths)  # the model's files: Segment.part indexes them
         self.n_layers = n_layers
         self.n_experts = n_experts
         self.exact = exact
@@ -125,16 +129,17 @@ class ExpertStore:
         # experts e and e+1 of a layer lie back to back in each merged tensor: a prompt reads runs of them
         self.run_len = run_length(self.max_segment_nbytes, n_experts) if not any(self._split) else 1
 
-    def _merged_segment(self, gguf: GGUFFile, block: int, proj: str) -> Segment:
+    def _merged_segment(self, gguf: GGUFModel, block: int, proj: str) -> Segment:
         """Expert 0's slice of a merged [E, rows, cols] tensor."""
         info = gguf.tensor(f"blk.{block}.ffn_{proj}_exps.weight")
         if len(info.shape) != 3 or info.shape[0] != self.n_experts:
             raise ModelFileError(
                 f"{gguf.path}: {info.name} has shape {info.shape}, expected [{self.n_experts}, rows, cols]"
             )
-        return Segment(info.offset, info.nbytes // self.n_experts, info.ggml_type, info.shape[1], info.shape[2])
+        seg_nbytes = info.nbytes // self.n_experts
+        return Segment(info.offset, seg_nbytes, info.ggml_type, info.shape[1], info.shape[2], info.part)
 
-    def _expert_segment(self, gguf: GGUFFile, block: int, proj: str, expert: int) -> Segment:
+    def _expert_segment(self, gguf: GGUFModel, block: int, proj: str, expert: int) -> Segment:
         """One expert's own 2-D tensor; every expert of the layer must match expert 0's type and shape."""
         info: TensorInfo = gguf.tensor(f"blk.{block}.ffn_{proj}.{expert}.weight")
         first = gguf.tensor(f"blk.{block}.ffn_{proj}.0.weight")
@@ -143,7 +148,7 @@ class ExpertStore:
                 f"{gguf.path}: {info.name} has shape {info.shape} ({info.type_name}), unlike {first.name} "
                 f"{first.shape} ({first.type_name}); every expert of a layer must have the same shape and type"
             )
-        return Segment(info.offset, info.nbytes, info.ggml_type, info.shape[0], info.shape[1])
+        return Segment(info.offset, info.nbytes, info.ggml_type, info.shape[0], info.shape[1], info.part)
 
     def segments(self, layer: int, expert: int) -> tuple[Segment, Segment, Segment]:
         split = self._split[layer]
@@ -151,7 +156,7 @@ class ExpertStore:
             return split[expert]
         out = []
         for s in self._base[layer]:
-            out.append(Segment(s.offset + expert * s.nbytes, s.nbytes, s.ggml_type, s.n, s.k))
+            out.append(Segment(s.offset + expert * s.nbytes, s.nbytes, s.ggml_type, s.n, s.k, s.part))
         return tuple(out)  # type: ignore[return-value]
 
     @property

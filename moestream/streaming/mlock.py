@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.gguf_model import GGUFModel
 from moestream.streaming import libc
 from moestream.streaming.expert_store import is_routed_expert_tensor
 from moestream.units import fmt_bytes
@@ -68,7 +68,7 @@ class LockReport:
         self._ranges = []
 
 
-def routed_nbytes(f: GGUFFile) -> int:
+def routed_nbytes(f: GGUFModel) -> int:
     """Bytes of the routed expert tensors in the file (the part streamed, never locked)."""
     return sum(t.nbytes for t in f.tensors.values() if is_routed_expert_tensor(t.name))
 

@@ -9,6 +9,9 @@ holds a second, unbudgeted copy of the experts; otherwise buffered reads are fol
 os.preadv releases the GIL, so the pool really runs in parallel with the model's compute; the model's
 thread packs what it reads.
 
+A split model's parts are separate files: every read names its part (Segment.part) and lies within it, each
+part has its own descriptors, and check_file() checks every part.
+
 A read is all or nothing: it returns every byte of its range or raises DiskError. EIO, EINTR and EAGAIN are
 retried a few times; a read that ends early (the file shrank, or the disk returned nothing) is an error, the
 only short read accepted being O_DIRECT's round-up past the end of the file as it was when opened. Every
@@ -23,7 +26,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from moestream.errors import DiskError, MoestreamError
@@ -124,12 +127,78 @@ def open_direct(path: str) -> int | None:
     return fd
 
 
+class _OpenFile:
+    """One file of the model as the reader holds it: a buffered descriptor, an O_DIRECT one where the
+    filesystem allows, and its size, mtime, inode and device as opened (check() compares them)."""
+
+    def __init__(self, path: str, direct: bool | None):
+        self.path = path
+        self.fd_buffered = os.open(path, os.O_RDONLY)
+        self.fd_direct = open_direct(path) if direct in (None, True) else None
+        if direct is True and self.fd_direct is None:
+            self.close()
+            raise MoestreamError(f"O_DIRECT reads are not supported on the filesystem of {path}; drop --direct")
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd_buffered, 0, 0, os.POSIX_FADV_RANDOM)
+        st = os.fstat(self.fd_buffered)
+        self.opened = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        self.size = st.st_size
+
+    def check(self) -> None:
+        """Raise DiskError if the file was truncated, replaced or rewritten since it was opened."""
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:
+            raise DiskError(
+                f"the model file {self.path} is gone while moestream was running ({exc.strerror}); restart with a file"
+            ) from None
+        size, mtime_ns, ino, dev = self.opened
+        if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) == self.opened:
+            return
+        if st.st_size != size:
+            what = f"size {size} -> {st.st_size}"
+        elif (st.st_ino, st.st_dev) != (ino, dev):
+            what = "replaced by another file of the same size"
+        else:
+            what = "rewritten in place"
+        raise DiskError(
+            f"the model file {self.path} changed while moestream was running ({what}); restart with the new file"
+        )
+
+    def buffered_only(self) -> None:
+        if self.fd_direct is not None:
+            os.close(self.fd_direct)
+            self.fd_direct = None
+
+    def close(self) -> None:
+        self.buffered_only()
+        if self.fd_buffered >= 0:
+            os.close(self.fd_buffered)
+            self.fd_buffered = -1
+
+
+def _open_files(paths: Sequence[str], direct: bool | None) -> list[_OpenFile]:
+    """Every file of the model, O_DIRECT for all of them or none (the parts of one model share a disk)."""
+    files: list[_OpenFile] = []
+    try:
+        for path in paths:
+            files.append(_OpenFile(path, direct))
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    if any(f.fd_direct is None for f in files):
+        for f in files:
+            f.buffered_only()
+    return files
+
+
 class ExpertReader:
-    """Reads byte ranges of the model file on a thread pool and hands each to a consumer in that thread."""
+    """Reads byte ranges of the model's files on a thread pool and hands each to a consumer in that thread."""
 
     def __init__(
         self,
-        path: str,
+        path: str | Sequence[str],
         max_segment_nbytes: int,
         threads: int = 4,
         direct: bool | None = None,
@@ -137,19 +206,12 @@ class ExpertReader:
         run_buffers: int = 0,
         run_len: int = 1,
     ):
-        self.path = path
+        # path: the model's file, or a split model's files in order (a read's `part` indexes them)
+        paths = [path] if isinstance(path, str) else list(path)
+        self.path = paths[0]
         self.threads = max(1, threads)
-        self._fd_buffered = os.open(path, os.O_RDONLY)
-        self._fd_direct = open_direct(path) if direct in (None, True) else None
-        if direct is True and self._fd_direct is None:
-            raise MoestreamError(f"O_DIRECT reads are not supported on the filesystem of {path}; drop --direct")
-        self.direct = self._fd_direct is not None
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._fd_buffered, 0, 0, os.POSIX_FADV_RANDOM)
-        # The file as opened: reads are checked against its size, check_file() against all four.
-        st = os.fstat(self._fd_buffered)
-        self._opened = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-        self.file_size = st.st_size
+        self.files = _open_files(paths, direct)
+        self.direct = self.files[0].fd_direct is not None
         # Buffers big enough for the largest segment plus alignment slack at both ends.
         self.buffer_nbytes = _buffer_nbytes(max_segment_nbytes)
         self._lock = threading.Lock()
@@ -188,86 +250,77 @@ class ExpertReader:
         """Memory the reader holds at most (counted in the budget)."""
         return self.n_buffers * self.buffer_nbytes + self.n_run_buffers * self.run_buffer_nbytes
 
-    def _read_to(self, buf: AlignedBuffer, offset: int, nbytes: int) -> int:
-        """Read the range into buf; returns where in buf it starts."""
+    def _read_to(self, buf: AlignedBuffer, offset: int, nbytes: int, part: int = 0) -> int:
+        """Read the range of file `part` into buf; returns where in buf it starts."""
+        f = self.files[part]
         end = offset + nbytes
-        if end > self.file_size:
-            raise self._read_error(offset, nbytes, f"the range ends past the end of the file ({self.file_size} bytes)")
-        if self._fd_direct is not None:
+        if end > f.size:
+            raise self._read_error(f, offset, nbytes, f"the range ends past the end of the file ({f.size} bytes)")
+        if f.fd_direct is not None:
             start = offset // ALIGN * ALIGN
             stop = (end + ALIGN - 1) // ALIGN * ALIGN
             # the one short read O_DIRECT may give: the last page rounded up past the end of the file
-            need = min(stop, self.file_size) - start
-            self._pread_full(self._fd_direct, buf.view[: stop - start], start, need, ALIGN, offset, nbytes)
+            need = min(stop, f.size) - start
+            self._pread_full(f, True, buf.view[: stop - start], start, need, offset, nbytes)
             return offset - start
-        self._pread_full(self._fd_buffered, buf.view[:nbytes], offset, nbytes, 1, offset, nbytes)
-        drop_page_cache(self._fd_buffered, offset, nbytes)
+        self._pread_full(f, False, buf.view[:nbytes], offset, nbytes, offset, nbytes)
+        drop_page_cache(f.fd_buffered, offset, nbytes)
         return 0
 
-    def _pread_full(self, fd: int, view: memoryview, at: int, need: int, step: int, offset: int, nbytes: int) -> None:
-        """Read at least `need` bytes of view from file position `at`, or raise DiskError. A partial read goes
-        on from where it stopped (from the page it stopped in, for O_DIRECT: `step` keeps reads aligned); a
-        read that returns nothing before `need` means the file ended early."""
+    def _pread_full(
+        self, f: _OpenFile, direct: bool, view: memoryview, at: int, need: int, offset: int, nbytes: int
+    ) -> None:
+        """Read at least `need` bytes of view from position `at` of file f, or raise DiskError. A partial read
+        goes on from where it stopped (from the page it stopped in, for O_DIRECT, so that reads stay aligned);
+        a read that returns nothing before `need` means the file ended early."""
+        fd, step = (f.fd_direct, ALIGN) if direct else (f.fd_buffered, 1)
+        assert fd is not None
         done, retries = 0, 0
         while done < need:
             try:
                 n = os.preadv(fd, [view[done:]], at + done)
             except OSError as exc:
                 if exc.errno not in RETRIED_ERRNOS or retries == len(RETRY_DELAYS_S):
-                    raise self._read_error(offset, nbytes, _describe(exc, retries)) from None
+                    raise self._read_error(f, offset, nbytes, _describe(exc, retries)) from None
                 time.sleep(RETRY_DELAYS_S[retries])
                 retries += 1
                 continue
             if n <= 0:
-                why = f"a read at byte {at + done} returned nothing (the file had {self.file_size} bytes when opened)"
-                raise self._read_error(offset, nbytes, why)
+                why = f"a read at byte {at + done} returned nothing (the file had {f.size} bytes when opened)"
+                raise self._read_error(f, offset, nbytes, why)
             reached = done + n
             if reached < need and step > 1:
                 reached -= reached % step
                 if reached == done:  # less than a page: read that page again, a bounded number of times
                     if retries == len(RETRY_DELAYS_S):
-                        raise self._read_error(offset, nbytes, f"reads kept returning less than a page ({n} bytes)")
+                        raise self._read_error(f, offset, nbytes, f"reads kept returning less than a page ({n} bytes)")
                     time.sleep(RETRY_DELAYS_S[retries])
                     retries += 1
                     continue
             done, retries = reached, 0  # the bound is on failures in a row at one position
 
-    def _read_error(self, offset: int, nbytes: int, why: str) -> DiskError:
-        return self.error(f"reading {nbytes} bytes at offset {offset} failed: {why}; the disk or the file is damaged")
+    def _read_error(self, f: _OpenFile, offset: int, nbytes: int, why: str) -> DiskError:
+        what = f"reading {nbytes} bytes at offset {offset} failed: {why}; the disk or the file is damaged"
+        return self.error(what, f.path)
 
-    def error(self, what: str) -> DiskError:
-        """The error for a read that failed or never finished: the file having changed since it was opened
-        explains it best, so that is checked first."""
+    def error(self, what: str, path: str | None = None) -> DiskError:
+        """The error for a read (of file `path`, default the first) that failed or never finished: a file
+        having changed since it was opened explains it best, so that is checked first."""
         try:
             self.check_file()
         except DiskError as changed:
             return changed
-        return DiskError(f"{self.path}: {what}")
+        return DiskError(f"{path or self.path}: {what}")
 
     def check_file(self) -> None:
-        """Raise DiskError if the model file was truncated, replaced or rewritten since it was opened. One stat:
-        cheap enough to call between requests; every read error calls it too."""
-        try:
-            st = os.stat(self.path)
-        except OSError as exc:
-            raise DiskError(
-                f"the model file {self.path} is gone while moestream was running ({exc.strerror}); restart with a file"
-            ) from None
-        size, mtime_ns, ino, dev = self._opened
-        if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) == self._opened:
-            return
-        if st.st_size != size:
-            what = f"size {size} -> {st.st_size}"
-        elif (st.st_ino, st.st_dev) != (ino, dev):
-            what = "replaced by another file of the same size"
-        else:
-            what = "rewritten in place"
-        raise DiskError(
-            f"the model file {self.path} changed while moestream was running ({what}); restart with the new file"
-        )
+        """Raise DiskError if a file of the model was truncated, replaced or rewritten since it was opened. One
+        stat per file: cheap enough to call between requests; every read error calls it too."""
+        for f in self.files:
+            f.check()
 
-    def read(self, offset: int, nbytes: int) -> Future:
-        """Read a range on the pool into a pooled buffer; the future gives a Lease the caller must release.
+    def read(self, offset: int, nbytes: int, part: int = 0) -> Future:
+        """Read a range of file `part` on the pool into a pooled buffer; the future gives a Lease the caller
+        must release.
 
         The caller (the model's thread) packs the bytes itself: on a 2-core machine the pool threads then
         only sleep in the kernel (O_DIRECT is DMA), and never compete with the compute threads for a core.
@@ -277,7 +330,7 @@ class ExpertReader:
             buf = None
             try:
                 buf = self._buffer(self._pool_buffers)
-                lead = self._read_to(buf, offset, nbytes)
+                lead = self._read_to(buf, offset, nbytes, part)
             except BaseException:
                 if buf is not None:
                     self._pool_buffers.put(buf)
@@ -289,37 +342,37 @@ class ExpertReader:
         self._busy_begin()
         return self._pool.submit(task)
 
-    def read_run(self, offset: int, part_nbytes: int, count: int) -> list[Future]:
-        """`count` adjacent ranges of part_nbytes each (count <= run_len), read as one; one future per part,
-        each giving that part's Lease. The buffer goes back once every part's lease is released."""
+    def read_run(self, offset: int, each_nbytes: int, count: int, part: int = 0) -> list[Future]:
+        """`count` adjacent ranges of each_nbytes bytes (count <= run_len) of file `part`, read as one; one
+        future per range, each giving its Lease. The buffer goes back once every range's lease is released."""
         if not self.n_run_buffers:
-            return [self.read(offset + i * part_nbytes, part_nbytes) for i in range(count)]
+            return [self.read(offset + i * each_nbytes, each_nbytes, part) for i in range(count)]
         if count > self.run_len:
-            raise ValueError(f"a run of {count} parts is longer than this reader's {self.run_len}")
-        parts: list[Future] = [Future() for _ in range(count)]
+            raise ValueError(f"a run of {count} ranges is longer than this reader's {self.run_len}")
+        futures: list[Future] = [Future() for _ in range(count)]
         pool = self._run_buffers
 
         def task() -> None:
             buf = None
             try:
                 buf = self._buffer(pool)
-                lead = self._read_to(buf, offset, part_nbytes * count)
+                lead = self._read_to(buf, offset, each_nbytes * count, part)
             except BaseException as exc:
                 if buf is not None:
                     pool.put(buf)
-                for f in parts:
+                for f in futures:
                     f.set_exception(exc)
                 return
             finally:
-                self._busy_end(part_nbytes * count)
+                self._busy_end(each_nbytes * count)
             release = _Countdown(count, lambda: pool.put(buf))
-            for i, f in enumerate(parts):
-                at = lead + i * part_nbytes
-                f.set_result(Lease(buf.view[at : at + part_nbytes], release, buf.addr + at))
+            for i, f in enumerate(futures):
+                at = lead + i * each_nbytes
+                f.set_result(Lease(buf.view[at : at + each_nbytes], release, buf.addr + at))
 
         self._busy_begin()
         self._pool.submit(task)
-        return parts
+        return futures
 
     def _buffer(self, pool: queue.SimpleQueue[AlignedBuffer]) -> AlignedBuffer:
         """A free buffer; the time a read waits for one (all held by reads not yet packed) is counted."""
@@ -360,11 +413,8 @@ class ExpertReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for fd in (self._fd_buffered, self._fd_direct):
-            if fd is not None and fd >= 0:
-                os.close(fd)
-        self._fd_direct = None
-        self._fd_buffered = -1
+        for f in self.files:
+            f.close()
 
 
 def _describe(exc: OSError, retries: int) -> str:

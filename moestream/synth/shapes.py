@@ -23,14 +23,15 @@ from typing import Any
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
-from moestream.formats.gguf_write import TensorSpec, write_gguf
+from moestream.formats.gguf_write import TensorSpec, write_gguf_parts
 from moestream.formats.tokenizer import build_tiny_bpe_metadata
 from moestream.synth.arches import ARCH_SHAPES, DeepSeekShape, GlmShape, llama_cpp_loads
 from moestream.synth.blocks import header_table, norm_spec, random_blocks, spec, uniform_spec, use_more_bits
 from moestream.synth.gqa_arches import GQA_SHAPES, GqaShape
 
 __all__ = ["SHAPES", "QUANTS", "SynthShape", "header_table", "llama_cpp_loads", "q4_k_m_type", "random_blocks",
-           "shape_metadata", "synth_nbytes", "synth_tensors", "use_more_bits", "write_synth"]  # fmt: skip
+           "shape_metadata", "synth_nbytes", "synth_tensors", "use_more_bits", "write_synth",
+           "write_synth_parts"]  # fmt: skip
 
 ARCH = "qwen3moe"
 
@@ -326,8 +327,26 @@ def write_synth(
     progress: bool = True,
     *,
     dense: str | None = None,
+    split_max_size: int = 0,
 ) -> str:
-    """Write a random-weight GGUF of a named shape; returns the path.
+    """Write a random-weight GGUF of a named shape; returns the path (of a split model: its first part)."""
+    parts = write_synth_parts(shape, quant, path, layers, seed, progress, dense=dense, split_max_size=split_max_size)
+    return parts[0]
+
+
+def write_synth_parts(
+    shape: str,
+    quant: str,
+    path: str | os.PathLike[str],
+    layers: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    *,
+    dense: str | None = None,
+    split_max_size: int = 0,
+) -> list[str]:
+    """Write a random-weight GGUF of a named shape; returns the files written (a split model's parts, with
+    split_max_size: write_gguf_parts).
 
     quant: type of the expert tensors ('Q4_0', 'Q8_0', 'Q4_K', 'Q6_K', 'F16', also 'BF16', 'F32'), or 'Q4_K_M':
     Q4_K with llama.cpp's Q4_K_M exceptions (q4_k_m_type; synth_arches.q4_k_m_type for deepseek2/glm4moe,
@@ -352,7 +371,7 @@ def write_synth(
         md = shape_metadata(s, name, file_type)
     else:
         md = s.metadata(name, file_type, vocab)
-    path = os.fspath(path)
     specs = _specs(s, expert_type, dense_type, vocab, seed, k_m)
-    write_gguf(path, s.arch, md | tok_md, specs, progress=progress, desc=name)
-    return path
+    return write_gguf_parts(
+        path, s.arch, md | tok_md, specs, progress=progress, desc=name, split_max_size=split_max_size
+    )
