@@ -29,12 +29,8 @@ import numpy as np
 from tqdm import tqdm
 
 from moestream.errors import MoestreamError
-<<<<<<< HEAD
-from moestream.formats.gguf_file import GGUFFile
-from moestream.streaming.budget import total_ram
-=======
 from moestream.formats.gguf_model import GGUFModel
->>>>>>> split
+from moestream.streaming.budget import total_ram
 from moestream.streaming.reader import open_direct
 
 ALIGN = 4096

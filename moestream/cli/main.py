@@ -42,14 +42,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with `command`, that command's arguments too (None: all of them)."""
-<<<<<<< HEAD
-    parser = ArgumentParser(prog="moestream", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="moestream", description=__doc__.split("\n")[0], epilog=MODEL_HELP)
     parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command", help="one of:")
-=======
-    parser = ArgumentParser(prog="moestream", description=__doc__.split("\n")[0], epilog=MODEL_HELP)
-    sub = parser.add_subparsers(dest="command", required=True)
->>>>>>> split
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if command is None or command == name:

@@ -32,12 +32,8 @@ from moestream.formats.tokenizer import Tokenizer
 from moestream.paths import cache_dir
 from moestream.serving.text import TextStream, stream_text
 from moestream.streaming.budget import MB
-<<<<<<< HEAD
-from moestream.synth.shapes import SHAPES, SynthShape, llama_cpp_loads, synth_nbytes, write_synth
-from moestream.units import fmt_bytes, gib, mib
-=======
 from moestream.synth.shapes import SHAPES, SynthShape, llama_cpp_loads, synth_nbytes, write_synth, write_synth_parts
->>>>>>> split
+from moestream.units import fmt_bytes, gib, mib
 
 DEFAULT_SHAPE = "qwen3-30b-a3b"
 DEFAULT_LAYERS = 8
@@ -165,17 +161,12 @@ def cmd_synth(args: argparse.Namespace) -> int:
             f"{args.shape} in {args.quant} needs {gib(need, 1)} but {out_dir} has "
             f"{gib(free, 1)} free; use --layers to make a shallower model"
         )
-<<<<<<< HEAD
-    write_synth(args.shape, args.quant, args.output, layers=args.layers, seed=args.seed, progress=True)
-    print(f"wrote {args.output} ({gib(os.path.getsize(args.output))})", file=sys.stderr)
-=======
     paths = write_synth_parts(
         args.shape, args.quant, args.output, layers=args.layers, seed=args.seed, split_max_size=args.split_max_size or 0
     )
     written = sum(os.path.getsize(p) for p in paths)
     what = paths[0] if len(paths) == 1 else f"{len(paths)} parts {paths[0]} ... {os.path.basename(paths[-1])}"
-    print(f"wrote {what} ({written / 1e9:.2f} GB)", file=sys.stderr)
->>>>>>> split
+    print(f"wrote {what} ({gib(written)})", file=sys.stderr)
     shape = SHAPES[args.shape]
     if not isinstance(shape, SynthShape) and not llama_cpp_loads(
         dataclasses.replace(shape, n_layers=args.layers or shape.n_layers)
