@@ -152,7 +152,8 @@ def main() -> None:
         rows.append(measure(label, seed, build, args.workdir, with_llama))
         done = {k: v["max"] for k, v in rows[-1].items() if isinstance(v, dict) and "max" in v}
         log(f"{label} seed {seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in done.items()))
-    save_results({"meta": run_meta(args), "rows": rows}, report(rows), args, args.name)
+    table = report(rows)
+    save_results({"meta": run_meta(args), "rows": rows, "markdown": table}, table, args, args.name)
 
 
 def report(rows: list[dict[str, Any]]) -> str:

@@ -227,6 +227,61 @@ def norm_cases(args: argparse.Namespace) -> Iterator[Case]:
         yield Case(name, arms, f"largest difference {diff:.1e}")
 
 
+# ---- kv-dtype: the same cache held in bf16 (earlier versions' default) and in float16 (today's) --------
+
+
+def kv_dtype_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--lengths", type=int_list, default=[2048, 8192], help="cached tokens, comma-separated")
+
+
+def kv_dtype_cases(args: argparse.Namespace) -> Iterator[Case]:
+    """Each read of the KV cache with the cache in bf16 (baseline) and in float16 (measured), over the same
+    keys and values: a prompt's attention (the native flash attention, chunk by chunk), one decode token's
+    (the native decode loop), and GPT-OSS's attention with sinks (torch, which widens the cache first)."""
+    if min(args.lengths) < 1:
+        raise SystemExit("micro: --lengths must be at least 1")
+    for T in args.lengths:
+        yield from _kv_dtype_case(T, *ATTENTION_SHAPES["qwen3-30b"], "qwen3-30b")
+        yield from _kv_dtype_case(T, 64, 8, 64, "gpt-oss-120b", sinks=True)
+
+
+def _kv_dtype_case(T: int, heads: int, kv_heads: int, d: int, label: str, sinks: bool = False) -> Iterator[Case]:
+    g = torch.Generator().manual_seed(T)
+    k, v = torch.randn(T, kv_heads, d, generator=g), torch.randn(T, kv_heads, d, generator=g)
+    q = torch.randn(T, heads, d, generator=g)
+    caches = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)):
+        kv = kv_cache.KVCache([kv_heads], d, T, dtype)
+        caches[name] = (kv, *kv.update(0, 0, k, v))
+    if sinks:
+        s = torch.randn(heads, generator=g)
+
+        def decode(name: str) -> torch.Tensor:
+            _, keys, values = caches[name]
+            return attention.attend_with_sinks(q[-1:], keys, values, T - 1, s)
+
+        yield Case(f"{label} decode with sinks, {T} cached", {n: lambda n=n: decode(n) for n in caches}, "-")
+        _, keys, values = caches["f16"]
+        arms = {
+            "torch": lambda: attention.sinks_torch(q[-1:], keys, values, T - 1, s),
+            "native": lambda: attention.attend_with_sinks(q[-1:], keys, values, T - 1, s),
+        }
+        diff = float((arms["torch"]() - arms["native"]()).abs().max())
+        yield Case(f"{label} decode with sinks, {T} cached: torch vs native", arms, f"largest difference {diff:.1e}")
+        return
+
+    def prompt(name: str) -> torch.Tensor:
+        kv, keys, values = caches[name]
+        return torch.cat([kv.attend(q[a:b], keys[:b], values[:b], a) for a, b in attention.query_chunks(T, 128)])
+
+    def decode(name: str) -> torch.Tensor:
+        kv, keys, values = caches[name]
+        return kv.attend(q[-1:], keys, values, T - 1)
+
+    yield Case(f"{label} prompt of {T}", {n: lambda n=n: prompt(n) for n in caches}, "-", 4 * T * T / 2 * heads * d)
+    yield Case(f"{label} decode, {T} cached", {n: lambda n=n: decode(n) for n in caches}, "-")
+
+
 def threads_header(args: argparse.Namespace) -> str:
     base = f"; baseline: the native library of {args.before}" if getattr(args, "before", None) else ""
     return f"{args.threads} threads (torch's and the lane pool's){base}"
@@ -262,4 +317,13 @@ LAYER_SUITES = {
         deltanet_cases,
     ),
     "norm": Suite("a span's RMSNorm: torch vs the native loop", 11, 2, _no_args, threads_header, norm_cases),
+    "kv-dtype": Suite(
+        "the KV cache's reads with the cache in bf16 (baseline) and float16 (measured); GPT-OSS's decode with "
+        "sinks in torch (baseline) and native (measured)",
+        21,
+        2,
+        kv_dtype_args,
+        threads_header,
+        kv_dtype_cases,
+    ),
 }

@@ -209,6 +209,31 @@ def test_native_decode_attention_equals_sdpa(scalar):
 
 @needs_native
 @pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize("kv", [0, 1, 2])
+def test_native_decode_attention_with_sinks_equals_the_formula(scalar, kv):
+    # GPT-OSS's decode step: a learned logit per query head joins each softmax's denominator, large enough here
+    # to take much of the mass, and a window is a slice of the cache
+    lib = native.lib(("-DMS_SCALAR",) if scalar else ())
+    rng = np.random.default_rng(5)
+    s, h, hkv, d = 21, 6, 2, 32
+    q = torch.from_numpy(rng.standard_normal((h, d), dtype=np.float32))
+    k = torch.from_numpy(rng.standard_normal((s, hkv, d), dtype=np.float32)).to(KV_DTYPES[kv])
+    v = torch.from_numpy(rng.standard_normal((s, hkv, d), dtype=np.float32)).to(KV_DTYPES[kv])
+    sinks = torch.from_numpy(rng.standard_normal(h, dtype=np.float32) * 3)
+    out = torch.empty(h, d)
+    rc = lib.ms_attn_decode_sinks(q.data_ptr(), k.data_ptr(), v.data_ptr(), s, h, hkv, d, kv, d**-0.5,
+                                  sinks.data_ptr(), out.data_ptr())  # fmt: skip
+    assert rc == 0
+    kh = k.double().transpose(0, 1).repeat_interleave(h // hkv, 0)  # [h, s, d]
+    vh = v.double().transpose(0, 1).repeat_interleave(h // hkv, 0)
+    scores = torch.einsum("hd,hsd->hs", q.double(), kh) * d**-0.5
+    probs = torch.softmax(torch.cat([scores, sinks.double()[:, None]], dim=1), dim=1)[:, :-1]
+    ref = torch.einsum("hs,hsd->hd", probs, vh)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("scalar", [False, True])
 @pytest.mark.parametrize(
     "t, pos, h, hkv, d, kv",
     [

@@ -70,14 +70,19 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: in
     return y
 
 
-def attn_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
-    """One query [1, H, D] (float32) over contiguous keys/values [S, Hkv, D] (any KV_TYPES); None where
-    the kernel declines the shape."""
+def attn_decode(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sinks: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """One query [1, H, D] (float32) over contiguous keys/values [S, Hkv, D] (any KV_TYPES); sinks: a float32
+    logit per query head [H] that joins each softmax's denominator (GPT-OSS). None where the kernel declines
+    the shape."""
     q1 = q.contiguous()
     out = torch.empty_like(q1)
     S, H, D = keys.shape[0], q.shape[1], q.shape[2]
-    rc = native.lib().ms_attn_decode(q1.data_ptr(), keys.data_ptr(), values.data_ptr(), S, H, keys.shape[1], D,
-                                     _kv_type(keys), 1.0 / math.sqrt(D), out.data_ptr())  # fmt: skip
+    sink = None if sinks is None else sinks.float().contiguous()
+    sink_ptr = None if sink is None else sink.data_ptr()
+    rc = native.lib().ms_attn_decode_sinks(q1.data_ptr(), keys.data_ptr(), values.data_ptr(), S, H, keys.shape[1], D,
+                                           _kv_type(keys), 1.0 / math.sqrt(D), sink_ptr, out.data_ptr())  # fmt: skip
     return out if rc == 0 else None
 
 

@@ -49,6 +49,18 @@ def causal_mask(T: int, S: int, pos: int) -> torch.Tensor | None:
     return torch.arange(S)[None, :] <= torch.arange(pos, pos + T)[:, None]
 
 
+def native_decode_ok(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether ms_attn_decode takes these: float32 queries over a contiguous cache of one of its types."""
+    return (
+        kernels.available()
+        and q.dtype == torch.float32
+        and keys.dtype in kernels.KV_TYPES
+        and keys.dtype == values.dtype
+        and keys.is_contiguous()
+        and values.is_contiguous()
+    )
+
+
 def native_prefill_ok(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int) -> bool:
     """Whether ms_attn_prefill takes these (the shapes and types it is written for)."""
     D = q.shape[2]
@@ -96,13 +108,28 @@ def attend_with_sinks(
     """Causal attention of q [T, H, D] (positions pos..) over keys/values [S, Hkv, D] (positions 0..) with a
     learned logit per head (sinks [H]) that joins every row's softmax and carries no value, so a head can
     attend to nothing (GPT-OSS). window > 0: a query sees only itself and the window - 1 positions before
-    it. Scores are built explicitly in float32, a chunk of query rows at a time."""
+    it. A decode token runs the native loop over the keys it sees (a window is a slice of the cache); a
+    prompt's queries run sinks_torch."""
+    first = max(0, pos - window + 1) if window else 0  # no query of this call sees a key before it
+    if q.shape[0] == 1 and pos + 1 == keys.shape[0] and native_decode_ok(q, keys, values):
+        out = kernels.attn_decode(q, keys[first:], values[first:], sinks)
+        if out is not None:
+            return out
+    return sinks_torch(q, keys, values, pos, sinks, window)
+
+
+def sinks_torch(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, sinks: torch.Tensor, window: int = 0
+) -> torch.Tensor:
+    """attend_with_sinks in torch: scores built explicitly in float32, a chunk of query rows at a time."""
     T, H, D = q.shape
     S, Hkv = keys.shape[0], keys.shape[1]
     rep = H // Hkv
-    first = max(0, pos - window + 1) if window else 0  # no query of this call sees a key before it
-    kh = keys[first:].float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, S', D]
-    vh = values[first:].float().permute(1, 0, 2).unsqueeze(1)
+    first = max(0, pos - window + 1) if window else 0
+    # keys and values widened once into contiguous [Hkv, S', D]: the products are then plain batched matmuls,
+    # where a broadcast over the query heads of a kv head would have torch copy the keys per head, strided
+    kh = keys[first:].transpose(0, 1).float().contiguous()
+    vh = values[first:].transpose(0, 1).float().contiguous()
     qh = q.float().reshape(T, Hkv, rep, D).permute(1, 2, 0, 3)  # query head h reads kv head h // rep
     kpos = torch.arange(first, S)
     sink = sinks.float().reshape(Hkv, rep, 1, 1)
@@ -111,13 +138,15 @@ def attend_with_sinks(
     with wide_torch():
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
-            scores = torch.matmul(qh[:, :, t0:t1], kh.transpose(-1, -2)) / math.sqrt(D)
+            n = t1 - t0
+            qc = qh[:, :, t0:t1].reshape(Hkv, rep * n, D)
+            scores = torch.bmm(qc, kh.transpose(1, 2)).view(Hkv, rep, n, -1) / math.sqrt(D)
             dist = torch.arange(pos + t0, pos + t1)[:, None] - kpos[None, :]
             hidden = dist < 0
             if window:
                 hidden |= dist >= window
             scores = scores.masked_fill(hidden, float("-inf"))
-            logits = torch.cat([scores, sink.expand(Hkv, rep, t1 - t0, 1)], dim=-1)
+            logits = torch.cat([scores, sink.expand(Hkv, rep, n, 1)], dim=-1)
             probs = torch.softmax(logits, dim=-1)[..., :-1]
-            out[:, :, t0:t1] = torch.matmul(probs, vh)
+            out[:, :, t0:t1] = torch.bmm(probs.reshape(Hkv, rep * n, -1), vh).view(Hkv, rep, n, D)
     return out.permute(2, 0, 1, 3).reshape(T, H, D)

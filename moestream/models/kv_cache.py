@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.compute import kernels
-from moestream.models.attention import attend_sdpa, native_prefill_ok
+from moestream.models.attention import attend_sdpa, native_decode_ok, native_prefill_ok
 
 QUERY_CHUNK = 128  # queries attended at once unless the engine sets its micro-batch (KVCache.query_chunk)
 F16_MAX = 65504.0  # float16's largest finite value
@@ -65,15 +65,7 @@ class KVCache:
         """Causal attention of q [T, H, D] (positions pos..) over keys/values [S, Hkv, D]; returns [T, H, D]."""
         T = q.shape[0]
         native_ok = kernels.available()
-        if (
-            T == 1
-            and native_ok
-            and q.dtype == torch.float32
-            and keys.dtype in kernels.KV_TYPES
-            and keys.dtype == values.dtype
-            and keys.is_contiguous()
-            and values.is_contiguous()
-        ):
+        if T == 1 and native_decode_ok(q, keys, values):
             # one decode token: the native loop (pool over kv heads) instead of ~10 torch ops of dispatch
             out = kernels.attn_decode(q, keys, values)
             if out is not None:

@@ -42,7 +42,7 @@ _SOURCE_NAMES = (
 )  # fmt: skip
 SOURCES = tuple(Path(__file__).with_name(n) for n in _SOURCE_NAMES)
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("blocks.h", "internal.h", "gemm.h"))
-ABI_VERSION = 2
+ABI_VERSION = 3
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing")
 # AMD's family 25 (Zen 3 and Zen 4; only Zen 4 has AVX-512) runs the VNNI kernels of the types with one sum
 # per (row, token) faster in tiles of 1 row x 8 tokens than in the 2 x 4 chosen on Zen 5 (bench/RESULTS.md,
@@ -194,6 +194,7 @@ def _declare(lib: ctypes.CDLL, only: set[str] | None = None) -> None:
         "ms_gemv_bf16": ([vp, i64, i64, vp, i64, vp], c_int),
         "ms_rope_neox": ([vp, i64, i64, i64, i64, vp, vp], c_int),
         "ms_attn_decode": ([vp, vp, vp, i64, i64, i64, i64, c_int, f32, vp], c_int),
+        "ms_attn_decode_sinks": ([vp, vp, vp, i64, i64, i64, i64, c_int, f32, vp, vp], c_int),
         "ms_attn_prefill": ([vp, vp, vp, i64, i64, i64, i64, i64, i64, c_int, f32, vp], c_int),
         "ms_route_topk": ([vp, i64, i64, i64, c_int, vp, vp], c_int),
         "ms_mla_decode": ([vp, vp, vp, vp, c_int, vp, vp, c_int, i64, i64, i64, i64, i64, i64, f32, vp], c_int),

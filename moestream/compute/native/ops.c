@@ -241,9 +241,19 @@ typedef struct {
     int64_t s, h, hkv, d;
     int kv_type;
     float scale;
+    const float *sinks; /* [H] or NULL: a logit per query head that joins its softmax and carries no value */
     float *out;
     _Atomic int rc;
 } attn_ctx;
+
+/* row p of scores (s of them) made the softmax's probabilities; a sink joins the denominator only */
+static inline void softmax_row(float *p, int64_t s, const float *sink) {
+    float mx = sink ? *sink : -INFINITY, sum = 0;
+    for (int64_t t = 0; t < s; t++) mx = fmaxf(mx, p[t]);
+    if (sink) sum = expf(*sink - mx);
+    for (int64_t t = 0; t < s; t++) sum += (p[t] = expf(p[t] - mx));
+    for (int64_t t = 0; t < s; t++) p[t] /= sum;
+}
 
 #ifdef MS_VF
 static inline vf kv_vec(const void *p, int kv_type, int64_t i) {
@@ -269,12 +279,7 @@ static void attn_task_simd(attn_ctx *c, int64_t g) {
             sc[r * s + t] = vf_sum(acc) * c->scale;
         }
     }
-    for (int64_t r = 0; r < rep; r++) {
-        float *p = sc + r * s, mx = -INFINITY, sum = 0;
-        for (int64_t t = 0; t < s; t++) mx = fmaxf(mx, p[t]);
-        for (int64_t t = 0; t < s; t++) sum += (p[t] = expf(p[t] - mx));
-        for (int64_t t = 0; t < s; t++) p[t] /= sum;
-    }
+    for (int64_t r = 0; r < rep; r++) softmax_row(sc + r * s, s, c->sinks ? c->sinks + g * rep + r : NULL);
     for (int64_t r = 0; r < rep; r++) {
         vf o[256 / MS_VF];
         for (int64_t e = 0; e < nv; e++) o[e] = vf_zero();
@@ -314,10 +319,7 @@ static void attn_task(void *vctx, int64_t g) {
         }
     }
     for (int64_t r = 0; r < rep; r++) { /* softmax */
-        float *p = sc + r * s, mx = -INFINITY, sum = 0;
-        for (int64_t t = 0; t < s; t++) mx = fmaxf(mx, p[t]);
-        for (int64_t t = 0; t < s; t++) sum += (p[t] = expf(p[t] - mx));
-        for (int64_t t = 0; t < s; t++) p[t] /= sum;
+        softmax_row(sc + r * s, s, c->sinks ? c->sinks + g * rep + r : NULL);
         float *o = c->out + (g * rep + r) * d;
         for (int64_t e = 0; e < d; e++) o[e] = 0;
     }
@@ -331,15 +333,20 @@ static void attn_task(void *vctx, int64_t g) {
     free(sc);
 }
 
-int ms_attn_decode(const float *q, const void *k, const void *v, int64_t s, int64_t h, int64_t hkv, int64_t d,
-                   int kv_type, float scale, float *out) {
+int ms_attn_decode_sinks(const float *q, const void *k, const void *v, int64_t s, int64_t h, int64_t hkv,
+                         int64_t d, int kv_type, float scale, const float *sinks, float *out) {
     if (!dim_ok(s) || !dim_ok(h) || !dim_ok(hkv) || !dim_ok(d) || h % hkv) return MS_BAD_SHAPE;
     if (!kv_type_ok(kv_type)) return MS_BAD_TYPE;
     if (!prod_ok(s, hkv) || !prod_ok(s * hkv, d) || !prod_ok(h, d) || !prod_ok(s, h / hkv)) return MS_BAD_SHAPE;
     if (!q || !k || !v || !out) return MS_BAD_PTR;
-    attn_ctx c = {q, k, v, s, h, hkv, d, kv_type, scale, out, MS_OK};
+    attn_ctx c = {q, k, v, s, h, hkv, d, kv_type, scale, sinks, out, MS_OK};
     ms_internal_dispatch(attn_task, &c, hkv);
     return atomic_load(&c.rc);
+}
+
+int ms_attn_decode(const float *q, const void *k, const void *v, int64_t s, int64_t h, int64_t hkv, int64_t d,
+                   int kv_type, float scale, float *out) {
+    return ms_attn_decode_sinks(q, k, v, s, h, hkv, d, kv_type, scale, NULL, out);
 }
 
 /* Router: per row of logits [T][E], softmax, the k largest (ties: lower id first), weights renormalised to
