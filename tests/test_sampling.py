@@ -145,7 +145,7 @@ def test_penalties_on_known_logits() -> None:
     # greedy picks the argmax of the penalized logits: a repeated token loses its place
     h.add(4)
     assert Sampler()(logits, h) == 4 and Sampler(frequency_penalty=2.0, presence_penalty=2.0)(logits, h) == 2
-    assert Sampler(presence_penalty=-2.0)(torch.tensor([0.0, 1.0]), h) == 0  # negative: repeat more
+    assert Sampler(presence_penalty=-2.0)(torch.tensor([0.0, 0, 0, 0, 0, 1]), h) == 0  # negative: repeat more
 
 
 def test_min_p_keeps_tokens_near_the_top() -> None:
