@@ -249,7 +249,7 @@ class Worker:
             job.emit(ErrorEvent(_unavailable(self.file.fatal)))
             return
         with self._lock:
-            free = self.batch.capacity - len(self._holding)
+            free = self.batch.capacity - sum(len(j.choices) for j in self._holding)  # a job holds a slot per choice
             if len(self._waiting) >= self.admission.max_queue + free:
                 self.metrics.rejected += 1
                 retry = max(1, math.ceil(self.metrics.request_s))
