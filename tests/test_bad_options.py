@@ -53,6 +53,8 @@ BAD = {
     "real_pos": ["0", "-1", "nan", "inf", "abc"],
     "real_nonneg": ["-1", "nan", "inf", "-inf", "abc"],
     "fraction": ["-0.1", "1.5", "nan", "abc"],
+    "penalty": ["-2.01", "3", "nan", "inf", "abc"],
+    "repeat": ["0", "-1", "11", "nan", "inf", "abc"],
     "output": ["{DIR}", "{NODIR}"],
     "input": ["{MISSING}", "{DIR}"],
     "model": ["{MISSING}"],  # a directory is a model too (the split model's parts it holds): test_split.py
@@ -74,13 +76,15 @@ ENGINE = {
     "-m": "model",
 }
 SAMPLING = {"--temp": "temp", "--top-k": "top_k", "--top-p": "top_p", "--seed": "seed"}
+PENALTIES = {"--min-p": "fraction", "--presence-penalty": "penalty", "--frequency-penalty": "penalty",
+             "--repeat-penalty": "repeat"}  # fmt: skip
 
 COMMANDS: dict[str, tuple[list[str], dict[str, str]]] = {
     "run": (
         ["run", "-m", "{M}", "-p", "hi"],
-        {**ENGINE, **SAMPLING, "-n": "positive", "--stats-json": "output"},
+        {**ENGINE, **SAMPLING, **PENALTIES, "-n": "positive", "--stats-json": "output"},
     ),
-    "chat": (["chat", "-m", "{M}"], {**ENGINE, **SAMPLING, "-n": "positive"}),
+    "chat": (["chat", "-m", "{M}"], {**ENGINE, **SAMPLING, **PENALTIES, "-n": "positive"}),
     "serve": (
         ["serve", "-m", "{M}"],
         {**ENGINE, **SAMPLING, "--port": "port", "--max-tokens-default": "positive"},

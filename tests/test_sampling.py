@@ -1,13 +1,16 @@
-"""Sampler: greedy, seeding, and the top-k / top-p filters."""
+"""Sampler: greedy, seeding, the top-k / top-p / min-p filters, the penalties and the log-probabilities."""
 
 from __future__ import annotations
+
+import math
+from collections import Counter
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moestream.engine.sampling import Sampler
+from moestream.engine.sampling import Sampler, TokenHistory
 
 
 def random_logits(v: int = 1000, seed: int = 0) -> torch.Tensor:
@@ -120,3 +123,61 @@ def test_rejects_bad_arguments() -> None:
         Sampler(top_p=0.0)
     with pytest.raises(ValueError, match="shape"):
         Sampler()(torch.zeros(2, 5))
+
+
+# ------------------------------------------------------------------------- penalties, min_p, logprobs
+
+
+def test_penalties_on_known_logits() -> None:
+    """OpenAI's: logit -= count * frequency + (count > 0) * presence, over generated tokens; llama.cpp's / HF's
+    repetition penalty over prompt and generated tokens first: positive logits divided, negative multiplied."""
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 3.0])
+    h = TokenHistory(prompt=[3])
+    for t in (0, 0, 1):
+        h.add(t)
+    s = Sampler(frequency_penalty=0.5, presence_penalty=0.3)
+    assert s.penalize(logits, h).tolist() == pytest.approx([2 - 1.0 - 0.3, 1 - 0.5 - 0.3, 0.5, -1.0, 3.0])
+    r = Sampler(repetition_penalty=2.0)
+    assert r.penalize(logits, h).tolist() == pytest.approx([1.0, 0.5, 0.5, -2.0, 3.0])
+    both = Sampler(repetition_penalty=2.0, frequency_penalty=1.0)
+    assert both.penalize(logits, h).tolist() == pytest.approx([1.0 - 2.0, 0.5 - 1.0, 0.5, -2.0, 3.0])
+    assert logits.tolist() == [2.0, 1.0, 0.5, -1.0, 3.0]  # left alone
+    # greedy picks the argmax of the penalized logits: a repeated token loses its place
+    h.add(4)
+    assert Sampler()(logits, h) == 4 and Sampler(frequency_penalty=2.0, presence_penalty=2.0)(logits, h) == 2
+    assert Sampler(presence_penalty=-2.0)(torch.tensor([0.0, 0, 0, 0, 0, 1]), h) == 0  # negative: repeat more
+
+
+def test_min_p_keeps_tokens_near_the_top() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    assert torch.nonzero(Sampler(1.0, min_p=0.25).probs(logits)).flatten().tolist() == [0, 1, 2]
+    assert torch.nonzero(Sampler(1.0, min_p=0.7).probs(logits)).flatten().tolist() == [0]
+    assert Sampler(1.0, min_p=0.5).probs(logits)[:2].tolist() == pytest.approx([0.625, 0.375])
+
+
+def test_logprobs_follow_the_sampling_distribution() -> None:
+    logits, h = torch.tensor([2.0, 1.0, 0.0, -1.0, 1.5]), TokenHistory([4])
+    token, lp = Sampler().pick(logits, None, top=3)
+    assert lp is not None and token == 0 and lp.top[0] == (0, lp.logprob)
+    assert [i for i, _ in lp.top] == [0, 4, 1] and sum(math.exp(v) for _, v in lp.top) <= 1
+    s = Sampler(temperature=0.8, repetition_penalty=1.5, seed=5)
+    n, counts, logp = 20000, Counter[int](), None
+    for _ in range(n):
+        token, lp = s.pick(logits, h, top=5)
+        counts[token] += 1
+        logp = dict(lp.top) if lp else None
+    assert logp is not None and set(logp) == set(range(5))
+    for t, v in logp.items():  # frequencies: the distribution the logprobs describe (penalized, tempered)
+        assert counts[t] / n == pytest.approx(math.exp(v), abs=0.015)
+    assert Sampler().pick(logits)[1] is None
+
+
+def test_with_seed_and_penalty_ranges() -> None:
+    s = Sampler(0.9, 5, 0.8, seed=1, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2)
+    t = s.with_seed(2)
+    assert (t.temperature, t.top_k, t.top_p, t.min_p, t.seed) == (0.9, 5, 0.8, 0.1, 2)
+    assert (t.presence_penalty, t.frequency_penalty, t.repetition_penalty) == (0.5, -0.5, 1.2)
+    for bad in ({"min_p": 1.1}, {"presence_penalty": 2.1}, {"frequency_penalty": -2.5}, {"repetition_penalty": 0.0},
+                {"repetition_penalty": math.inf}, {"min_p": math.nan}):  # fmt: skip
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Sampler(**bad)

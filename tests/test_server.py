@@ -329,7 +329,7 @@ def test_malformed_requests(server: str) -> None:
     _assert_error(*_post(server, "/v1/chat/completions", {**ok, "stop": 3}), 400, param="stop")
     _assert_error(*_post(server, "/v1/chat/completions", {"model": MODEL}), 400, param="messages")
     _assert_error(*_post(server, "/v1/chat/completions", {**ok, "messages": []}), 400, param="messages")
-    _assert_error(*_post(server, "/v1/chat/completions", {**ok, "n": 2}), 400, param="n")
+    _assert_error(*_post(server, "/v1/chat/completions", {**ok, "n": 65}), 400, param="n")  # over --max-batch
     _assert_error(*_post(server, "/v1/chat/completions", {**ok, "top_p": 0.0}), 400, param="top_p")
     _assert_error(*_post(server, "/v1/completions", {"model": MODEL, "prompt": 7}), 400, param="prompt")
     _assert_error(*_post(server, "/v1/completions", {"model": MODEL, "prompt": [10**9]}), 400, param="prompt")
@@ -652,6 +652,11 @@ class ScriptedBatch:
         self.running.append(seq)
         self.script[seq] = self.engine.tokens(prompt)
         return seq
+
+    def add_choices(
+        self, prompt: list[int], max_new_tokens: int, samplers: list[Any], stop_ids: set[int], top_logprobs: Any = None
+    ) -> list[Sequence]:
+        return [self.add(prompt, max_new_tokens, sampler, stop_ids) for sampler in samplers]
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
         self.running.remove(seq)

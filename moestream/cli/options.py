@@ -149,6 +149,26 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=values.top_k, default=0, help="keep the K most likely tokens (0 = off)")
     p.add_argument("--top-p", type=values.top_p, default=1.0, help="keep the smallest set of this mass (1 = off)")
     p.add_argument("--seed", type=values.seed, default=None, help="random seed, 0 to 2**64-1 (default: random)")
+    p.add_argument("--min-p", type=values.min_p, default=0.0, help="keep tokens this fraction as likely as the top one")
+    p.add_argument(
+        "--presence-penalty",
+        type=values.penalty,
+        default=0.0,
+        help="subtract this from the logit of every token generated already (OpenAI's, -2..2; 0 = off)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=values.penalty,
+        default=0.0,
+        help="subtract this times its count from the logit of every token generated already (OpenAI's; 0 = off)",
+    )
+    p.add_argument(
+        "--repeat-penalty",
+        type=values.repeat_penalty,
+        default=1.0,
+        help="divide the positive logits (multiply the negative ones) of tokens in the prompt or generated already "
+        "by this (llama.cpp's; 1 = off)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
@@ -207,6 +227,15 @@ def say_caps(args: argparse.Namespace, engine: Engine) -> None:
 
 def sampler(args: argparse.Namespace) -> Sampler:
     try:
-        return Sampler(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        return Sampler(
+            temperature=args.temp,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            min_p=args.min_p,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repeat_penalty,
+        )
     except ValueError as exc:
-        raise MoestreamError(f"{exc} (--temp, --top-k, --top-p)") from None
+        raise MoestreamError(f"{exc} (--temp, --top-k, --top-p, --min-p, the penalties)") from None

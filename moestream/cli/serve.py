@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import socket
 import sys
 
@@ -14,6 +15,8 @@ from moestream.errors import MoestreamError
 from moestream.serving.app import DEFAULT_MAX_TOKENS, Defaults, default_model_name, serve
 from moestream.serving.chat import HELP, ChatSession, repl
 from moestream.serving.worker import DEFAULT_GATHER_MS, DEFAULT_MAX_QUEUE, Admission
+
+API_KEY_ENV = "MOESTREAM_API_KEY"
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -70,6 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             defaults=defaults,
             admission=Admission(max_queue=args.max_queue, gather_s=args.batch_window_ms / 1000),
             sock=sock,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         )
     finally:
         engine.close()
@@ -144,6 +148,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", type=values.text, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=values.port, default=8080, help="port (default 8080)")
+    p.add_argument(
+        "--api-key",
+        type=values.text,
+        default=None,
+        help=f"every /v1 request must send 'Authorization: Bearer KEY' (else 401); default: ${API_KEY_ENV}, which "
+        "keeps the key out of the process list",
+    )
     p.add_argument("--model-name", type=values.text, default=None, help="model id clients use (default: the file name)")
     p.add_argument(
         "--log-level",

@@ -11,7 +11,7 @@ import math
 import os
 from collections.abc import Callable
 
-from moestream.engine.sampling import SEED_MAX
+from moestream.engine.sampling import PENALTY_MAX, REPETITION_MAX, SEED_MAX
 
 Bad = argparse.ArgumentTypeError
 
@@ -94,6 +94,28 @@ def top_p(text: str) -> float:
         return real(0.0, 1.0, above=True)(text)
     except Bad:
         raise Bad(f"must be a number greater than 0 and at most 1 (1 = off), got {text!r}") from None
+
+
+def min_p(text: str) -> float:
+    try:
+        return real(0.0, 1.0)(text)
+    except Bad:
+        raise Bad(f"must be a number between 0 and 1 (0 = off), got {text!r}") from None
+
+
+def penalty(text: str) -> float:
+    """presence and frequency penalties, in OpenAI's range."""
+    try:
+        return real(-PENALTY_MAX, PENALTY_MAX)(text)
+    except Bad:
+        raise Bad(f"must be a number between -{PENALTY_MAX:g} and {PENALTY_MAX:g} (0 = off), got {text!r}") from None
+
+
+def repeat_penalty(text: str) -> float:
+    try:
+        return real(0.0, REPETITION_MAX, above=True)(text)
+    except Bad:
+        raise Bad(f"must be a number > 0 and <= {REPETITION_MAX:g} (1 = off), got {text!r}") from None
 
 
 def top_k(text: str) -> int:

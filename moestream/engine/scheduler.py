@@ -8,6 +8,10 @@ spans a lone prompt runs in (the engine's span), so a long one stalls the others
 prompt tokens of one step stay within one span (a joining sequence over it waits a step), so a step's
 memory stays what the plan sized. Sequences join and leave at step boundaries; the model computes each block
 as it would alone, so a sequence's tokens do not depend on what else shares its steps.
+
+Several choices of one prompt (a request's n) join as a group that takes its slots together: the first one
+prefills the prompt, the others wait and then copy its KV cache (a hybrid cache that cannot resume there
+prefills the rest itself), and from then on all of them decode in the same steps, each with its own sampler.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
-from moestream.engine.prompt_cache import Conversation, PromptCache
-from moestream.engine.sampling import Sampler
+from moestream.engine.prompt_cache import Conversation, PromptCache, common_prefix
+from moestream.engine.sampling import Sampler, TokenHistory, TokenLogprobs
 from moestream.engine.stats import GenerationStats
 
 
@@ -56,6 +60,9 @@ class Sequence:
     finish_reason: str | None = None  # stop | length | cancelled, once finished
     started: float = 0.0  # when it was admitted
     decode_started: float = 0.0
+    history: TokenHistory = field(default_factory=TokenHistory)  # what the sampler's penalties look at
+    top_logprobs: int | None = None  # None: no log-probabilities; else the most likely tokens' to report
+    fork_of: Sequence | None = None  # the group's first choice, whose prefilled prompt this one copies
 
     @property
     def prefilling(self) -> bool:
@@ -69,6 +76,7 @@ class TokenEvent:
     sequence: Sequence
     token: int
     finish_reason: str | None = None
+    logprobs: TokenLogprobs | None = None  # when the sequence asked for them
 
 
 class Scheduler:
@@ -100,15 +108,36 @@ class Scheduler:
         sampler: Sampler | None = None,
         stop_ids: set[int] | None = None,
         stats: GenerationStats | None = None,
+        top_logprobs: int | None = None,
     ) -> Sequence:
         """Queue a request; it starts at the next step with a free slot. Raises ContextError if it can't fit.
-        stats: the object its stats are kept in (a new one by default)."""
+        stats: the object its stats are kept in (a new one by default); top_logprobs: see Sequence."""
+        return self.add_choices(prompt, max_new_tokens, [sampler or Sampler()], stop_ids, [stats], top_logprobs)[0]
+
+    def add_choices(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        samplers: list[Sampler],
+        stop_ids: set[int] | None = None,
+        stats: list[GenerationStats | None] | None = None,
+        top_logprobs: int | None = None,
+    ) -> list[Sequence]:
+        """Queue one sequence per sampler on the same prompt, which is prefilled once for all of them; they are
+        admitted together, so there must be no more of them than slots."""
         self.engine.check_prompt(prompt)
-        seq = Sequence(list(prompt), min(max_new_tokens, self.engine.ctx - len(prompt)), sampler or Sampler(),
-                       stop_ids or set(), stats or GenerationStats())  # fmt: skip
-        seq.stats.prompt_tokens = len(prompt)
-        self.waiting.append(seq)
-        return seq
+        if not 0 < len(samplers) <= self.capacity:
+            raise ValueError(f"{len(samplers)} choices of one prompt, but {self.capacity} sequences run at once")
+        limit = min(max_new_tokens, self.engine.ctx - len(prompt))
+        seqs: list[Sequence] = []
+        for i, sampler in enumerate(samplers):
+            st = (stats[i] if stats else None) or GenerationStats()
+            seq = Sequence(list(prompt), limit, sampler, stop_ids or set(), st, history=TokenHistory(prompt),
+                           top_logprobs=top_logprobs, fork_of=seqs[0] if seqs else None)  # fmt: skip
+            seq.stats.prompt_tokens = len(prompt)
+            seqs.append(seq)
+        self.waiting.extend(seqs)
+        return seqs
 
     def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
         """End a sequence now (its client went away, or a stop string ended it); the others go on unchanged."""
@@ -117,6 +146,7 @@ class Scheduler:
             seq.finish_reason = seq.stats.finish_reason = reason
         elif seq in self.running:
             self._finish(seq, reason)
+        self._orphan(seq)
 
     def fail_running(self) -> list[Sequence]:
         """After a step raised: end every admitted sequence, forgetting its KV cache (a forward pass that died
@@ -142,14 +172,45 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.waiting and self.free:
-            seq = self.waiting.popleft()
-            # the free slot holding the longest prefix of this prompt (least recently freed among equals)
-            conv = max(self.free, key=lambda c: c.shared(seq.prompt))
-            self.free.remove(conv)
-            seq.conversation = conv
-            seq.pos = seq.stats.reused_tokens = conv.resume(seq.prompt, self.engine.prompt_cache)
-            seq.started = time.perf_counter()
-            self.running.append(seq)
+            seq = self.waiting[0]
+            group = [seq, *(s for s in list(self.waiting)[1:] if s.fork_of is seq)]
+            if len(group) > len(self.free):
+                return  # a group starts whole, and in its turn
+            for s in group:
+                self.waiting.remove(s)
+                # the free slot holding the longest prefix of this prompt (least recently freed among equals)
+                conv = max(self.free, key=lambda c: c.shared(s.prompt))
+                self.free.remove(conv)
+                s.conversation = conv
+                s.started = time.perf_counter()
+                self.running.append(s)
+                if s.fork_of is None:
+                    s.pos = s.stats.reused_tokens = conv.resume(s.prompt, self.engine.prompt_cache)
+                else:  # it copies its leader's cache once that is prefilled; the slot's conversation is kept
+                    if common_prefix(conv.tokens, s.prompt) < len(conv.tokens):
+                        conv.save(self.engine.prompt_cache)
+                    conv.forget()
+
+    def _orphan(self, seq: Sequence) -> None:
+        """A group's leader ended before its followers copied its prompt: the first of them leads the rest."""
+        followers = [s for s in [*self.waiting, *self.running] if s.fork_of is seq]
+        for s in followers:
+            s.fork_of = followers[0] if s is not followers[0] else None
+
+    def _fork(self, leader: Sequence, now: float) -> None:
+        """The leader's prompt is prefilled: its followers copy its KV cache and its last logits."""
+        followers = [s for s in self.running if s.fork_of is leader]
+        if not followers:
+            return
+        assert leader.conversation is not None
+        snap = leader.conversation.kv.snapshot(leader.pos)
+        for s in followers:
+            assert s.conversation is not None
+            s.fork_of = None
+            s.pos = s.stats.reused_tokens = s.conversation.kv.restore(snap, leader.pos)
+            s.conversation.tokens = list(s.prompt[: s.pos])
+            if s.pos == leader.pos:  # else (a recurrent state without a checkpoint there) it prefills the rest
+                s.logits, s.decode_started, s.stats.prompt_s = leader.logits, now, now - s.started
 
     def _blocks(self) -> list[tuple[Sequence, list[int]]]:
         """This step's sequences and their blocks: every decoding one's token, and the next span of each joining
@@ -159,7 +220,7 @@ class Scheduler:
         for s in self.running:
             if s.next_token is not None:
                 out.append((s, [s.next_token]))
-            elif s.prefilling:
+            elif s.prefilling and s.fork_of is None:
                 chunk = s.prompt[s.pos : s.pos + span]
                 if prompt_tokens and prompt_tokens + len(chunk) > span:
                     continue
@@ -190,6 +251,7 @@ class Scheduler:
                 s.logits = logits[i]
                 s.decode_started = now
                 s.stats.prompt_s = now - s.started
+                self._fork(s, now)
         if any(decoding):
             self.decode_batch_sizes[sum(decoding)] += 1
 
@@ -197,7 +259,8 @@ class Scheduler:
         events = []
         for s in [s for s in self.running if s.logits is not None]:
             assert s.logits is not None
-            token = s.sampler(s.logits)
+            token, logprobs = s.sampler.pick(s.logits, s.history, s.top_logprobs)
+            s.history.add(token)
             s.logits = None
             s.n_new += 1
             st = s.stats
@@ -207,7 +270,7 @@ class Scheduler:
                 s.next_token = token
             else:
                 self._finish(s, reason)
-            events.append(TokenEvent(s, token, reason))
+            events.append(TokenEvent(s, token, reason, logprobs))
         return events
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -217,3 +280,4 @@ class Scheduler:
         self.running.remove(seq)
         assert seq.conversation is not None
         self.free.append(seq.conversation)
+        self._orphan(seq)

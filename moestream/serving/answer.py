@@ -5,20 +5,46 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
+from moestream.engine.sampling import TokenLogprobs
 from moestream.engine.stats import GenerationStats
 from moestream.serving.text import Piece, Reasoning, split_pieces
 
+LOGPROB_FLOOR = -9999.0
+
+
+@dataclass
+class Choice:
+    """One choice of a whole (not streamed) answer, as its events come."""
+
+    pieces: list[Piece] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str = "length"
+
 
 class Answer:
-    """Formats one request's answer: OpenAI's chat or text-completion objects, whole or as SSE chunks."""
+    """Formats one request's answer: OpenAI's chat or text-completion objects, whole or as SSE chunks.
+    tokenizer: given when the request asked for log-probabilities (it names their tokens)."""
 
-    def __init__(self, chat: bool, model_name: str, include_usage: bool = False):
+    def __init__(
+        self,
+        chat: bool,
+        model_name: str,
+        include_usage: bool = False,
+        *,
+        request_id: str | None = None,
+        n: int = 1,
+        tokenizer: Any = None,
+    ):
         self.chat = chat
         self.include_usage = include_usage
+        self.n = n
+        self.tokenizer = tokenizer
+        self.offsets = [0] * n  # a completion's text offsets of its tokens, per choice
         self.base = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "id": request_id or new_id(chat),
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()),
             "model": model_name,
@@ -30,9 +56,12 @@ class Answer:
             body["usage"] = usage
         return sse(body)
 
-    def _choice(self, piece: Piece | None, finish: str | None = None) -> dict[str, Any]:
+    def _choice(
+        self, piece: Piece | None, finish: str | None = None, index: int = 0, lps: list[TokenLogprobs] | None = None
+    ) -> dict[str, Any]:
+        logprobs = self.logprobs(lps or [], index)
         if not self.chat:
-            return {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
         if piece is None:
             delta: dict[str, Any] = {}
         elif isinstance(piece, str):
@@ -41,49 +70,86 @@ class Answer:
             delta = {"reasoning_content": piece.text}
         else:
             delta = {"tool_calls": [piece.to_dict(with_index=True)]}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def start(self) -> list[str]:
-        return (
-            [
-                self._chunk(
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                )
-            ]
-            if self.chat
-            else []
-        )
+        if not self.chat:
+            return []
+        role = {"role": "assistant", "content": ""}
+        return [
+            self._chunk({"index": i, "delta": role, "logprobs": None, "finish_reason": None}) for i in range(self.n)
+        ]
 
-    def piece(self, piece: Piece) -> str:
-        return self._chunk(self._choice(piece))
+    def pieces(self, pieces: list[Piece], index: int = 0, lps: list[TokenLogprobs] | None = None) -> list[str]:
+        """The chunks of a choice's pieces; the log-probabilities of their tokens ride on the first."""
+        if not pieces:
+            return [self._chunk(self._choice(None, None, index, lps))] if lps else []
+        return [self._chunk(self._choice(p, None, index, lps if i == 0 else None)) for i, p in enumerate(pieces)]
 
-    def end(self, finish: str, usage: dict[str, Any]) -> list[str]:
+    def end(self, finish: str, usage: dict[str, Any] | None, index: int = 0) -> list[str]:
+        """A choice's last chunk; the request's last choice (usage given) also carries the usage."""
+        if usage is None:
+            return [self._chunk(self._choice(None, finish, index))]
         # usage rides on the last chunk; with include_usage, in a chunk of its own as OpenAI sends it
         if not self.include_usage:
-            return [self._chunk(self._choice(None, finish), usage)]
-        return [self._chunk(self._choice(None, finish)), self._chunk(None, usage)]
+            return [self._chunk(self._choice(None, finish, index), usage)]
+        return [self._chunk(self._choice(None, finish, index)), self._chunk(None, usage)]
 
-    def whole(
-        self, pieces: list[Piece], finish_reason: str, usage: dict[str, Any], use_tools: bool = False
-    ) -> dict[str, Any]:
-        """The whole answer from all its pieces: a chat answer's reasoning, content and tool calls (with tools,
-        empty content is null, as OpenAI sends it)."""
-        reasoning, content, calls = split_pieces(pieces)
+    def whole(self, choices: list[Choice], usage: dict[str, Any], use_tools: bool = False) -> dict[str, Any]:
+        """The whole answer from all its choices' pieces: a chat answer's reasoning, content and tool calls (with
+        tools, empty content is null, as OpenAI sends it)."""
+        out = []
+        for i, c in enumerate(choices):
+            reasoning, content, calls = split_pieces(c.pieces)
+            logprobs = self.logprobs(c.logprobs, i)
+            if not self.chat:
+                out.append({"index": i, "text": content, "logprobs": logprobs, "finish_reason": c.finish_reason})
+                continue
+            message: dict[str, Any] = {"role": "assistant", "content": (content or None) if use_tools else content}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [call.to_dict() for call in calls]
+            out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason})
         if not self.chat:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
-            return {**self.base, "choices": [choice], "usage": usage}
-        message: dict[str, Any] = {"role": "assistant", "content": (content or None) if use_tools else content}
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        if calls:
-            message["tool_calls"] = [c.to_dict() for c in calls]
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-        return {**self.base, "object": "chat.completion", "choices": [choice], "usage": usage}
+            return {**self.base, "choices": out, "usage": usage}
+        return {**self.base, "object": "chat.completion", "choices": out, "usage": usage}
+
+    def logprobs(self, lps: list[TokenLogprobs], index: int) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens: the chat shape (content: token, logprob, bytes,
+        top_logprobs), or the completions' legacy one (tokens, token_logprobs, top_logprobs, text_offset)."""
+        if self.tokenizer is None:
+            return None
+        if self.chat:
+            entries = [
+                {**self._token(t.token, t.logprob), "top_logprobs": [self._token(*p) for p in t.top]} for t in lps
+            ]
+            return {"content": entries, "refusal": None}
+        tokens = [self._token(t.token, t.logprob)["token"] for t in lps]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [t.logprob for t in lps],
+            "top_logprobs": [{self._token(*p)["token"]: p[1] for p in t.top} for t in lps],
+            "text_offset": offsets,
+        }
+
+    def _token(self, token: int, logprob: float) -> dict[str, Any]:
+        tok = self.tokenizer
+        raw = tok.token_bytes(token) if 0 <= token < tok.vocab_size else b""
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:  # a piece of a character: OpenAI writes such a token as its bytes
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        # a token a tiny temperature makes impossible: -inf is no JSON number (OpenAI writes -9999 too)
+        return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(raw)}
+
+
+def new_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
 def sse(body: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ chat_formats) runs in the engine worker, which sends the answer's pieces as they
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import re
@@ -23,9 +24,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moestream.engine.sampling import Sampler
 from moestream.errors import MoestreamError
-from moestream.serving.answer import Answer, sse
+from moestream.serving.answer import Answer, Choice, new_id, sse
 from moestream.serving.chat_formats import (
     HarmonyParser,
     OutputParser,
@@ -35,6 +35,7 @@ from moestream.serving.chat_formats import (
     starts_thinking,
     tool_system_prompt,
 )
+from moestream.serving.choices import APIKeyCheck, request_samplers, top_logprobs
 from moestream.serving.schemas import (
     MAX_BODY_BYTES,
     MAX_STOP,
@@ -45,7 +46,7 @@ from moestream.serving.schemas import (
     Sampling,
     parse_body,
 )
-from moestream.serving.text import Piece, TextStream, special_token_ids
+from moestream.serving.text import TextStream, special_token_ids
 from moestream.serving.worker import (
     Admission,
     DoneEvent,
@@ -117,8 +118,6 @@ class Service:
     async def chat_completions(self, request: Request) -> Any:
         req = await parse_body(request, ChatRequest, self.max_body_bytes)
         self.check_model(req.model)
-        if req.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
         prompt, parser = self.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = self.make_job(req, prompt, max_tokens, "messages", parser)
@@ -127,7 +126,7 @@ class Service:
     async def completions(self, request: Request) -> Any:
         req = await parse_body(request, CompletionRequest, self.max_body_bytes)
         self.check_model(req.model)
-        for name in ("echo", "suffix", "logprobs"):
+        for name in ("echo", "suffix"):
             if getattr(req, name):
                 raise APIError(400, f"{name} is not supported", param=name, code="unsupported_value")
         if req.best_of not in (None, 1):
@@ -231,8 +230,6 @@ class Service:
         prompt_param: str,
         parser: OutputParser | HarmonyParser | None = None,
     ) -> Job:
-        if req.n not in (None, 1):
-            raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
         ctx = self.engine.ctx
         if len(prompt) >= ctx:
             raise APIError(
@@ -253,23 +250,17 @@ class Service:
                 code="invalid_value",
             )
         d = self.defaults
-        try:
-            sampler = Sampler(
-                temperature=d.temperature if req.temperature is None else req.temperature,
-                top_k=d.top_k if req.top_k is None else req.top_k,
-                top_p=d.top_p if req.top_p is None else req.top_p,
-                seed=d.seed if req.seed is None else req.seed,
-            )
-        except ValueError as exc:
-            param = next((p for p in ("temperature", "top_k", "top_p", "seed") if p in str(exc)), None)
-            raise APIError(400, str(exc), param=param, code="invalid_value") from None
+        samplers = request_samplers(req, d, self.worker.batch.capacity)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > MAX_STOP:
             raise APIError(400, f"at most {MAX_STOP} stop strings are supported", param="stop", code="invalid_value")
         # max_tokens that fits the context but not after this prompt is cut to what fits (finish 'length')
         limit = min(d.max_tokens if max_tokens is None else max_tokens, ctx - len(prompt))
         keep = self.keep_ids(self.format.markers(parser.use_tools)) if parser is not None else frozenset()
-        return Job(prompt, limit, sampler, TextStream(self.tok, stop, keep, parser), asyncio.get_running_loop())
+        texts = [TextStream(self.tok, stop, keep, copy.deepcopy(parser) if i else parser) for i in range(len(samplers))]
+        return Job(prompt, limit, samplers[0], texts[0], asyncio.get_running_loop(), top_logprobs=top_logprobs(req),
+                   others=[*zip(samplers, texts, strict=True)][1:],
+                   request_id=new_id(prompt_param == "messages"))  # fmt: skip
 
     # -- jobs -> answers ---------------------------------------------------------------------------
 
@@ -287,7 +278,7 @@ class Service:
             while True:
                 event = await job.events.get()
                 yield event
-                if not isinstance(event, TextEvent):
+                if isinstance(event, ErrorEvent) or (isinstance(event, DoneEvent) and event.final):
                     return
         finally:
             job.cancelled.set()  # no-op once finished; otherwise stops the engine at its next token
@@ -298,7 +289,8 @@ class Service:
     ) -> Any:
         """A chat answer (its job's TextStream has the parser), or a completion (parser None)."""
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-        fmt = Answer(parser is not None, self.model_name, include_usage)
+        fmt = Answer(parser is not None, self.model_name, include_usage, request_id=job.request_id,
+                     n=len(job.choices), tokenizer=self.tok if job.top_logprobs is not None else None)  # fmt: skip
         if req.stream:
             # the status line waits for the generation's first event: an error before the first token is
             # a proper 4xx/5xx answer, never a 200 with the error inside the stream
@@ -316,15 +308,19 @@ class Service:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        pieces: list[Piece] = []
+        choices = [Choice() for _ in job.choices]
         async with aclosing(self.run_job(job, request)) as events:
             async for ev in events:
-                if isinstance(ev, TextEvent):
-                    pieces += ev.pieces
-                elif isinstance(ev, ErrorEvent):
+                if isinstance(ev, ErrorEvent):
                     raise ev.error
+                c = choices[ev.index]
+                if isinstance(ev, TextEvent):
+                    c.pieces += ev.pieces
+                    c.logprobs += ev.logprobs
                 else:
-                    return fmt.whole(pieces, ev.finish_reason, ev.usage, bool(parser and parser.use_tools))
+                    c.finish_reason = ev.finish_reason
+                    if ev.final:
+                        return fmt.whole(choices, ev.usage, bool(parser and parser.use_tools))
         raise APIError(500, "generation ended without a result", type="server_error")
 
     async def stream(self, first: Event, events: AsyncIterator[Event], fmt: Answer) -> AsyncIterator[str]:
@@ -347,10 +343,10 @@ class Service:
                 if isinstance(ev, DoneEvent) and ev.finish_reason == "cancelled":
                     return  # nobody is listening
                 if isinstance(ev, TextEvent):
-                    for piece in ev.pieces:
-                        yield fmt.piece(piece)
+                    for line in fmt.pieces(ev.pieces, ev.index, ev.logprobs):
+                        yield line
                 else:
-                    for line in fmt.end(ev.finish_reason, ev.usage):
+                    for line in fmt.end(ev.finish_reason, ev.usage if ev.final else None, ev.index):
                         yield line
         yield "data: [DONE]\n\n"
 
@@ -363,10 +359,11 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     on_fatal: Callable[[str], None] | None = None,
     admission: Admission = Admission(),
+    api_key: str | None = None,
 ) -> FastAPI:
     """The ASGI app. Its lifespan starts the engine worker and stops it (cancelling what is left).
     on_fatal(reason) is called from the worker when the server cannot answer any more (the model file
-    changed under it)."""
+    changed under it). api_key: what every /v1 request's Authorization: Bearer must carry."""
     svc = Service(engine, model_name, defaults or Defaults(), max_body_bytes, on_fatal, admission)
 
     @asynccontextmanager
@@ -377,6 +374,8 @@ def create_app(
 
     app = FastAPI(title="moestream", lifespan=lifespan)
     app.state.service = svc
+    if api_key:
+        app.add_middleware(APIKeyCheck, key=api_key)
     app.post("/v1/chat/completions")(svc.chat_completions)
     app.post("/v1/completions")(svc.completions)
 
@@ -472,6 +471,7 @@ def serve(
     defaults: Defaults,
     admission: Admission = Admission(),
     sock: socket.socket | None = None,
+    api_key: str | None = None,
 ) -> str | None:
     """Serve `engine` over HTTP until a signal ends it (the caller opens and closes the engine). Returns
     why the server stopped on its own (the model file changed), or None after a signal. `sock`: a socket
@@ -484,7 +484,7 @@ def serve(
         if server is not None:
             server.should_exit = True
 
-    app = create_app(engine, name, defaults=defaults, on_fatal=on_fatal, admission=admission)
+    app = create_app(engine, name, defaults=defaults, on_fatal=on_fatal, admission=admission, api_key=api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     handle_exit = server.handle_exit

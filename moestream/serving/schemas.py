@@ -87,6 +87,17 @@ class StreamOptions(_Body):
 
 
 class Sampling(_Body):
+    """What every generating request takes. The penalties are OpenAI's (presence_penalty, frequency_penalty:
+    -2..2, over the generated tokens) and llama.cpp's / HF's (repetition_penalty > 0, 1 = off, over the prompt
+    and the generated tokens); min_p (0..1) keeps the tokens at least that fraction as likely as the most likely
+    one. n choices (at most --max-batch) share the prompt's prefill and every decode step; given a seed, choice
+    i is seeded with seed + i.
+
+    Log-probabilities (chat: logprobs + top_logprobs 0..20; completions: logprobs 0..20) are those of the
+    distribution the token is drawn from before the cuts: softmax((logits after the penalties) / temperature),
+    temperature 1 for greedy requests (whose token is then always the most likely). top_k / top_p / min_p
+    renormalize what they keep; the numbers reported do not."""
+
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -97,6 +108,10 @@ class Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # llama.cpp's and vLLM's servers take it
+    min_p: float | None = None  # llama.cpp's and vLLM's servers take it
 
 
 class ChatRequest(Sampling):
@@ -107,6 +122,7 @@ class ChatRequest(Sampling):
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} (vLLM's name)
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # OpenAI's; gpt-oss's template reads it
     logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(Sampling):

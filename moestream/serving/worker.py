@@ -6,12 +6,15 @@ bounded queue (beyond it the server answers 429); each slot keeps its last conve
 only computes its new tokens. Tokens travel from the worker to the request's asyncio task through a
 thread-safe hand-off; a client that goes away sets the job's `cancelled` flag, and the worker ends that
 request at the next step without disturbing the others. Each job's TextStream turns its tokens into its
-answer's pieces here (so a stop string ends generation at once).
+answer's pieces here (so a stop string ends generation at once). A request with n > 1 choices runs them as one
+group of sequences (engine/scheduler.py), each choice with its own sampler and TextStream; its events carry the
+choice's index. The worker logs one line per finished request (ids and counts, never the prompt's text).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import queue
 import threading
@@ -20,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from moestream.engine.sampling import Sampler
+from moestream.engine.sampling import Sampler, TokenLogprobs
 from moestream.engine.scheduler import Sequence, TokenEvent
 from moestream.errors import ContextError, DiskError
 from moestream.serving.answer import usage_of
@@ -38,6 +41,8 @@ DEFAULT_GATHER_MS = 300
 # experts, which under memory pressure is a read of most of the file.
 GATHER_GAP_S = 0.1
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# uvicorn's own log: its handler writes to stderr at the server's --log-level
+LOG = logging.getLogger("uvicorn.error")
 
 
 def _unavailable(reason: str) -> APIError:
@@ -56,12 +61,16 @@ class Admission:
 @dataclass
 class TextEvent:
     pieces: list[Piece]  # possibly none: the token's text is held back by the answer's parser
+    index: int = 0  # the choice
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # of the tokens since the last event
 
 
 @dataclass
 class DoneEvent:
     finish_reason: str  # stop | length | cancelled | tool_calls
-    usage: dict[str, Any]
+    usage: dict[str, Any]  # the whole request's, on its final event
+    index: int = 0
+    final: bool = True  # the request's last choice to finish
 
 
 @dataclass
@@ -81,6 +90,14 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    others: list[tuple[Sampler, TextStream]] = field(default_factory=list)  # choices 1.. of a request with n > 1
+    top_logprobs: int | None = None  # None: no log-probabilities
+    request_id: str = ""
+    submitted: float = field(default_factory=time.perf_counter)
+
+    @property
+    def choices(self) -> list[tuple[Sampler, TextStream]]:
+        return [(self.sampler, self.text), *self.others]
 
     def emit(self, event: Event) -> None:
         """Called from the worker thread: hand the event to the request's event loop."""
@@ -153,9 +170,43 @@ def _burst(jobs: queue.Queue[Job | None], first: Job | None, admission: Admissio
 
 
 @dataclass(eq=False)
-class _Active:
+class _Request:
+    """A job's sequences (one per choice) and how far they got."""
+
     job: Job
+    seqs: list[Sequence]
+    reasons: dict[int, str] = field(default_factory=dict)  # finished choices' finish reasons
+    first_token: float = 0.0  # when its first token was generated
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage: the prompt (and what of it was cached) once, the tokens of every choice."""
+        usage = usage_of(self.seqs[0].stats)
+        usage["completion_tokens"] = sum(s.stats.decode_tokens for s in self.seqs)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return usage
+
+    def log_line(self, outcome: str) -> str:
+        st = self.seqs[0].stats
+        made = sum(s.stats.decode_tokens for s in self.seqs)
+        decode_s = max(s.stats.decode_s for s in self.seqs)
+        ttft = f"{self.first_token - self.job.submitted:.3f} s" if self.first_token else "-"
+        return (
+            f"request {self.job.request_id or '-'}: prompt {st.prompt_tokens} tok ({st.reused_tokens} cached) | "
+            f"generated {made} tok | first token {ttft} | decode {made / decode_s if decode_s > 0 else 0.0:.2f} "
+            f"tok/s | finish {outcome}"
+        )
+
+
+@dataclass(eq=False)
+class _Active:
+    request: _Request
+    index: int  # its choice
     admitted: bool = False
+    pending: list[TokenLogprobs] = field(default_factory=list)  # not sent yet: their text is held back
+
+    @property
+    def job(self) -> Job:
+        return self.request.job
 
 
 class Worker:
@@ -198,7 +249,7 @@ class Worker:
             job.emit(ErrorEvent(_unavailable(self.file.fatal)))
             return
         with self._lock:
-            free = self.batch.capacity - len(self._holding)
+            free = self.batch.capacity - sum(len(j.choices) for j in self._holding)  # a job holds a slot per choice
             if len(self._waiting) >= self.admission.max_queue + free:
                 self.metrics.rejected += 1
                 retry = max(1, math.ceil(self.metrics.request_s))
@@ -258,13 +309,17 @@ class Worker:
             return
         self.metrics.requests += 1
         try:
-            seq = self.batch.add(job.prompt, job.max_tokens, job.sampler, self.engine.tokenizer.stop_ids)
+            samplers = [sampler for sampler, _ in job.choices]
+            stops = self.engine.tokenizer.stop_ids
+            seqs = self.batch.add_choices(job.prompt, job.max_tokens, samplers, stops, top_logprobs=job.top_logprobs)
         except Exception as exc:  # a prompt that cannot fit, or a model file that changed
             self._unqueue(job)
             self.metrics.failed += 1
             job.emit(ErrorEvent(self.file.error(exc)))
             return
-        self.active[seq] = _Active(job)
+        request = _Request(job, seqs)
+        for i, seq in enumerate(seqs):
+            self.active[seq] = _Active(request, i)
 
     def _unqueue(self, job: Job) -> None:
         with self._lock:
@@ -298,41 +353,60 @@ class Worker:
             self._deliver(ev)
 
     def _deliver(self, ev: TokenEvent) -> None:
-        seq, job = ev.sequence, self.active[ev.sequence].job
+        seq, act = ev.sequence, self.active[ev.sequence]
+        job, text = act.job, act.job.choices[act.index][1]
+        act.request.first_token = act.request.first_token or time.perf_counter()
         try:
-            delta = job.text.add(ev.token, ev.finish_reason)
+            delta = text.add(ev.token, ev.finish_reason)
         except Exception as exc:  # an answer the parser chokes on fails its request, not the worker
             if ev.finish_reason is None:
                 self.batch.cancel(seq)
             self._fail([seq], self.file.error(exc))
             return
-        if job.text.stopped and ev.finish_reason is None:
+        if text.stopped and ev.finish_reason is None:
             self.batch.cancel(seq, "stop")  # a stop string ends generation at once
-        if delta.text or delta.pieces:
-            job.emit(TextEvent(delta.pieces))
-        if job.text.finish_reason is not None:
-            self._done(seq, job.text.finish_reason)
+        if ev.logprobs is not None and ev.token not in seq.stop_ids:  # an end token is no part of the answer
+            act.pending.append(ev.logprobs)
+        if delta.pieces or (act.pending and text.finish_reason is not None):
+            job.emit(TextEvent(delta.pieces, act.index, act.pending))
+            act.pending = []
+        if text.finish_reason is not None:
+            self._done(seq, text.finish_reason)
 
     def _done(self, seq: Sequence, reason: str) -> None:
         act = self.active.pop(seq)
-        self._unqueue(act.job)
-        m, st = self.metrics, seq.stats
-        if reason == "cancelled":
-            m.cancelled += 1
-        m.prompt_tokens += st.prompt_tokens
-        m.cached_tokens += st.reused_tokens
+        req, m, st = act.request, self.metrics, seq.stats
+        req.reasons[act.index] = reason
         m.generated_tokens += st.decode_tokens
-        m.last_prompt_tps, m.last_decode_tps = st.prompt_tps, st.decode_tps
+        final = len(req.reasons) == len(req.seqs)
+        if not final:
+            act.job.emit(DoneEvent(reason, {}, act.index, final=False))
+            return
+        self._unqueue(act.job)
+        first = req.seqs[0].stats
+        if "cancelled" in req.reasons.values():
+            m.cancelled += 1
+        m.prompt_tokens += first.prompt_tokens
+        m.cached_tokens += first.reused_tokens
+        m.last_prompt_tps, m.last_decode_tps = first.prompt_tps, st.decode_tps
         if seq.started:
             m.request_s = 0.8 * m.request_s + 0.2 * (time.perf_counter() - seq.started)
-        act.job.emit(DoneEvent(reason, usage_of(st)))
+        LOG.info(req.log_line(",".join(req.reasons[i] for i in sorted(req.reasons))))
+        act.job.emit(DoneEvent(reason, req.usage(), act.index))
 
     def _fail(self, failed: list[Sequence], error: APIError) -> None:
-        """End these sequences' requests with an error."""
+        """End these sequences' requests with an error (the other choices of such a request end with it)."""
         for seq in failed:
-            act = self.active.pop(seq)
+            act = self.active.pop(seq, None)
+            if act is None:  # a choice of a request failed already
+                continue
+            for other in act.request.seqs:
+                if other in self.active:
+                    self.batch.cancel(other)
+                    del self.active[other]
             self._unqueue(act.job)
             self.metrics.failed += 1
+            LOG.info(act.request.log_line("error"))
             act.job.emit(ErrorEvent(error))
 
 
