@@ -460,10 +460,8 @@ def kernel_scratch_bytes(ubatch: int, top_k: int, hidden: int, ffn: int, max_in:
     if not native.lane_ok():
         return expand
     lib = native.lib()
-    lane = max(
-        int(lib.ms_moe_scratch_bytes(min(ubatch * top_k, SWIGLU_MAX_ROWS), hidden, ffn)),
-        int(lib.ms_qmm_scratch_bytes(ubatch, max_in)),
-    )
+    swiglu = int(lib.ms_moe_scratch_bytes(min(ubatch * top_k, SWIGLU_MAX_ROWS), hidden, ffn)) if top_k else 0
+    lane = max(swiglu, int(lib.ms_qmm_scratch_bytes(ubatch, max_in)))  # top_k 0: a dense model, no experts
     return expand + lane
 
 
