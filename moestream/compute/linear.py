@@ -53,8 +53,7 @@ GEMV_MAX_ROWS = 4
 
 INT4_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K)})
 LANE_TYPES = frozenset(
-    int(t)
-    for t in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q3_K, T.Q2_K, T.Q5_0, T.Q5_1, T.MXFP4)
+    int(t) for t in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q3_K, T.Q2_K, T.Q5_0, T.Q5_1, T.MXFP4)
 )
 LANE_K = 256  # rows must be whole groups of the lane layout
 # ... or, for the types with a scale per 32 weights, whole blocks of 32 (V2-Lite's 1408-wide expert downs)
