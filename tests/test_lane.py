@@ -321,11 +321,20 @@ def test_the_library_reports_the_kernels_this_cpu_builds():
 
 def test_bad_shapes_are_refused():
     lib = native.lib()
-    for t, k in ((T.Q4_0, 80), (T.Q4_1, 256), (T.Q4_K, 1408), (T.Q5_0, 48), (T.Q6_K, 384), (T.Q4_K, 0), (T.Q4_K, -256)):
+    for t, k in (
+        (T.Q4_0, 80),
+        (T.Q4_1, 48),
+        (T.IQ2_XXS, 256),
+        (T.Q4_K, 1408),
+        (T.Q5_0, 48),
+        (T.Q6_K, 384),
+        (T.Q4_K, 0),
+        (T.Q4_K, -256),
+    ):
         with pytest.raises(ComputeError, match="ms_lane_row_bytes"):
             lib.ms_lane_row_bytes(int(t), k)
     with pytest.raises(ComputeError, match="unsupported weight type"):
-        lib.ms_lane_pack(int(T.Q4_1), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0))
+        lib.ms_lane_pack(int(T.IQ2_XXS), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0))
     with pytest.raises(ComputeError, match="null or misaligned"):
         lib.ms_lane_pack(int(T.Q4_K), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0))
     with pytest.raises(ComputeError, match="sizes or counts"):
@@ -355,7 +364,7 @@ def test_packing_many_segments_at_once_equals_one_by_one(count):
     assert lib.ms_lane_pack_many(count, *(a.ctypes.data for a in arrays)) == 0
     for a, b in zip(one, many, strict=True):
         np.testing.assert_array_equal(a, b)
-    arrays[0][0] = int(T.Q4_1)  # no lane form: refused before anything is written
+    arrays[0][0] = int(T.IQ2_XXS)  # no lane form: refused before anything is written
     with pytest.raises(ComputeError, match="ms_lane_pack_many"):
         lib.ms_lane_pack_many(count, *(a.ctypes.data for a in arrays))
     assert lib.ms_lane_pack_many(0, *(a.ctypes.data for a in arrays)) == 0  # nothing to do
