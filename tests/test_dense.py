@@ -8,7 +8,9 @@ import pytest
 from moestream.cli.main import main
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
+from moestream.engine.sampling import Sampler
 from moestream.errors import BudgetError
+from moestream.serving.chat import ChatSession
 from moestream.streaming.budget import plan_slots
 from tests.hf_gguf import one_torch_thread
 from tests.hf_gguf_dense import LLAMA, QWEN3
@@ -50,3 +52,14 @@ def test_run_says_nothing_streams(dense, capsys):
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "nothing to stream" in err and "no experts to stream" in err and "no routed experts" in err
+
+
+def test_chat_stats_say_nothing_streams(dense):
+    eng = Engine(dense, EngineOptions(ram_budget_mb=2048, ctx=256))
+    try:
+        session = ChatSession(eng, Sampler(), max_tokens=3)
+        session.ask("hello", lambda _text: None, lambda: False)
+        text = session.stats_text()
+    finally:
+        eng.close()
+    assert "session: no experts to stream | RSS" in text and "hit rate" not in text
