@@ -468,6 +468,7 @@ class TinyArch:
     # what moestream's config must read from the file, as (attribute, value) pairs of the HF config
     expected: Callable[[Any], dict[str, Any]] = field(default=lambda c: _expected_gqa(c))
     label: str = ""  # the test id where one GGUF architecture has several shapes
+    dense: bool = False  # no routed experts: the tests of streaming and routing do not apply
 
     @property
     def id(self) -> str:

@@ -1,5 +1,6 @@
 """What only the plain GQA families have (the generic checks run on each in tests/test_models.py): llama's
-q/k rotary layout put back at load, Mixtral's older one-tensor-per-expert files, dense llama files refused."""
+q/k rotary layout put back at load, Mixtral's older one-tensor-per-expert files, a llama file without expert
+keys read as dense."""
 
 from __future__ import annotations
 
@@ -111,14 +112,16 @@ def test_an_expert_of_another_shape_is_refused(mixtral, tmp_path):
         open_model(str(bad)).close()
 
 
-def test_dense_llama_is_refused(mixtral, tmp_path, capsys):
+def test_a_mixtral_without_its_expert_keys_reads_as_a_broken_dense_llama(mixtral, tmp_path, capsys):
+    """A llama file without expert keys is a dense Llama (models/dense.py): Mixtral's tensors then lack the
+    dense FFN, a one-line error naming it."""
     _, merged, _ = mixtral
     dense = tmp_path / "dense.gguf"
     rewrite_gguf(merged, dense, metadata={"llama.expert_count": None, "llama.expert_used_count": None})
     rc = main(["run", "-m", str(dense), "-p", "hello", "-n", "2"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "Traceback" not in err
-    assert "dense llama models are not MoE" in err.splitlines()[-1]
+    assert "'blk.0.ffn_gate.weight' is missing" in err.splitlines()[-1]
 
 
 @pytest.mark.parametrize("arch", [MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE], ids=lambda a: a.id)

@@ -21,7 +21,7 @@ from moestream.models.moe import ClampedSwiGLU
 from moestream.paths import cache_dir
 
 pytestmark = pytest.mark.skipif(not native.lane_ok(), reason="needs the lane kernels (AVX-512 VNNI or AVX2)")
-PER32_TYPES = [T.Q4_0, T.Q8_0, T.Q5_0, T.Q5_1, T.MXFP4]  # scales per 32 weights: rows of any multiple of 32
+PER32_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.MXFP4]  # scales per 32 weights: rows of any multiple of 32
 LANE_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.Q3_K, T.Q2_K, *PER32_TYPES]
 
 
@@ -153,6 +153,7 @@ def test_sizes_match_the_gguf_blocks():
         (T.Q2_K, 84),
         (T.Q5_0, 176),
         (T.Q5_1, 192),
+        (T.Q4_1, 160),
         (T.MXFP4, 136),
     )
     for t, per_row in ((t, 2048 // 256 * b) for t, b in per_256):
@@ -161,7 +162,7 @@ def test_sizes_match_the_gguf_blocks():
         assert native.lib().ms_lane_row_bytes(int(t), 2048) == per_row
     assert linear.compute_kind(T.Q5_K, 64, 768, False) == "lane"
     assert linear.compute_kind(T.Q4_0, 64, 96, False) == "lane"  # per-32 types: rows of 32-blocks
-    assert linear.compute_kind(T.Q4_1, 768, 2048, False) == "bf16"
+    assert linear.compute_kind(T.Q4_1, 64, 96, False) == "lane"
     assert linear.compute_kind(T.Q5_0, 2048, 1408, False) == "lane"
     assert linear.compute_kind(T.Q8_0, 2048, 1408, False) == "lane"
 
@@ -320,11 +321,20 @@ def test_the_library_reports_the_kernels_this_cpu_builds():
 
 def test_bad_shapes_are_refused():
     lib = native.lib()
-    for t, k in ((T.Q4_0, 80), (T.Q4_1, 256), (T.Q4_K, 1408), (T.Q5_0, 48), (T.Q6_K, 384), (T.Q4_K, 0), (T.Q4_K, -256)):
+    for t, k in (
+        (T.Q4_0, 80),
+        (T.Q4_1, 48),
+        (T.IQ2_XXS, 256),
+        (T.Q4_K, 1408),
+        (T.Q5_0, 48),
+        (T.Q6_K, 384),
+        (T.Q4_K, 0),
+        (T.Q4_K, -256),
+    ):
         with pytest.raises(ComputeError, match="ms_lane_row_bytes"):
             lib.ms_lane_row_bytes(int(t), k)
     with pytest.raises(ComputeError, match="unsupported weight type"):
-        lib.ms_lane_pack(int(T.Q4_1), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0))
+        lib.ms_lane_pack(int(T.IQ2_XXS), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0))
     with pytest.raises(ComputeError, match="null or misaligned"):
         lib.ms_lane_pack(int(T.Q4_K), ctypes.c_void_p(0), 1, 256, ctypes.c_void_p(0))
     with pytest.raises(ComputeError, match="sizes or counts"):
@@ -354,7 +364,7 @@ def test_packing_many_segments_at_once_equals_one_by_one(count):
     assert lib.ms_lane_pack_many(count, *(a.ctypes.data for a in arrays)) == 0
     for a, b in zip(one, many, strict=True):
         np.testing.assert_array_equal(a, b)
-    arrays[0][0] = int(T.Q4_1)  # no lane form: refused before anything is written
+    arrays[0][0] = int(T.IQ2_XXS)  # no lane form: refused before anything is written
     with pytest.raises(ComputeError, match="ms_lane_pack_many"):
         lib.ms_lane_pack_many(count, *(a.ctypes.data for a in arrays))
     assert lib.ms_lane_pack_many(0, *(a.ctypes.data for a in arrays)) == 0  # nothing to do
@@ -441,6 +451,8 @@ def extreme_blocks(ggml_type: int, n_blocks: int) -> np.ndarray:
         block = np.concatenate([one, np.full(32, 0x80, np.uint8)])
     elif ggml_type == T.Q4_0:  # d, then nibbles 15
         block = np.concatenate([one, np.full(16, 0xFF, np.uint8)])
+    elif ggml_type == T.Q4_1:  # d, m 0, then nibbles 15
+        block = np.concatenate([one, np.zeros(2, np.uint8), np.full(16, 0xFF, np.uint8)])
     elif ggml_type == T.Q4_K:  # d, dmin 0, scales and mins 63, nibbles 15
         block = np.concatenate([one, np.zeros(2, np.uint8), np.full(12, 0xFF, np.uint8), np.full(128, 0xFF, np.uint8)])
     elif ggml_type == T.Q5_0:  # d, high bits and nibbles all set (code 31)
@@ -457,7 +469,7 @@ def extreme_blocks(ggml_type: int, n_blocks: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "ggml_type", [T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_0, T.Q5_K, T.Q6_K, T.IQ4_XS, T.MXFP4], ids=lambda t: t.name
+    "ggml_type", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_K, T.Q6_K, T.IQ4_XS, T.MXFP4], ids=lambda t: t.name
 )
 def test_the_largest_products_do_not_saturate(ggml_type):
     n, k = 8, 1024

@@ -35,6 +35,7 @@ from tests.hf_gguf import (
     tiny_vocab_size,
 )
 from tests.hf_gguf_deepseek import DEEPSEEK_V2, DEEPSEEK_V2_LITE, DEEPSEEK_V3
+from tests.hf_gguf_dense import DENSE_CASES
 from tests.hf_gguf_glm import GLM4MOE, GLM45_AIR
 from tests.hf_gguf_gpt_oss import GPT_OSS
 from tests.hf_gguf_gqa import MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE
@@ -42,11 +43,18 @@ from tests.hf_gguf_gqa import MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE
 transformers = pytest.importorskip("transformers")
 
 ARCH_CASES = [QWEN3MOE, QWEN35MOE, DEEPSEEK_V2_LITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM4MOE, GLM45_AIR]
-ARCH_CASES += [MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE, GPT_OSS]
+ARCH_CASES += [MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE, GPT_OSS, *DENSE_CASES]
+MOE_CASES = [a for a in ARCH_CASES if not a.dense]  # what streams and routes
 N_PROMPT, N_DECODE = 80, 16  # the prompt is longer than one DeltaNet chunk (64)
 
 
 one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
+
+
+def _routed(arch: TinyArch) -> None:
+    """A test of what routed experts do skips a dense model's case."""
+    if arch.dense:
+        pytest.skip("a dense model: no routed experts")
 
 
 def _engine(path: str, **kw) -> Engine:
@@ -115,7 +123,7 @@ def test_whole_prompt_equals_token_by_token_and_micro_batches(tiny):
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["float", "quantized"])
-@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.id)
+@pytest.mark.parametrize("arch", MOE_CASES, ids=lambda a: a.id)
 def test_streaming_never_changes_greedy_output(tmp_path, arch, which):
     dense_type, expert_type = arch.stream_types[which]
     model = arch.hf_model(seed=2)
@@ -180,7 +188,8 @@ def test_layer_major_prefill_equals_micro_batch_major(tiny, tmp_path, stream):
     """Prompts of 1, 2 and 10 micro-batches run as one span through every layer give the tokens and the last
     position's logits of the micro-batch-major path, with every expert cached and under a budget that
     streams; the span reads each expert of a layer at most once, where the micro-batches read them again."""
-    _, path, toks, _, model = tiny
+    arch, path, toks, _, model = tiny
+    _routed(arch)
     cfg, ub = model.config, 8
     slots = cfg.num_experts_per_tok + 3 if stream else cfg.num_hidden_layers * n_experts(cfg)
     for n in (1, 2, 10):
@@ -208,7 +217,8 @@ def test_a_span_summed_as_its_experts_come_is_bit_identical(tiny, stream, monkey
     """A span whose experts are fetched in order and summed as they come (routed.InOrderSum) gives the very
     logits of holding every (token, expert) result to the end, with every expert cached and under a budget
     that streams; the span's fetches did ask for the order."""
-    _, path, toks, _, model = tiny
+    arch, path, toks, _, model = tiny
+    _routed(arch)
     cfg = model.config
     slots = 2 * n_experts(cfg) + 4 if stream else cfg.num_hidden_layers * n_experts(cfg)
     asked: list[bool] = []
@@ -252,7 +262,8 @@ def test_prompt_reuse_gives_samerandom_tokens(tiny):
 
 
 def test_route_hook_replaces_the_routers_choice(tiny):
-    _, path, toks, _, _ = tiny
+    arch, path, toks, _, _ = tiny
+    _routed(arch)
     eng = _engine(path)
     calls = []
 

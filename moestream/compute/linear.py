@@ -1,12 +1,12 @@
 """The compute form of one weight matrix: GGUF bytes in, `y = x @ W.T` out.
 
 Four forms, picked per tensor by `compute_kind`:
-  lane  Q4_0 / Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS / Q3_K / Q2_K / Q5_0 / Q5_1 / MXFP4 kept at their own bits in
+  lane  Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS / Q3_K / Q2_K / Q5_0 / Q5_1 / MXFP4 kept at their own bits in
         the lane layout of native/internal.h (a reshuffle of the GGUF blocks, about the same size, by
         lane_pack.c) and multiplied by the kernels of qmm_vnni.c (AVX-512 VNNI) or qmm_avx2.c (AVX2 + FMA +
         F16C, the same results) against int8-quantized activations, as llama.cpp does. Needs one of those
-        and rows of a multiple of 256 (of 32 for Q4_0 / Q8_0 / Q5_0 / Q5_1 /
-        MXFP4, whose scales are per 32 weights); else one of:
+        and rows of a multiple of 256 (of 32 for Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / MXFP4, whose scales are per
+        32 weights); else one of:
   int4  Q4_0 / Q4_K kept at 4 bits in torch's CPU int4pack layout and multiplied with
         `_weight_int4pack_mm_for_cpu` (torch's fastest CPU matvec for 4-bit weights; both formats map onto
         it exactly up to bf16 rounding of each group's scale and zero).
@@ -53,11 +53,11 @@ GEMV_MAX_ROWS = 4
 
 INT4_TYPES = frozenset({int(T.Q4_0), int(T.Q4_K)})
 LANE_TYPES = frozenset(
-    int(t) for t in (T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q3_K, T.Q2_K, T.Q5_0, T.Q5_1, T.MXFP4)
+    int(t) for t in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS, T.Q3_K, T.Q2_K, T.Q5_0, T.Q5_1, T.MXFP4)
 )
 LANE_K = 256  # rows must be whole groups of the lane layout
 # ... or, for the types with a scale per 32 weights, whole blocks of 32 (V2-Lite's 1408-wide expert downs)
-LANE_K_PER32 = frozenset(int(t) for t in (T.Q4_0, T.Q8_0, T.Q5_0, T.Q5_1, T.MXFP4))
+LANE_K_PER32 = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.MXFP4))
 F32_TYPES = frozenset({int(T.F32), int(T.F16)})
 # no native decoder: numpy widens them (see slow_path); the C library decodes MXFP4 (pack.c)
 DECODED_TYPES = frozenset(lowbit.DECODERS) - {int(T.MXFP4)}
@@ -460,10 +460,8 @@ def kernel_scratch_bytes(ubatch: int, top_k: int, hidden: int, ffn: int, max_in:
     if not native.lane_ok():
         return expand
     lib = native.lib()
-    lane = max(
-        int(lib.ms_moe_scratch_bytes(min(ubatch * top_k, SWIGLU_MAX_ROWS), hidden, ffn)),
-        int(lib.ms_qmm_scratch_bytes(ubatch, max_in)),
-    )
+    swiglu = int(lib.ms_moe_scratch_bytes(min(ubatch * top_k, SWIGLU_MAX_ROWS), hidden, ffn)) if top_k else 0
+    lane = max(swiglu, int(lib.ms_qmm_scratch_bytes(ubatch, max_in)))  # top_k 0: a dense model, no experts
     return expand + lane
 
 

@@ -12,7 +12,7 @@ from moestream.errors import ModelFileError, MoestreamError
 from moestream.formats import quants
 from moestream.formats.gguf_model import GGUFModel
 from moestream.formats.tokenizer import Tokenizer
-from moestream.models import ARCHITECTURES
+from moestream.models import ARCHITECTURES, model_class
 from moestream.models.loader import GGUFWeights, config_from_gguf
 from moestream.models.mla import UP_PROJECTIONS
 from moestream.streaming.expert_store import ExpertStore, is_routed_expert_tensor
@@ -45,7 +45,7 @@ def open_model(path: str, exact: bool | None = None, *, check_types: bool = True
     it holds; the caller closes it. exact None: float32 for float files."""
     f = GGUFModel(path)
     try:
-        arch = ARCHITECTURES.get(f.arch)
+        arch = model_class(f.arch, f.metadata)
         if arch is None:
             raise ModelFileError(
                 f"{path}: architecture {f.arch or '(none)'!r} is not supported "

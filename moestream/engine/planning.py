@@ -162,7 +162,7 @@ class SlotPlanner:
         # the read-ahead's buffers only where the cache keeps room to read ahead with them; else the memory
         # stays with the slots
         room = AHEAD_MIN_LAYERS * m.cfg.n_experts
-        if not read_ahead or plan.n_slots < room:
+        if not read_ahead or not room or plan.n_slots < room:  # no room with no experts: nothing to read
             return plan, False
         kw["reader"] = reader_nbytes(m.cfg, m.store, o.io_threads, True, o.run_reads)
         with_ahead = replace(plan_slots(resident=rss_bytes(), **kw), span=span)

@@ -42,12 +42,15 @@ class GenerationStats:
         per_tok = self.decode_bytes_read / MB / self.decode_tokens if self.decode_tokens else 0.0
         wait_ms = 1e3 * self.decode_read_wait_s / self.decode_tokens if self.decode_tokens else 0.0
         tok_ms = 1e3 * self.decode_s / self.decode_tokens if self.decode_tokens else 0.0
+        prompt = f"prompt {self.prompt_tokens} tok @ {self.prompt_tps:.1f} tok/s"
+        decode = f"decode {self.decode_tokens} tok @ {self.decode_tps:.2f} tok/s ({tok_ms:.1f} ms/tok"
+        rss = f"peak RSS {self.peak_rss / MB:.0f} MiB"
+        if not self.n_slots:  # a dense model: no expert cache, nothing read
+            return f"{prompt} | {decode}) | no experts to stream | {rss}"
         return (
-            f"prompt {self.prompt_tokens} tok @ {self.prompt_tps:.1f} tok/s | "
-            f"decode {self.decode_tokens} tok @ {self.decode_tps:.2f} tok/s "
-            f"({tok_ms:.1f} ms/tok, {wait_ms:.1f} waiting on reads) | "
+            f"{prompt} | {decode}, {wait_ms:.1f} waiting on reads) | "
             f"expert hit rate {100 * self.hit_rate:.1f}% | disk {per_tok:.1f} MiB/tok | "
-            f"cache slots {self.n_slots} | peak RSS {self.peak_rss / MB:.0f} MiB"
+            f"cache slots {self.n_slots} | {rss}"
         )
 
 

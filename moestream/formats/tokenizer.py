@@ -61,6 +61,11 @@ LLAMA3_SPLIT = (
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
 
+# Pre-tokenizers that cut every digit out alone before the GPT-2 regex runs on the rest (llama.cpp's second
+# regex group; SmolLM2's tokenizer.json: Digits(individual_digits) then ByteLevel): not one regex, since the
+# regex's lookahead `\s+(?!\S)` then sees the end of a piece where a digit was.
+DIGITS_FIRST = ("smollm", "starcoder", "refact")
+
 # tokenizer.ggml.pre -> (split regex, NFC-normalize, ignore_merges). Names follow llama.cpp's
 # converter. Qwen's tokenizer.json normalizes to NFC (llama.cpp skips that; identical on NFC text);
 # only Llama 3 looks whole pieces up in the vocab before merging (ignore_merges).
@@ -72,6 +77,7 @@ _PRE: dict[str, tuple[str, bool, bool]] = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe"), (LLAMA3_SPLIT, False, True)),
     **dict.fromkeys(("dbrx", "smaug-bpe"), (LLAMA3_SPLIT, False, False)),
     **dict.fromkeys(("default", "gpt2", "gpt-2"), (GPT2_SPLIT, False, False)),
+    **dict.fromkeys(DIGITS_FIRST, (GPT2_SPLIT, False, False)),
 }
 
 # Texts of tokens that end a turn in some chat format (llama.cpp's end-of-generation list).
@@ -279,8 +285,10 @@ def _build_hf_tokenizer(tokens: list[str], types: list[int], merges: list[str], 
     tok = HFTokenizer(model)
     if nfc:
         tok.normalizer = normalizers.NFC()
+    digits = [pre_tokenizers.Digits(individual_digits=True)] if pre in DIGITS_FIRST else []
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
+            *digits,
             pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]

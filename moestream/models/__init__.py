@@ -5,11 +5,15 @@ interface, a step's context), rows.py (row-wise ops of a step of several sequenc
 router, routed and shared experts), routed.py (the one executor of routed experts), routing.py (routers),
 attention.py and kv_cache.py (attention over a cache, the KV cache), rope.py, ops.py (norms and small ops),
 mla.py (latent attention and its cache), deltanet.py (Gated DeltaNet and the hybrid cache), gqa.py (the plain
-grouped-query decoder Mixtral, OLMoE and Qwen2-MoE share), memory.py (the bytes a model's KV cache and prompt
-steps take), loader.py (weights and metadata as the model names them, checked), common.py (the expert
-provider, embedding, fused projections, resident tensors)."""
+grouped-query decoder Mixtral, OLMoE and Qwen2-MoE share), dense.py (the dense models: Llama, Qwen2,
+Qwen3), memory.py (the bytes a model's KV cache and prompt steps take), loader.py (weights and metadata as the
+model names them, checked), common.py (the expert provider, embedding, fused projections, resident tensors)."""
+
+from collections.abc import Mapping
+from typing import Any
 
 from moestream.models.deepseek2 import DeepSeek2
+from moestream.models.dense import Llama, Qwen2, Qwen3
 from moestream.models.glm4moe import Glm4Moe
 from moestream.models.gpt_oss import GptOss
 from moestream.models.mixtral import Mixtral
@@ -24,7 +28,17 @@ ARCHITECTURES = {
     "gpt-oss": GptOss,
     "qwen3moe": Qwen3Moe,
     "qwen35moe": Qwen35Moe,
-    "llama": Mixtral,  # with experts only: a dense llama file is refused by its config
+    "llama": Mixtral,  # with experts; without them, Llama (model_class)
     "olmoe": Olmoe,
     "qwen2moe": Qwen2Moe,
+    "qwen2": Qwen2,
+    "qwen3": Qwen3,
 }
+
+
+def model_class(arch: str, metadata: Mapping[str, Any]) -> type | None:
+    """The model class of a file's `general.architecture`: llama names both Mixtral (with experts) and the
+    dense Llama; None where moestream has none."""
+    if arch == "llama" and not metadata.get("llama.expert_count"):
+        return Llama
+    return ARCHITECTURES.get(arch)

@@ -49,9 +49,10 @@ class GQAMoEConfig:
     shared_gate: bool = False  # the shared expert scaled by sigmoid(x . ffn_gate_inp_shexp)
 
 
-def attention_fields(m: ArchMetadata, default_theta: float = 10_000.0) -> dict[str, Any]:
+def attention_fields(m: ArchMetadata, default_theta: float = 10_000.0, *, experts: bool = True) -> dict[str, Any]:
     """The fields every architecture of the family reads the same way (attention, experts, vocabulary, RoPE
-    base, norm epsilon), checked; the expert sizes and routing flags are each file's own."""
+    base, norm epsilon), checked; the expert sizes and routing flags are each file's own. experts=False: a
+    dense file's (models/dense.py), which has no expert keys."""
     hidden, n_heads, n_kv_heads, head_dim = m.attention()
     m.require(head_dim % 2 == 0, "attention.key_length", f"is {head_dim}; rotary embedding needs it even")
     rot = m.int("rope.dimension_count", head_dim)
@@ -62,15 +63,11 @@ def attention_fields(m: ArchMetadata, default_theta: float = 10_000.0) -> dict[s
               f"is {scaling!r}; moestream runs this architecture with plain RoPE only")  # fmt: skip
     if "rope_freqs.weight" in m.shapes:
         raise m.error("rope.freq_base", "comes with per-frequency factors (rope_freqs), which moestream does not run")
-    n_experts, top_k = m.experts()
-    return dict(
-        n_layers=m.int("block_count"),
-        hidden=hidden,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        n_experts=n_experts,
-        top_k=top_k,
+    fields = dict(n_layers=m.int("block_count"), hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads)
+    fields["head_dim"] = head_dim
+    if experts:
+        fields["n_experts"], fields["top_k"] = m.experts()
+    return fields | dict(
         vocab_size=m.tensor_shape("token_embd.weight")[0],
         context_length=m.int("context_length", 4096),
         rope_theta=m.float("rope.freq_base", default_theta),

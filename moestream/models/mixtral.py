@@ -1,5 +1,5 @@
 """Mixtral 8x7B / 8x22B: GGUF arch `llama` with `llama.expert_count` > 0 (a llama file without experts is a
-dense model and is refused).
+dense model: models/dense.py).
 
 Decoder layer: x += Attn(RMSNorm(x)); x += MoE(RMSNorm(x)) (gqa.py). Attention: grouped-query, no biases
 (loaded where a file has them), RoPE over whole heads; the converter stores q/k rows in llama's rotary
@@ -33,8 +33,8 @@ class MixtralConfig(GQAMoEConfig):
         m = ArchMetadata(md, ARCH, shapes, source)
         if not m.int("expert_count", 0, low=0):
             raise ModelFileError(
-                f"{source}: a dense llama model (no {ARCH}.expert_count): dense llama models are not MoE; "
-                "moestream runs mixture-of-experts models (Mixtral, Qwen3-MoE, DeepSeek, ...)"
+                f"{source}: a dense llama model (no {ARCH}.expert_count), not Mixtral; models.model_class "
+                "opens it as dense.Llama"
             )
         ffn_key = "expert_feed_forward_length" if f"{ARCH}.expert_feed_forward_length" in md else "feed_forward_length"
         return cls(

@@ -191,19 +191,22 @@ class ChatSession:
 
     def stats_text(self) -> str:
         e = self.engine.snapshot()
+        dense = not e.n_slots  # a dense model: no expert cache to report on
         lines = []
         if self.last is not None:
             s = self.last
             lines.append(
                 f"last answer: prompt {s.prompt_tokens} tok ({s.reused_tokens} cached) @ {s.prompt_tps:.1f} "
-                f"tok/s | decode {s.decode_tokens} tok @ {s.decode_tps:.2f} tok/s | "
-                f"expert hit rate {100 * s.hit_rate:.1f}%"
+                f"tok/s | decode {s.decode_tokens} tok @ {s.decode_tps:.2f} tok/s"
+                + ("" if dense else f" | expert hit rate {100 * s.hit_rate:.1f}%")
             )
-        lines.append(
-            f"session: expert hit rate {100 * e.hit_rate:.1f}% | cache slots {e.used_slots}/"
-            f"{e.n_slots} used | disk read {e.bytes_read / MB:.1f} MiB | "
-            f"RSS {rss_bytes() / MB:.0f} MiB (peak {peak_rss_bytes() / MB:.0f} MiB)"
+        cache = (
+            "no experts to stream"
+            if dense
+            else f"expert hit rate {100 * e.hit_rate:.1f}% | cache slots {e.used_slots}/{e.n_slots} used | "
+            f"disk read {e.bytes_read / MB:.1f} MiB"
         )
+        lines.append(f"session: {cache} | RSS {rss_bytes() / MB:.0f} MiB (peak {peak_rss_bytes() / MB:.0f} MiB)")
         turns = sum(m["role"] == "user" for m in self.messages)
         dropped = f", {self.dropped} oldest dropped to fit the context" if self.dropped else ""
         lines.append(f"conversation: {turns} turn{'s' * (turns != 1)}{dropped}")

@@ -36,7 +36,9 @@ class SlotArena:
         self.slot_nbytes = store.slot_nbytes
         # Private, not Python's default shared mapping: MADV_DONTNEED on shared anonymous memory leaves the
         # pages in shmem, so a shrinking cache gave nothing back (a second process was OOM-killed).
-        self._map = mmap.mmap(-1, self.n_slots * self.slot_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # (at least a page: a dense model's arena holds no slot, and a mapping cannot be empty)
+        size = max(self.n_slots * self.slot_nbytes, mmap.PAGESIZE)
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.memory = torch.frombuffer(self._map, dtype=torch.uint8)
         self.experts: list[ExpertWeights | None] = [None] * self.n_slots
         self.lock = threading.RLock()
@@ -141,7 +143,7 @@ class SlotArena:
 
     def _prefault(self) -> None:
         base = libc.memory_of(self.memory)[0]
-        slots_per_call = max(1, (32 << 20) // self.slot_nbytes)
+        slots_per_call = max(1, (32 << 20) // max(1, self.slot_nbytes))
         stats = self.policy.stats
         for first in range(0, self.n_slots, slots_per_call):
             self.idle.wait()  # not while the model runs: its steps grow the cache a little each

@@ -115,8 +115,13 @@ class BudgetPlan:
             f"budget {self.budget / MB:.0f} MiB = resident {self.resident / MB:.0f} (dense weights, KV, runtime)"
             f" + compute {self.compute / MB:.0f}{span} + reader {self.reader / MB:.0f}"
             f" + reserve {self.reserve / MB:.0f}"
-            f" + {self.n_slots} expert slots x {self.slot_nbytes / MB:.2f} MiB"
+            f" + {self.slots()}"
         )
+
+    def slots(self) -> str:
+        if not self.slot_nbytes:
+            return "no expert slots (a dense model: nothing to stream)"
+        return f"{self.n_slots} expert slots x {self.slot_nbytes / MB:.2f} MiB"
 
 
 def plan_slots(
@@ -133,19 +138,20 @@ def plan_slots(
     reserve = reserve_mb * MB
     fixed = resident + compute + reader + reserve
     budget = budget_bytes(budget_mb, resident)
-    n_slots = min(max_slots, max(0, (budget - fixed) // slot_nbytes))
-    if n_slots < min_slots:
+    if budget < fixed + min_slots * slot_nbytes:
         need_mb = (fixed + min_slots * slot_nbytes + MB - 1) // MB
         if budget_mb is None:
             raise BudgetError(
                 f"not enough free RAM: one token needs {need_mb} MiB but about {budget // MB} MiB is available; "
                 "close other programs or use a smaller context (--ctx)"
             )
+        experts = f" and one layer's {min_slots} active experts {min_slots * slot_nbytes // MB + 1} MiB more"
         raise BudgetError(
-            f"--ram-budget-mb {budget_mb} is too small: dense weights, KV cache and buffers take {fixed // MB} MiB "
-            f"and one layer's {min_slots} active experts {min_slots * slot_nbytes // MB + 1} MiB more; "
-            f"use at least --ram-budget-mb {need_mb} (or a smaller --ctx)"
+            f"--ram-budget-mb {budget_mb} is too small: dense weights, KV cache and buffers take {fixed // MB} MiB"
+            f"{experts if min_slots else ''}; use at least --ram-budget-mb {need_mb} (or a smaller --ctx)"
         )
+    # a dense model has no expert to stream: slots of 0 bytes, none of them
+    n_slots = min(max_slots, (budget - fixed) // slot_nbytes) if max_slots else 0
     return BudgetPlan(
         budget,
         resident,

@@ -34,11 +34,12 @@ TraceSink = Callable[[int, int, int, str, int, float], None]
 
 class ExpertCache:
     def __init__(self, store: ExpertStore, reader: ExpertReader, n_slots: int, scratch_slots: int = 0):
-        if n_slots < 1:
+        # a dense model's store has no expert layer: its cache is empty and is never asked for anything
+        if n_slots < 1 and store.n_layers:
             raise BudgetError("the expert cache needs at least one slot; raise --ram-budget-mb")
         # Scratch slots serve misses that are not admitted (the prompt path when non-admitting, keys below
         # min-hits): used for one group and handed back, so such accesses never evict from the LRU.
-        if scratch_slots >= n_slots:
+        if scratch_slots >= n_slots and store.n_layers:
             raise BudgetError("the expert cache has no room besides its scratch slots; raise --ram-budget-mb")
         self.store = store
         self.reader = reader

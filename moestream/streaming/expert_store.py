@@ -122,9 +122,10 @@ class ExpertStore:
                     and linear.compute_kind(segs[2].ggml_type, segs[2].n, segs[2].k, exact) == "lane",
                 )
             )
-        # A slot holds any layer's expert, so it is sized for the largest (Q4_K_M mixes Q4_K and Q6_K downs).
-        self.slot_nbytes = _round_up(max(lay.packed_nbytes + 3 * 64 for lay in self.layouts), 4096)
-        self.max_segment_nbytes = max(s.nbytes for segs in self._base for s in segs)
+        # A slot holds any layer's expert, so it is sized for the largest (Q4_K_M mixes Q4_K and Q6_K downs); a
+        # dense model (no expert layers) has slots of 0 bytes, and the planner gives it none
+        self.slot_nbytes = _round_up(max((lay.packed_nbytes + 3 * 64 for lay in self.layouts), default=0), 4096)
+        self.max_segment_nbytes = max((s.nbytes for segs in self._base for s in segs), default=0)
         self.expert_file_nbytes = [sum(s.nbytes for s in segs) for segs in self._base]
         # experts e and e+1 of a layer lie back to back in each merged tensor: a prompt reads runs of them
         self.run_len = run_length(self.max_segment_nbytes, n_experts) if not any(self._split) else 1

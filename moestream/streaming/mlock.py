@@ -54,6 +54,8 @@ class LockReport:
     def line(self) -> str:
         # routed experts are left out by design: say so, lest their bytes read as a failure to lock
         routed = f"routed experts ({fmt_bytes(self.skipped_bytes)}) stream from disk, deliberately not locked"
+        if not self.skipped_bytes:
+            routed = "no routed experts (a dense model: every weight is resident)"
         failed = fmt_bytes(self.failed_bytes)
         if not self.enabled:
             return f"mlock: off (--no-mlock); {failed} of dense weights can be evicted; {routed}"

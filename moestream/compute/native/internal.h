@@ -37,12 +37,15 @@
  *   IQ4_XS's nibbles index a table of 16 int8 values; the kernel looks them up (vpshufb) as kvalues + 128,
  *   unsigned as the VNNI product wants, and takes 128 * sum(x) back off, as Q8_0 does.
  *
- *   Q4_0, Q8_0, Q5_0, Q5_1 and MXFP4 have one scale per 32 weights, so their rows need only be a multiple of 32:
+ *   Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and MXFP4 have one scale per 32 weights, so their rows need only be a multiple
+ *   of 32:
  *   a row's last group may then hold any number of lanes from 1 to 16 (the kernels load it masked).
+ *     Q4_1: nibbles [4][L][4] | d f16 [L] | m f16 [L]                                 20 L bytes (as GGUF)
  *     Q5_0: nibbles [4][L][4] | fifth bits [L][4] | d f16 [L]                         22 L bytes (as GGUF)
  *     Q5_1: nibbles [4][L][4] | fifth bits [L][4] | d f16 [L] | m f16 [L]             24 L bytes (as GGUF)
  *     MXFP4: nibbles [4][L][4] | e u8 [L]                                             17 L bytes (as GGUF)
- *   Q5_0 weight = d (q - 16); Q5_1 weight = d q + m, with q 0..31 (the fifth bits as Q5_K's below).
+ *   Q4_1 weight = d q + m, q 0..15; Q5_0 weight = d (q - 16); Q5_1 weight = d q + m, with q 0..31 (the fifth bits
+ *   as Q5_K's below).
  *   MXFP4 weight = 2^(e - 128) v[q], v the doubled e2m1 values (integers -12..12), looked up by nibble as
  *   IQ4_XS's are.
  *
@@ -130,7 +133,7 @@ static inline void kv_store1(void *p, int kv_type, int64_t i, float x) {
 #define PF_DIST 16384
 #define PF_HINT _MM_HINT_T1
 
-enum { QT_Q4_0 = 2, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_MXFP4 = 39, QT_Q8_0 = 8, QT_Q2_K = 10, QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_XS = 23 };
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_MXFP4 = 39, QT_Q8_0 = 8, QT_Q2_K = 10, QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_XS = 23 };
 
 #define MS_INTERNAL __attribute__((visibility("hidden")))
 
@@ -149,6 +152,7 @@ static inline int64_t group_bytes(int type, int L) {
     case QT_Q2_K: return 10 * L + L / 2;
     case QT_Q5_0: return 22 * L;
     case QT_Q5_1: return 24 * L;
+    case QT_Q4_1: return 20 * L;
     case QT_MXFP4: return 17 * L;
     default: return 26 * L + L / 4; /* Q6_K */
     }
@@ -166,6 +170,7 @@ static inline int64_t super_bytes(int type) { /* bytes per 256 weights (8 lanes)
     case QT_Q2_K: return 84;
     case QT_Q5_0: return 176;
     case QT_Q5_1: return 192;
+    case QT_Q4_1: return 160;
     case QT_MXFP4: return 136;
     default: return -1;
     }
@@ -173,7 +178,8 @@ static inline int64_t super_bytes(int type) { /* bytes per 256 weights (8 lanes)
 
 /* the types whose rows need only be whole blocks of 32 (any group may then hold fewer than 8 lanes) */
 static inline int per32_type(int type) {
-    return type == QT_Q4_0 || type == QT_Q8_0 || type == QT_Q5_0 || type == QT_Q5_1 || type == QT_MXFP4;
+    return type == QT_Q4_0 || type == QT_Q4_1 || type == QT_Q8_0 || type == QT_Q5_0 || type == QT_Q5_1 ||
+           type == QT_MXFP4;
 }
 
 /* lanes of the group starting at sub-block s0 of a row of nsub */
@@ -235,6 +241,7 @@ typedef struct {
         else if ((J)->type == QT_Q2_K) F(QT_Q2_K, J, r0, r1);       \
         else if ((J)->type == QT_Q5_0) F(QT_Q5_0, J, r0, r1);       \
         else if ((J)->type == QT_Q5_1) F(QT_Q5_1, J, r0, r1);       \
+        else if ((J)->type == QT_Q4_1) F(QT_Q4_1, J, r0, r1);       \
         else if ((J)->type == QT_MXFP4) F(QT_MXFP4, J, r0, r1);     \
         else F(QT_Q8_0, J, r0, r1);                                 \
     } while (0)

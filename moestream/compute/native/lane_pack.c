@@ -358,6 +358,22 @@ static void pack_row_q5(const uint8_t *src, int64_t k, uint8_t *dst, int one) {
     }
 }
 
+/* Q4_1 rows: nibbles as Q4_0's (its qs bytes are laid out the same), then d, then m */
+static void pack_row_q4_1(const uint8_t *src, int64_t k, uint8_t *dst) {
+    int64_t nsub = k / 32;
+    for (int64_t s0 = 0; s0 < nsub; s0 += 16) {
+        int L = group_lanes(nsub, s0);
+        uint8_t *nib = dst, *d = dst + 16 * L;
+        for (int j = 0; j < L; j++) {
+            const uint8_t *b = src + (s0 + j) * 20;
+            put_nibble_lane(b + 4, nib, L, j);
+            memcpy(d + 2 * j, b, 2);
+            memcpy(d + 2 * L + 2 * j, b + 2, 2);
+        }
+        dst += group_bytes(QT_Q4_1, L);
+    }
+}
+
 /* MXFP4: nibbles as Q4_0's (its qs bytes are laid out the same), then the exponent bytes */
 static void pack_row_mxfp4(const uint8_t *src, int64_t k, uint8_t *dst) {
     int64_t nsub = k / 32;
@@ -385,10 +401,10 @@ static void pack_row_mxfp4(const uint8_t *src, int64_t k, uint8_t *dst) {
 
 static const int64_t gguf_block_bytes[] = {[QT_Q4_0] = 18, [QT_Q8_0] = 34, [QT_Q2_K] = 84, [QT_Q3_K] = 110,
                                            [QT_Q4_K] = 144, [QT_Q5_K] = 176, [QT_Q6_K] = 210, [QT_IQ4_XS] = 136,
-                                           [QT_Q5_0] = 22, [QT_Q5_1] = 24, [QT_MXFP4] = 17};
+                                           [QT_Q5_0] = 22, [QT_Q5_1] = 24, [QT_MXFP4] = 17, [QT_Q4_1] = 20};
 static const int64_t gguf_block_elems[] = {[QT_Q4_0] = 32, [QT_Q8_0] = 32, [QT_Q2_K] = 256, [QT_Q3_K] = 256,
                                            [QT_Q4_K] = 256, [QT_Q5_K] = 256, [QT_Q6_K] = 256, [QT_IQ4_XS] = 256,
-                                           [QT_Q5_0] = 32, [QT_Q5_1] = 32, [QT_MXFP4] = 32};
+                                           [QT_Q5_0] = 32, [QT_Q5_1] = 32, [QT_MXFP4] = 32, [QT_Q4_1] = 32};
 
 /* rows [0, n) of a GGUF [n, k] tensor -> the lane layout at dst (ms_lane_row_bytes(type, k) per row) */
 int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
@@ -407,6 +423,7 @@ int ms_lane_pack(int type, const uint8_t *src, int64_t n, int64_t k, uint8_t *ds
         else if (type == QT_Q2_K || type == QT_Q3_K) pack_row_q2_q3(s, k, d, type == QT_Q3_K);
         else if (type == QT_Q5_0 || type == QT_Q5_1) pack_row_q5(s, k, d, type == QT_Q5_1);
         else if (type == QT_MXFP4) pack_row_mxfp4(s, k, d);
+        else if (type == QT_Q4_1) pack_row_q4_1(s, k, d);
         else pack_row_q6_k(s, k, d);
     }
     return MS_OK;
@@ -465,6 +482,7 @@ int ms_lane_unpack(int type, const uint8_t *w, int64_t n, int64_t k, float *out)
                             if (type == QT_Q4_0) v = (float)(q - 8) * rd_fp16((g + 16 * L + 2 * j));
                             else if (type == QT_Q5_0) v = rd_fp16(g + 20 * L + 2 * j) * (float)(q - 16);
                             else if (type == QT_Q5_1) v = rd_fp16(g + 20 * L + 2 * j) * (float)q + rd_fp16(g + 22 * L + 2 * j);
+                            else if (type == QT_Q4_1) v = rd_fp16(g + 16 * L + 2 * j) * (float)q + rd_fp16(g + 18 * L + 2 * j);
                             else {
                                 const uint8_t *sc = g + (type == QT_Q5_K ? 20 : 16) * L, *mn = sc + L, *dd = mn + L,
                                               *dm = dd + 2 * (L / 8);

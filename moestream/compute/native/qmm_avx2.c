@@ -76,7 +76,7 @@ static inline AI __m256 per8(const uint8_t *dd, int h) { return _mm256_set1_ps(r
 #define SIGNED_W(T) ((T) == QT_Q8_0 || (T) == QT_IQ4_XS || (T) == QT_MXFP4)
 /* a half group's products add up in int16 without overflow: 8 pairs of at most 2 * 15 * 127 (nibbles,
  * MXFP4's |w| <= 12) or 4 per sum of at most 2 * 7 * 127 (Q2_K, Q3_K) */
-#define SUM16(T) ((T) == QT_Q4_0 || (T) == QT_Q4_K || (T) == QT_MXFP4 || (T) == QT_Q2_K || (T) == QT_Q3_K)
+#define SUM16(T) ((T) == QT_Q4_0 || (T) == QT_Q4_1 || (T) == QT_Q4_K || (T) == QT_MXFP4 || (T) == QT_Q2_K || (T) == QT_Q3_K)
 /* the int32 types whose products of two chunks add up in int16 before they widen: Q5's 4 pairs of at most
  * 2 * 31 * 127 a sum, Q6_K's 2 pairs of at most 2 * 63 * 127 (one a half of 16) */
 #define PAIRED(T) ((T) == QT_Q5_K || (T) == QT_Q5_0 || (T) == QT_Q5_1 || (T) == QT_Q6_K)
@@ -107,6 +107,10 @@ static inline AI void half_scales(int T, const uint8_t *g, int L, int h, int n, 
     const int o = 8 * h;
     if (T == QT_Q8_0) *scale = f16_floats(n, g + 32 * L + 2 * o);
     else if (T == QT_Q4_0) *scale = f16_floats(n, g + 16 * L + 2 * o);
+    else if (T == QT_Q4_1) {
+        *scale = f16_floats(n, g + 16 * L + 2 * o);
+        *mins = f16_floats(n, g + 18 * L + 2 * o);
+    }
     else if (T == QT_MXFP4) *scale = mxfp4_scales(n, g + 16 * L + o);
     else if (T == QT_Q5_0 || T == QT_Q5_1) {
         *scale = f16_floats(n, g + 20 * L + 2 * o);
@@ -241,7 +245,7 @@ static inline AI void group_sum(int T, int n, __m256i a0, __m256i a1, __m256 sc,
     }
     *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_mul_ps(sc, dxv), *a);
     if (T == QT_Q4_K || T == QT_Q5_K) *a = _mm256_fnmadd_ps(mn, ld_f(n, x->dxsx + i), *a);
-    if (T == QT_Q5_1) *a = _mm256_fmadd_ps(mn, ld_f(n, x->dxsx + i), *a);
+    if (T == QT_Q5_1 || T == QT_Q4_1) *a = _mm256_fmadd_ps(mn, ld_f(n, x->dxsx + i), *a);
 }
 
 /* Half h (n lanes) of one group (L lanes) of R rows (g, rb bytes apart) x M tokens (xq, k bytes apart; xi: the

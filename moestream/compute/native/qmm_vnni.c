@@ -87,6 +87,10 @@ static inline __attribute__((always_inline)) void group_scales(int T, const uint
                                                                __m512 *scale, __m512 *mins) {
     if (T == QT_Q8_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 32 * L));
     else if (T == QT_Q4_0) *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 16 * L));
+    else if (T == QT_Q4_1) { /* d, and m in `mins` */
+        *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 16 * L));
+        *mins = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 18 * L));
+    }
     else if (T == QT_MXFP4) *scale = mxfp4_scales(g + 16 * L, mf);
     else if (T == QT_Q5_0 || T == QT_Q5_1) { /* d, and Q5_1's m in `mins` */
         *scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mf, g + 20 * L));
@@ -178,7 +182,7 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
         _mm_prefetch((const char *)gb + PF_DIST + o, PF_HINT);
     }
     __m512i a0, a1, b0, b1;
-    if (T == QT_Q4_K || T == QT_Q5_K || T == QT_Q2_K || T == QT_Q5_1) {
+    if (T == QT_Q4_K || T == QT_Q5_K || T == QT_Q2_K || T == QT_Q5_1 || T == QT_Q4_1) {
         a0 = b0 = _mm512_setzero_si512();
     } else if (T == QT_Q6_K) {
         a0 = b0 = LDI(L, x->n32lo + s0);
@@ -287,7 +291,7 @@ static inline __attribute__((always_inline)) void qmv2_group(int T, int L, const
         *acca = _mm512_fnmadd_ps(ma, dxsx, *acca);
         *accb = _mm512_fnmadd_ps(mbv, dxsx, *accb);
     }
-    if (T == QT_Q5_1) {
+    if (T == QT_Q5_1 || T == QT_Q4_1) {
         __m512 dxsx = LDF(L, x->dxsx + s0);
         *acca = _mm512_fmadd_ps(ma, dxsx, *acca);
         *accb = _mm512_fmadd_ps(mbv, dxsx, *accb);
@@ -394,14 +398,14 @@ static inline __attribute__((always_inline)) void group_sum(int T, int L, __m512
     }
     *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(sc, dxv), *a);
     if (T == QT_Q4_K || T == QT_Q5_K) *a = _mm512_fnmadd_ps(mn, LDF(L, x->dxsx + i), *a);
-    if (T == QT_Q5_1) *a = _mm512_fmadd_ps(mn, LDF(L, x->dxsx + i), *a);
+    if (T == QT_Q5_1 || T == QT_Q4_1) *a = _mm512_fmadd_ps(mn, LDF(L, x->dxsx + i), *a);
 }
 
 /* the int32 sums' start for token index i (the activations' offset terms), as qmv2_group's */
 static inline __attribute__((always_inline)) void sum_init(int T, int L, const xprep *x, int64_t i, __m512i *i0,
                                                            __m512i *i1) {
     *i1 = _mm512_setzero_si512();
-    if (T == QT_Q4_K || T == QT_Q5_K || T == QT_Q2_K || T == QT_Q5_1) {
+    if (T == QT_Q4_K || T == QT_Q5_K || T == QT_Q2_K || T == QT_Q5_1 || T == QT_Q4_1) {
         *i0 = _mm512_setzero_si512();
     } else if (T == QT_Q6_K) {
         *i0 = LDI(L, x->n32lo + i);
