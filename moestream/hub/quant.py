@@ -73,8 +73,5 @@ def model_files(paths: list[str], first: str) -> list[str]:
 
 
 def quants(paths: list[str]) -> list[str]:
-    """The quants the repository's model files are named with, each once, in path order."""
-    seen: dict[str, None] = {}
-    for p in _first_parts(paths):
-        seen.setdefault(split_info(p).tag or p.rsplit("/", 1)[-1], None)
-    return list(seen)
+    """The quants the repository's model files are named with (a file without one: its name), sorted."""
+    return sorted({split_info(p).tag or p.rsplit("/", 1)[-1] for p in _first_parts(paths)})
