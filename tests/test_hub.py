@@ -58,7 +58,9 @@ def _one_line_error(r) -> str:
 
 
 def test_run_a_hub_model_by_quant_then_list_it(hub, tmp_path):
-    r = moestream(hub, tmp_path, "run", "-m", "hf:org/Tiny-GGUF:q4_0", "-p", "hello", "-n", "2", "--ram-budget-mb", "2000")
+    r = moestream(
+        hub, tmp_path, "run", "-m", "hf:org/Tiny-GGUF:q4_0", "-p", "hello", "-n", "2", "--ram-budget-mb", "2000"
+    )
     assert r.returncode == 0, r.stderr
     assert "decode" in r.stdout + r.stderr
     cached = list((tmp_path / "hub" / "models--org--Tiny-GGUF" / "snapshots").glob("*/tiny-Q4_0.gguf"))

@@ -11,8 +11,8 @@ import sys
 from typing import NoReturn
 
 from moestream import __version__
-from moestream.hub import HubModel
 from moestream.errors import MoestreamError
+from moestream.hub import HubModel
 
 EXIT_USER_ERROR = 2
 MODEL_HELP = (

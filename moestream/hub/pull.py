@@ -70,7 +70,7 @@ def pull(spec: Spec) -> Pulled:
         folder = _download(spec, files)
         fresh += bad
     paths = [os.path.join(folder, f) for f in files]
-    for f, path in zip(files, paths):
+    for f, path in zip(files, paths, strict=True):
         size = os.path.getsize(path)
         if size != sizes[f]:
             raise HubError(f"{f} from hf:{spec.repo} is {size} bytes, the Hub reports {sizes[f]}; pull it again")
@@ -102,12 +102,16 @@ def from_cache(spec: Spec, why: str) -> Pulled:
     if folder is None:
         raise HubError(
             f"hf:{spec} is not in the Hub cache ({constants.HF_HUB_CACHE}) and {why}; "
-            f"pull it while online (moestream pull {spec})"
-            + ("" if "OFFLINE" in why else ", or set HF_HUB_OFFLINE=1 to use only what is cached")
+            + (
+                f"pull it while online (moestream pull {spec})"
+                if "OFFLINE" in why
+                else "check the network and pull it "
+                "again (HF_HUB_OFFLINE=1 uses only what is cached, without asking the Hub)"
+            )
         )
     files = choose(spec, _files_under(folder), " in the cache")
     paths = [os.path.join(folder, f) for f in files]
-    missing = [f for f, p in zip(files, paths) if not os.path.exists(p)]
+    missing = [f for f, p in zip(files, paths, strict=True) if not os.path.exists(p)]
     if missing:
         raise HubError(f"hf:{spec}: {missing[0]} is not in the Hub cache and {why}")
     print(f"note: {why}; using the cached hf:{spec}", file=sys.stderr)
