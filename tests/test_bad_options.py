@@ -55,7 +55,8 @@ BAD = {
     "fraction": ["-0.1", "1.5", "nan", "abc"],
     "output": ["{DIR}", "{NODIR}"],
     "input": ["{MISSING}", "{DIR}"],
-    "model": ["{MISSING}"],  # a directory is a model too (the split model's parts it holds): test_split.py
+    # a directory is a model too (the split model's parts it holds): test_split.py; hf: needs OWNER/NAME[:QUANT]
+    "model": ["{MISSING}", "hf:nobody", "hf:a/b:Q4 K", "hf:a/../b"],
     "threads": ["0", "100000", "nan"],
 }
 
