@@ -26,7 +26,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
     got = pull(args.spec)
     more = f" (+{len(got.files) - 1} parts)" if len(got.files) > 1 else ""
     print(f"{got.paths[0]}{more}")
-    print(f"{fmt_bytes(got.size)}; run it with: moestream run -m {PREFIX}{args.spec.repo}:{got.tag or args.spec.quant}")
+    tag = got.tag or args.spec.quant
+    print(f"{fmt_bytes(got.size)}; run it with: moestream run -m {PREFIX}{args.spec.repo}{':' + tag if tag else ''}")
     return 0
 
 
