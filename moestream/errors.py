@@ -27,3 +27,7 @@ class ComputeError(MoestreamError):
 
 class DiskError(MoestreamError):
     """Reading the model file failed for good, or the file changed under the running process."""
+
+
+class HubError(MoestreamError):
+    """A model from the Hugging Face Hub could not be found, fetched or checked."""

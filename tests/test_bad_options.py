@@ -57,7 +57,8 @@ BAD = {
     "repeat": ["0", "-1", "11", "nan", "inf", "abc"],
     "output": ["{DIR}", "{NODIR}"],
     "input": ["{MISSING}", "{DIR}"],
-    "model": ["{MISSING}"],  # a directory is a model too (the split model's parts it holds): test_split.py
+    # a directory is a model too (the split model's parts it holds): test_split.py; hf: needs OWNER/NAME[:QUANT]
+    "model": ["{MISSING}", "hf:nobody", "hf:a/b:Q4 K", "hf:a/../b"],
     "threads": ["0", "100000", "nan"],
 }
 

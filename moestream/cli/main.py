@@ -12,11 +12,13 @@ from typing import NoReturn
 
 from moestream import __version__
 from moestream.errors import MoestreamError
+from moestream.hub import HubModel
 
 EXIT_USER_ERROR = 2
 MODEL_HELP = (
     "A model (-m) is a GGUF file; a split model (NAME-00001-of-0000N.gguf, llama.cpp's gguf-split) is given by "
-    "any of its parts or the directory holding them, and `synth --split-max-size 2G` writes one."
+    "any of its parts or the directory holding them, and `synth --split-max-size 2G` writes one. A model on the "
+    "Hugging Face Hub is hf:OWNER/NAME[:QUANT] (fetched into its cache; `moestream pull` alone fetches it)."
 )
 
 COMMANDS = {  # name: (module, help)
@@ -30,6 +32,8 @@ COMMANDS = {  # name: (module, help)
     "stats": ("moestream.cli.analysis", "workload statistics of a trace: U(k), reuse, coverage, hit rates"),
     "profile": ("moestream.cli.analysis", "rank (layer, expert) pairs by use, for pinning"),
     "forecast": ("moestream.cli.analysis", "predict decode tok/s from a disk probe, the model and a hit rate"),
+    "pull": ("moestream.cli.hub", "fetch a GGUF model from the Hugging Face Hub: pull OWNER/NAME[:QUANT]"),
+    "list": ("moestream.cli.hub", "list the GGUF models in the Hugging Face Hub cache"),
 }
 
 
@@ -70,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, or a bad option (argparse printed it): a code for callers of main()
         return exc.code if isinstance(exc.code, int) else EXIT_USER_ERROR
     try:
+        if any(isinstance(v, HubModel) for v in vars(args).values()):
+            from moestream.cli.hub import resolve_hub_models
+
+            resolve_hub_models(args)
         return args.func(args)
     except MoestreamError as exc:
         print(f"error: {exc}", file=sys.stderr)

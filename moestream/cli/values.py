@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable
 
 from moestream.engine.sampling import PENALTY_MAX, REPETITION_MAX, SEED_MAX
+from moestream.hub import PREFIX as HF_PREFIX
+from moestream.hub import HubModel, parse_spec
 
 Bad = argparse.ArgumentTypeError
 
@@ -146,7 +148,13 @@ def input_file(path: str) -> str:
 
 
 def model_path(path: str) -> str:
-    """A model: a GGUF file, any part of a split model, or a directory holding one (GGUFModel checks the rest)."""
+    """A model: a GGUF file, any part of a split model, a directory holding one (GGUFModel checks the rest), or
+    hf:OWNER/NAME[:QUANT], a model on the Hugging Face Hub (a local file named so: ./hf:...)."""
+    if path.startswith(HF_PREFIX):
+        try:
+            return HubModel(str(parse_spec(path)))
+        except ValueError as exc:
+            raise Bad(str(exc)) from None
     if not os.path.exists(path):
         raise Bad(f"{path}: not found")
     if not os.access(path, os.R_OK):
