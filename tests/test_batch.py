@@ -21,7 +21,7 @@ from moestream.models.moe import ClampedSwiGLU
 from moestream.models.ops import f32_matmul, rms_norm
 from moestream.models.routing import route_topk
 from tests.hf_gguf import n_experts, one_torch_thread, random_tokens
-from tests.test_models import ARCH_CASES
+from tests.test_models import MOE_CASES
 
 pytest.importorskip("transformers")
 
@@ -67,7 +67,7 @@ class CountingExperts:
         return self.inner.fetch_groups(layer, ids, admit, ordered)
 
 
-@pytest.fixture(scope="module", params=[(a, w) for a in ARCH_CASES for w in (0, 1)],
+@pytest.fixture(scope="module", params=[(a, w) for a in MOE_CASES for w in (0, 1)],
                 ids=lambda p: f"{p[0].id}-{'float' if p[1] == 0 else 'quantized'}")  # fmt: skip
 def tiny_file(request, tmp_path_factory):
     arch, which = request.param
