@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from moestream.engine.grammar import TokenGrammar
 from moestream.engine.prompt_cache import Conversation, PromptCache
 from moestream.engine.sampling import Sampler
 from moestream.engine.stats import GenerationStats
@@ -56,6 +57,7 @@ class Sequence:
     finish_reason: str | None = None  # stop | length | cancelled, once finished
     started: float = 0.0  # when it was admitted
     decode_started: float = 0.0
+    grammar: TokenGrammar | None = None  # structured output: masks its logits, ends it when complete
 
     @property
     def prefilling(self) -> bool:
@@ -100,13 +102,16 @@ class Scheduler:
         sampler: Sampler | None = None,
         stop_ids: set[int] | None = None,
         stats: GenerationStats | None = None,
+        grammar: TokenGrammar | None = None,
     ) -> Sequence:
         """Queue a request; it starts at the next step with a free slot. Raises ContextError if it can't fit.
-        stats: the object its stats are kept in (a new one by default)."""
+        stats: the object its stats are kept in (a new one by default); grammar: what its tokens must
+        follow (this sequence's alone: the others in the step are unaffected)."""
         self.engine.check_prompt(prompt)
         seq = Sequence(list(prompt), min(max_new_tokens, self.engine.ctx - len(prompt)), sampler or Sampler(),
                        stop_ids or set(), stats or GenerationStats())  # fmt: skip
         seq.stats.prompt_tokens = len(prompt)
+        seq.grammar = grammar
         self.waiting.append(seq)
         return seq
 
@@ -197,12 +202,15 @@ class Scheduler:
         events = []
         for s in [s for s in self.running if s.logits is not None]:
             assert s.logits is not None
-            token = s.sampler(s.logits)
+            token = s.sampler(s.logits if s.grammar is None else s.grammar.mask(s.logits))
             s.logits = None
+            if s.grammar is not None:
+                s.grammar.accept(token)
             s.n_new += 1
             st = s.stats
             st.decode_tokens, st.decode_s = s.n_new, time.perf_counter() - s.decode_started
-            reason = "stop" if token in s.stop_ids else "length" if s.n_new >= s.max_new_tokens else None
+            done = token in s.stop_ids or (s.grammar is not None and s.grammar.done)
+            reason = "stop" if done else "length" if s.n_new >= s.max_new_tokens else None
             if reason is None:
                 s.next_token = token
             else:

@@ -107,6 +107,7 @@ class ChatRequest(Sampling):
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} (vLLM's name)
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # OpenAI's; gpt-oss's template reads it
     logprobs: bool | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(Sampling):
@@ -116,6 +117,7 @@ class CompletionRequest(Sampling):
     suffix: str | None = None
     logprobs: int | None = None
     best_of: int | None = None
+    response_format: Any = None  # not OpenAI's on completions: refused, never silently ignored
 
 
 B = TypeVar("B", bound=_Body)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from moestream.engine.grammar import TokenGrammar
 from moestream.engine.sampling import Sampler
 from moestream.engine.scheduler import Sequence, TokenEvent
 from moestream.errors import ContextError, DiskError
@@ -81,6 +82,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    grammar: TokenGrammar | None = None  # structured output (serving/structured.py)
 
     def emit(self, event: Event) -> None:
         """Called from the worker thread: hand the event to the request's event loop."""
@@ -258,7 +260,8 @@ class Worker:
             return
         self.metrics.requests += 1
         try:
-            seq = self.batch.add(job.prompt, job.max_tokens, job.sampler, self.engine.tokenizer.stop_ids)
+            extra = {"grammar": job.grammar} if job.grammar is not None else {}
+            seq = self.batch.add(job.prompt, job.max_tokens, job.sampler, self.engine.tokenizer.stop_ids, **extra)
         except Exception as exc:  # a prompt that cannot fit, or a model file that changed
             self._unqueue(job)
             self.metrics.failed += 1
