@@ -27,7 +27,6 @@ import sys
 import time
 from typing import Any
 
-import harness
 import torch
 from harness import add_results_args, log, run_meta, save_results
 
@@ -111,7 +110,9 @@ def _train(path: str) -> None:
             break
     tok = HF(models.BPE())
     split = pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated")
-    tok.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     tok.train(files, trainers.BpeTrainer(vocab_size=151643, initial_alphabet=alphabet, show_progress=False))
@@ -158,7 +159,9 @@ class LLGuidance:
 
         class Vocab:
             eos_token_id, bos_token_id = tok.eos_id, None
-            tokens = [b"\xff" + t.encode() if tok.is_special(i) else tok.token_bytes(i) for i, t in enumerate(tok.tokens)]
+            tokens = [
+                b"\xff" + t.encode() if tok.is_special(i) else tok.token_bytes(i) for i, t in enumerate(tok.tokens)
+            ]
             special_token_ids = [i for i in range(tok.vocab_size) if tok.is_special(i)]
 
             def __call__(self, text: str | bytes) -> list[int]:
@@ -279,7 +282,9 @@ def main() -> None:
     for V, s in applied.items():
         lines.append(f"\napplying a mask to {V} logits: {s['median_us']:.0f} us (p90 {s['p90_us']:.0f})")
     md = "\n".join(lines)
-    save_results({"meta": run_meta(args), "rows": rows, "apply_mask": applied, "markdown": md}, md, args, "grammar-engines")
+    save_results(
+        {"meta": run_meta(args), "rows": rows, "apply_mask": applied, "markdown": md}, md, args, "grammar-engines"
+    )
 
 
 if __name__ == "__main__":
