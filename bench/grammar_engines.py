@@ -27,10 +27,12 @@ import sys
 import time
 from typing import Any
 
+import llguidance as llg
+import numpy as np
 import torch
 from harness import add_results_args, log, run_meta, save_results
 
-from moestream.engine.grammar import apply_bitmask
+from moestream.engine.grammar import GrammarVocab, apply_bitmask
 from moestream.formats.tokenizer import (
     CONTROL,
     NORMAL,
@@ -40,6 +42,7 @@ from moestream.formats.tokenizer import (
     Tokenizer,
     build_tiny_bpe_metadata,
 )
+from moestream.serving.structured import JSON_OPTIONS
 
 SCHEMAS: dict[str, tuple[dict[str, Any] | None, Any]] = {
     "json_object": (None, {"id": 7, "tags": ["a", "b"], "ok": True}),
@@ -134,55 +137,38 @@ class XGrammar:
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def compile(self, schema: dict[str, Any] | None) -> Any:
-        if schema is None:
-            return self.compiler.compile_builtin_json_grammar()
-        return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+        text = json.dumps(schema or {"type": "object"})
+        return self.compiler.compile_json_schema(text, any_whitespace=False, separators=(", ", ": "))
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled)
 
-    def fill(self, m: Any, bitmask: torch.Tensor) -> None:
+    def fill(self, m: Any, bitmask: torch.Tensor) -> np.ndarray:
         m.fill_next_token_bitmask(bitmask)
+        return bitmask[0].numpy().view(np.uint8)
 
     def accept(self, m: Any, token: int) -> bool:
         return m.accept_token(token)
 
 
 class LLGuidance:
+    """Through moestream's own adapter (moestream/engine/grammar.py), as the server uses it."""
+
     name = "llguidance"
 
     def __init__(self, tok: Tokenizer):
-        import llguidance as llg
-        import llguidance.torch as llt
-
-        self.llg, self.llt, self.V = llg, llt, tok.vocab_size
-
-        class Vocab:
-            eos_token_id, bos_token_id = tok.eos_id, None
-            tokens = [
-                b"\xff" + t.encode() if tok.is_special(i) else tok.token_bytes(i) for i, t in enumerate(tok.tokens)
-            ]
-            special_token_ids = [i for i in range(tok.vocab_size) if tok.is_special(i)]
-
-            def __call__(self, text: str | bytes) -> list[int]:
-                return tok.encode(text if isinstance(text, str) else text.decode(errors="replace"), add_bos=False)
-
-        self.lltok = llg.LLTokenizer(llg.TokenizerWrapper(Vocab()), eos_token=sorted(tok.stop_ids))
+        self.vocab, self.V = GrammarVocab(tok), tok.vocab_size
 
     def compile(self, schema: dict[str, Any] | None) -> Any:
-        grammar = self.llg.LLMatcher.grammar_from_json_schema(
-            schema or {"type": "object"}, defaults={"whitespace_flexible": False, "item_separator": ",",
-                                                    "key_separator": ":"}
-        )  # fmt: skip
-        m = self.llg.LLMatcher(self.lltok, grammar)
-        assert not m.is_error(), m.get_error()
+        grammar = llg.LLMatcher.grammar_from_json_schema(schema or {"type": "object"}, defaults=JSON_OPTIONS)
+        self.vocab.compile(grammar)  # the matcher a request gets: the grammar's whole compile
         return grammar
 
     def matcher(self, compiled: Any) -> Any:
-        return self.llg.LLMatcher(self.lltok, compiled)
+        return self.vocab.compile(compiled).matcher
 
-    def fill(self, m: Any, bitmask: torch.Tensor) -> None:
-        self.llt.fill_next_token_bitmask(m, bitmask, 0)
+    def fill(self, m: Any, bitmask: torch.Tensor) -> np.ndarray:
+        return np.frombuffer(m.compute_bitmask(), np.uint8)
 
     def accept(self, m: Any, token: int) -> bool:
         return m.consume_token(token)
@@ -191,10 +177,7 @@ class LLGuidance:
 # ---- measuring ---------------------------------------------------------------------------------------
 
 
-def allowed(bitmask: torch.Tensor, V: int) -> list[int]:
-    bits = bitmask[0].numpy().view("uint8")
-    import numpy as np
-
+def allowed(bits: np.ndarray, V: int) -> list[int]:
     return np.flatnonzero(np.unpackbits(bits, bitorder="little")[:V]).tolist()
 
 
@@ -205,9 +188,9 @@ def walk(eng: Any, compiled: Any, tokens: list[int] | None, rng: random.Random |
     m, bitmask, out = eng.matcher(compiled), xgr.allocate_token_bitmask(1, eng.V), []
     for i in range(len(tokens) if tokens is not None else WALK_TOKENS):
         t0 = time.perf_counter()
-        eng.fill(m, bitmask)
+        bits = eng.fill(m, bitmask)
         fill_s = time.perf_counter() - t0
-        token = tokens[i] if tokens is not None else rng.choice(allowed(bitmask, eng.V))  # type: ignore[union-attr]
+        token = tokens[i] if tokens is not None else rng.choice(allowed(bits, eng.V))  # type: ignore[union-attr]
         t0 = time.perf_counter()
         assert eng.accept(m, token), f"{eng.name} refused token {token}"
         out.append(fill_s + time.perf_counter() - t0)
@@ -233,12 +216,15 @@ def measure(eng_cls: Any, tok: Tokenizer) -> dict[str, Any]:
         t0 = time.perf_counter()
         compiled = eng.compile(schema)
         compile_s = time.perf_counter() - t0
-        ids = tok.encode(json.dumps(instance, separators=(",", ":")), add_bos=False) + [tok.eos_id]
+        ids = tok.encode(json.dumps(instance), add_bos=False) + [tok.eos_id]
         per = walk(eng, compiled, ids, None)
         rnd = [x for k in range(RANDOM_WALKS) for x in walk(eng, compiled, None, random.Random(k))]
         row[name] = {"compile_ms": compile_s * 1e3, "instance": stats_us(per), "random": stats_us(rnd)}
-        log(f"{eng.name} V={tok.vocab_size} {name}: compile {compile_s * 1e3:.1f} ms, "
-            f"instance {row[name]['instance']['median_us']:.0f} us, random {row[name]['random']['median_us']:.0f} us")  # fmt: skip
+        inst, rand = row[name]["instance"]["median_us"], row[name]["random"]["median_us"]
+        log(
+            f"{eng.name} V={tok.vocab_size} {name}: compile {compile_s * 1e3:.1f} ms, "
+            f"instance {inst:.0f} us, random {rand:.0f} us"
+        )
     return row
 
 
@@ -274,10 +260,12 @@ def main() -> None:
     for r in rows:
         for name in SCHEMAS:
             c = r[name]
+            walks = " | ".join(
+                f"{w['median_us']:.0f} (p90 {w['p90_us']:.0f}, max {w['max_us']:.0f})"
+                for w in (c["instance"], c["random"])
+            )
             lines.append(
-                f"| {r['engine']} | {r['vocab']} | {r['setup_s']:.2f} | {name} | {c['compile_ms']:.1f} | "
-                f"{c['instance']['median_us']:.0f} (p90 {c['instance']['p90_us']:.0f}, max {c['instance']['max_us']:.0f}) | "
-                f"{c['random']['median_us']:.0f} (p90 {c['random']['p90_us']:.0f}, max {c['random']['max_us']:.0f}) |"
+                f"| {r['engine']} | {r['vocab']} | {r['setup_s']:.2f} | {name} | {c['compile_ms']:.1f} | {walks} |"
             )
     for V, s in applied.items():
         lines.append(f"\napplying a mask to {V} logits: {s['median_us']:.0f} us (p90 {s['p90_us']:.0f})")

@@ -12,6 +12,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from moestream.engine.engine import Engine
@@ -204,18 +205,10 @@ def test_auto_tool_choice_allows_text_and_calls(engine: Engine) -> None:
     lark = tool_call_grammar(QWEN, TOOLS)
     assert lark is not None
     tok = engine.tokenizer
-    good = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
-    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "kelvin"}}\n</tool_call>'
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "%s"}}\n</tool_call>'
+    good, bad = "Let me look.\n" + call % "celsius", call % "kelvin"
     for text, ok in [("Just text, no call.", True), (good, True), (bad, False)]:
-        g = grammars.compile(lark, "tools")
-        accepted = True
-        for t in tok.encode(text):
-            allowed = g.mask(__import__("torch").zeros(tok.vocab_size)).isfinite()
-            accepted = accepted and bool(allowed[t])
-            if not accepted:
-                break
-            g.accept(t)
-        assert accepted == ok, text
+        assert _walk(grammars.compile(lark, "tools"), tok, text) == ok, text
     assert tool_call_grammar(QWEN, [{"type": "function", "function": {"name": "f", "parameters": {}}}]) is None
 
 
@@ -238,3 +231,28 @@ def test_grammar_leaves_the_rest_of_the_batch_alone(engine: Engine) -> None:
         return out[id(seq)]
 
     assert run(True) == run(False)
+
+
+def _walk(grammar: Any, tok: Any, text: str) -> bool:
+    """Whether the grammar lets a model write `text`, token by token."""
+    for t in tok.encode(text):
+        if not bool(grammar.mask(torch.zeros(tok.vocab_size))[t].isfinite()):
+            return False
+        grammar.accept(t)
+    return True
+
+
+def test_a_prompt_that_opened_thinking_keeps_its_reasoning(engine: Engine) -> None:
+    """DeepSeek-R1-style prompts end inside <think>: the JSON comes after the reasoning and </think>, so the
+    answer's parser still tells the two apart."""
+    tok, grammars = engine.tokenizer, Grammars(engine.tokenizer)
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    after = response_format_grammar(fmt, thinking=True)
+    plain = response_format_grammar(fmt)
+    assert after is not None and plain is not None
+    answer = '{"city": "Paris", "unit": "celsius"}'
+    g = grammars.compile(after, "response_format")
+    assert _walk(g, tok, "Paris, then.</think>\n\n" + answer) and g.done
+    g = grammars.compile(after, "response_format")
+    assert _walk(g, tok, "Paris, then.</think>" + answer.replace("celsius", "kelvin")[:-3]) is False
+    assert not _walk(grammars.compile(plain, "response_format"), tok, "Paris, then.")

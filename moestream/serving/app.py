@@ -123,7 +123,7 @@ class Service:
         prompt, parser = self.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = self.make_job(req, prompt, max_tokens, "messages", parser)
-        job.grammar = request_grammar(self.tok, self.format, req, parser.use_tools)
+        job.grammar = request_grammar(self.tok, self.format, req, parser)
         return await self.answer(request, job, req, parser)
 
     async def completions(self, request: Request) -> Any:

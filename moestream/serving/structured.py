@@ -27,17 +27,23 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 
-def _json_grammar(schema: Any, param: str) -> str:
+def _json_grammar(schema: Any, param: str, thinking: bool = False) -> str:
+    """The grammar of JSON valid against `schema`; `thinking`: after the rest of a thinking block the prompt
+    opened (its text, `</think>`, then the JSON), so that the reasoning stays reasoning."""
     if not isinstance(schema, dict):
         raise APIError(400, f"{param} must be a JSON object (a JSON Schema)", param=param, code="invalid_value")
+    if thinking:
+        inline = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+        return "\n".join([f"start: think NL? %json{inline}", "think[lazy]: /(?s:.*)<\\/think>/", "NL: /[ \\n]+/"])
     try:
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
     except ValueError as exc:
         raise APIError(400, f"invalid {param}: {one_line(str(exc))}", param=param, code="invalid_value") from None
 
 
-def response_format_grammar(fmt: Any) -> str | None:
-    """The grammar text of a request's response_format (None: free text); APIError 400 if it is not one."""
+def response_format_grammar(fmt: Any, thinking: bool = False) -> str | None:
+    """The grammar text of a request's response_format (None: free text); APIError 400 if it is not one.
+    thinking: the prompt opened a thinking block (_json_grammar)."""
     if fmt is None:
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -51,7 +57,7 @@ def response_format_grammar(fmt: Any) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _json_grammar({"type": "object"}, "response_format")
+        return _json_grammar({"type": "object"}, "response_format", thinking)
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
         raise APIError(
@@ -60,7 +66,7 @@ def response_format_grammar(fmt: Any) -> str | None:
             param="response_format.json_schema",
             code="invalid_value",
         )
-    return _json_grammar(spec.get("schema", {}), "response_format.json_schema.schema")
+    return _json_grammar(spec.get("schema", {}), "response_format.json_schema.schema", thinking)
 
 
 def _lark_string(text: str) -> str:
@@ -123,16 +129,17 @@ class Grammars:
 _ENGINES: dict[int, tuple[Any, Grammars]] = {}  # id(tokenizer) -> (the tokenizer, kept alive; its engine)
 
 
-def request_grammar(tokenizer: Any, fmt: ChatFormat, req: Any, use_tools: bool) -> TokenGrammar | None:
+def request_grammar(tokenizer: Any, fmt: ChatFormat, req: Any, parser: Any) -> TokenGrammar | None:
     """The grammar a chat request's answer must follow (None: free text): its response_format, else its
-    strict tools' calls. APIError 400 for a format or schema that is not one."""
+    strict tools' calls. parser: the answer's (chat_formats), which says whether the answer starts inside a
+    thinking block and whether tools are in use. APIError 400 for a format or schema that is not one."""
     entry = _ENGINES.get(id(tokenizer))
     if entry is None or entry[0] is not tokenizer:
         entry = _ENGINES[id(tokenizer)] = (tokenizer, Grammars(tokenizer))
-    grammar = response_format_grammar(req.response_format)
+    grammar = response_format_grammar(req.response_format, getattr(parser, "state", None) == "reasoning")
     if grammar is not None:
         return entry[1].compile(grammar, "response_format")
-    if use_tools and req.tools:
+    if parser.use_tools and req.tools:
         grammar = tool_call_grammar(fmt, [t.model_dump(exclude_none=True) for t in req.tools], req.tool_choice)
         if grammar is not None:
             return entry[1].compile(grammar, "tools")
