@@ -256,3 +256,10 @@ def test_a_prompt_that_opened_thinking_keeps_its_reasoning(engine: Engine) -> No
     g = grammars.compile(after, "response_format")
     assert _walk(g, tok, "Paris, then.</think>" + answer.replace("celsius", "kelvin")[:-3]) is False
     assert not _walk(grammars.compile(plain, "response_format"), tok, "Paris, then.")
+
+
+def test_bad_strict_tool_schema_is_a_400(client: TestClient) -> None:
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}, "strict": True}}]
+    status, answer = _chat(client, False, tools=bad)
+    assert status == 400, answer
+    assert answer["error"]["param"] == "tools" and "\n" not in answer["error"]["message"]
