@@ -6,7 +6,11 @@
   whatever `strict` says (a grammar that lets the answer stray would only be a weaker one).
 - tools whose `function.strict` is true (Qwen/Hermes-format models): the answer is free text, but a
   `<tool_call>` block it opens must hold {"name": one of the tools, "arguments": what its schema allows};
-  the other tools' arguments are any JSON object.
+  the other tools' arguments are any JSON object. With tool_choice "required" (or one function named) the
+  answer is calls only (to that function). Other families' call blocks are left free.
+- A prompt that opened a thinking block (DeepSeek-R1's template) gets its reasoning and `</think>` first.
+
+/v1/completions has no response_format in OpenAI's API: the server refuses it there (app.py).
 
 JSON is written with the separators json.dumps writes (", " and ": ") and no other whitespace: the layout
 models most often write on one line, and a random model cannot run on in whitespace.
