@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from moestream.engine.grammar import TokenGrammar
 from moestream.engine.prompt_cache import Conversation, PromptCache, common_prefix
 from moestream.engine.sampling import Sampler, TokenHistory, TokenLogprobs
 from moestream.engine.stats import GenerationStats
@@ -63,6 +64,7 @@ class Sequence:
     history: TokenHistory = field(default_factory=TokenHistory)  # what the sampler's penalties look at
     top_logprobs: int | None = None  # None: no log-probabilities; else the most likely tokens' to report
     fork_of: Sequence | None = None  # the group's first choice, whose prefilled prompt this one copies
+    grammar: TokenGrammar | None = None  # structured output: masks its logits, ends it when complete
 
     @property
     def prefilling(self) -> bool:
@@ -109,10 +111,14 @@ class Scheduler:
         stop_ids: set[int] | None = None,
         stats: GenerationStats | None = None,
         top_logprobs: int | None = None,
+        grammar: TokenGrammar | None = None,
     ) -> Sequence:
         """Queue a request; it starts at the next step with a free slot. Raises ContextError if it can't fit.
-        stats: the object its stats are kept in (a new one by default); top_logprobs: see Sequence."""
-        return self.add_choices(prompt, max_new_tokens, [sampler or Sampler()], stop_ids, [stats], top_logprobs)[0]
+        stats: the object its stats are kept in (a new one by default); top_logprobs: see Sequence; grammar:
+        what its tokens must follow (this sequence's alone: the others in the step are unaffected)."""
+        return self.add_choices(
+            prompt, max_new_tokens, [sampler or Sampler()], stop_ids, [stats], top_logprobs, [grammar]
+        )[0]
 
     def add_choices(
         self,
@@ -122,9 +128,11 @@ class Scheduler:
         stop_ids: set[int] | None = None,
         stats: list[GenerationStats | None] | None = None,
         top_logprobs: int | None = None,
+        grammars: list[TokenGrammar | None] | None = None,
     ) -> list[Sequence]:
         """Queue one sequence per sampler on the same prompt, which is prefilled once for all of them; they are
-        admitted together, so there must be no more of them than slots."""
+        admitted together, so there must be no more of them than slots. grammars: each choice's own (a
+        grammar holds its sequence's place in it)."""
         self.engine.check_prompt(prompt)
         if not 0 < len(samplers) <= self.capacity:
             raise ValueError(f"{len(samplers)} choices of one prompt, but {self.capacity} sequences run at once")
@@ -133,7 +141,8 @@ class Scheduler:
         for i, sampler in enumerate(samplers):
             st = (stats[i] if stats else None) or GenerationStats()
             seq = Sequence(list(prompt), limit, sampler, stop_ids or set(), st, history=TokenHistory(prompt),
-                           top_logprobs=top_logprobs, fork_of=seqs[0] if seqs else None)  # fmt: skip
+                           top_logprobs=top_logprobs, fork_of=seqs[0] if seqs else None,
+                           grammar=grammars[i] if grammars else None)  # fmt: skip
             seq.stats.prompt_tokens = len(prompt)
             seqs.append(seq)
         self.waiting.extend(seqs)
@@ -259,13 +268,17 @@ class Scheduler:
         events = []
         for s in [s for s in self.running if s.logits is not None]:
             assert s.logits is not None
-            token, logprobs = s.sampler.pick(s.logits, s.history, s.top_logprobs)
+            logits = s.logits if s.grammar is None else s.grammar.mask(s.logits)
+            token, logprobs = s.sampler.pick(logits, s.history, s.top_logprobs)
             s.history.add(token)
             s.logits = None
+            if s.grammar is not None:
+                s.grammar.accept(token)
             s.n_new += 1
             st = s.stats
             st.decode_tokens, st.decode_s = s.n_new, time.perf_counter() - s.decode_started
-            reason = "stop" if token in s.stop_ids else "length" if s.n_new >= s.max_new_tokens else None
+            done = token in s.stop_ids or (s.grammar is not None and s.grammar.done)
+            reason = "stop" if done else "length" if s.n_new >= s.max_new_tokens else None
             if reason is None:
                 s.next_token = token
             else:

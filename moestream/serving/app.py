@@ -46,6 +46,7 @@ from moestream.serving.schemas import (
     Sampling,
     parse_body,
 )
+from moestream.serving.structured import request_grammar
 from moestream.serving.text import TextStream, special_token_ids
 from moestream.serving.worker import (
     Admission,
@@ -121,12 +122,13 @@ class Service:
         prompt, parser = self.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = self.make_job(req, prompt, max_tokens, "messages", parser)
+        job.grammars = [request_grammar(self.tok, self.format, req, parser) for _ in job.choices]
         return await self.answer(request, job, req, parser)
 
     async def completions(self, request: Request) -> Any:
         req = await parse_body(request, CompletionRequest, self.max_body_bytes)
         self.check_model(req.model)
-        for name in ("echo", "suffix"):
+        for name in ("echo", "suffix", "response_format"):
             if getattr(req, name):
                 raise APIError(400, f"{name} is not supported", param=name, code="unsupported_value")
         if req.best_of not in (None, 1):
@@ -430,10 +432,7 @@ def message_dict(m: Message, i: int) -> dict[str, Any]:
     if isinstance(m.content, list):
         if any(p.type != "text" for p in m.content):
             raise APIError(
-                400,
-                "only text content parts are supported",
-                param=f"messages[{i}].content",
-                code="unsupported_value",
+                400, "only text content parts are supported", param=f"messages[{i}].content", code="unsupported_value"
             )
         d["content"] = "".join(p.text or "" for p in m.content)
     for call in d.get("tool_calls", []):

@@ -123,6 +123,7 @@ class ChatRequest(Sampling):
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # OpenAI's; gpt-oss's template reads it
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(Sampling):
@@ -132,6 +133,7 @@ class CompletionRequest(Sampling):
     suffix: str | None = None
     logprobs: int | None = None
     best_of: int | None = None
+    response_format: Any = None  # not OpenAI's on completions: refused, never silently ignored
 
 
 B = TypeVar("B", bound=_Body)

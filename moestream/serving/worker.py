@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from moestream.engine.grammar import TokenGrammar
 from moestream.engine.sampling import Sampler, TokenLogprobs
 from moestream.engine.scheduler import Sequence, TokenEvent
 from moestream.errors import ContextError, DiskError
@@ -94,6 +95,7 @@ class Job:
     top_logprobs: int | None = None  # None: no log-probabilities
     request_id: str = ""
     submitted: float = field(default_factory=time.perf_counter)
+    grammars: list[TokenGrammar | None] = field(default_factory=list)  # each choice's (serving/structured.py)
 
     @property
     def choices(self) -> list[tuple[Sampler, TextStream]]:
@@ -311,7 +313,10 @@ class Worker:
         try:
             samplers = [sampler for sampler, _ in job.choices]
             stops = self.engine.tokenizer.stop_ids
-            seqs = self.batch.add_choices(job.prompt, job.max_tokens, samplers, stops, top_logprobs=job.top_logprobs)
+            extra = {"grammars": job.grammars} if any(job.grammars) else {}
+            seqs = self.batch.add_choices(
+                job.prompt, job.max_tokens, samplers, stops, top_logprobs=job.top_logprobs, **extra
+            )
         except Exception as exc:  # a prompt that cannot fit, or a model file that changed
             self._unqueue(job)
             self.metrics.failed += 1
