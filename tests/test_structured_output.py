@@ -263,3 +263,15 @@ def test_bad_strict_tool_schema_is_a_400(client: TestClient) -> None:
     status, answer = _chat(client, False, tools=bad)
     assert status == 400, answer
     assert answer["error"]["param"] == "tools" and "\n" not in answer["error"]["message"]
+
+
+def test_each_of_n_choices_follows_the_schema(client: TestClient) -> None:
+    """n sampled choices decode in the same steps, each held to the schema by a grammar of its own."""
+    name = next(iter(SCHEMAS))
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+    status, answer = _chat(client, False, response_format=fmt, n=3, temperature=1.0, seed=11)
+    assert status == 200, answer
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    for choice in answer["choices"]:
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMAS[name])
+        assert choice["finish_reason"] == "stop"
