@@ -272,3 +272,44 @@ def test_retry_after_header(model_path: str, tmp_path: Path) -> None:
             conn.close()
         finally:
             hold.join()
+
+
+def test_an_arrival_never_holds_the_streams_that_decode(model_path: str) -> None:
+    """A burst is gathered only while nothing decodes: a request arriving during a stream's decoding joins at
+    the next step instead of holding that stream for the gathering window."""
+    engine = Engine(model_path, EngineOptions(n_slots=10_000, ctx=256, max_batch=4))
+    loop = asyncio.new_event_loop()
+    worker = Worker(engine, admission=Admission(gather_s=30.0, gather_gap_s=5.0))
+    worker.start()
+
+    def job(prompt: str, n: int) -> Job:
+        return Job(engine.tokenizer.encode(prompt), n, Sampler(), TextStream(engine.tokenizer), loop)
+
+    async def token_times(j: Job) -> list[float]:
+        times = []
+        while not isinstance(event := await j.events.get(), DoneEvent):
+            if isinstance(event, TextEvent):
+                times.append(time.monotonic())
+        return times
+
+    try:
+        running = job(PROMPTS[0], 60)
+        worker.submit(running)
+        times = loop.run_until_complete(asyncio.wait_for(_first_then_rest(running, token_times), 60))
+        late = job(PROMPTS[1], 4)
+        worker.submit(late)
+        rest = loop.run_until_complete(asyncio.wait_for(token_times(running), 60))
+        loop.run_until_complete(asyncio.wait_for(token_times(late), 60))
+    finally:
+        worker.stop()
+        engine.close()
+        loop.close()
+    gaps = [b - a for a, b in zip(times[-1:] + rest, rest, strict=False)]
+    assert rest and max(gaps) < 3.0  # a step's time, not the 5 s gap or the 30 s window
+
+
+async def _first_then_rest(j: Job, token_times) -> list[float]:
+    """The time of the job's first text event (the stream is decoding from then on)."""
+    while not isinstance(await j.events.get(), TextEvent):
+        pass
+    return [time.monotonic()]

@@ -156,9 +156,13 @@ class ModelFileWatch:
         return APIError(500, f"generation failed: {exc}", type="server_error")
 
 
-def _burst(jobs: queue.Queue[Job | None], first: Job | None, admission: Admission) -> Iterator[Job | None]:
-    """The first arrival and those that follow it closely (gather_gap_s apart, gather_s at most)."""
-    end = time.monotonic() + admission.gather_s
+def _burst(
+    jobs: queue.Queue[Job | None], first: Job | None, admission: Admission, gather: bool
+) -> Iterator[Job | None]:
+    """The first arrival and those that follow it closely (gather_gap_s apart, gather_s at most). gather
+    False (streams are decoding): only what has already arrived, so that a running stream never waits for a
+    burst; the next step, moments away, admits them together anyway."""
+    end = time.monotonic() + (admission.gather_s if gather else 0.0)
     job: Job | None = first
     while True:
         yield job
@@ -289,7 +293,7 @@ class Worker:
                     continue
                 job = False
             if job is not False:
-                for arrival in _burst(self.jobs, job, self.admission):
+                for arrival in _burst(self.jobs, job, self.admission, gather=not self.batch):
                     if arrival is None:
                         self._cancel(everything=True)  # the server stops: whatever is left ends as cancelled
                         return
