@@ -215,7 +215,7 @@ if lib.ms_lane_supported():
         call(lib.ms_qmm, t, None, n, k, ptr(xs), 1, k, ptr(y), n, want=native.BAD_PTR)
         call(lib.ms_lane_pack, t, ptr(raw), -1, k, ptr(lane), want=native.BAD_SHAPE)
         call(lib.ms_lane_unpack, t, ptr(lane), n, k, None, want=native.BAD_PTR)
-    call(lib.ms_qmm, 3, ptr(lane), 5, 256, ptr(xs), 1, 256, ptr(y), 5, want=native.BAD_TYPE)
+    call(lib.ms_qmm, 16, ptr(lane), 5, 256, ptr(xs), 1, 256, ptr(y), 5, want=native.BAD_TYPE)  # IQ2_XXS: no lane form
 
     # rows of a multiple of 32 only: a last group of 1..15 lanes, read masked; rows cut short of a block refused
     for t in PER32:
