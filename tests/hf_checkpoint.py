@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any
 
 import numpy as np
@@ -68,23 +69,28 @@ def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return (q.float() * s).to(torch.bfloat16).float()
 
 
-def save_fp8_checkpoint(model: Any, directory: str, skip: tuple[str, ...] = ("embed_tokens", "lm_head", "gate.")) -> str:
-    """Every 2-D weight but the embedding, head and routers as FP8 with block scales; the model's weights
-    become the values the checkpoint holds (bf16-rounded), so it is the reference."""
+def save_fp8_checkpoint(model: Any, directory: str, skip: tuple[str, ...] = ("embed_tokens", "lm_head", "gate.")) -> Any:
+    """Every 2-D weight of the saved checkpoint but the embedding, head and routers as FP8 with block scales
+    (the rest bf16); returns the reference: transformers' float32 model of the values the checkpoint holds
+    (bf16-rounded, as moestream decodes them), loaded from a twin directory of dequantized weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
     model.to(torch.bfloat16).save_pretrained(directory)
     model.to(torch.float32)
-    sd: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 2 and not any(s in name for s in skip):
-                q, s = fp8_quantize(p.data)
-                p.copy_(fp8_dequantize(q, s))
-                sd[name], sd[name + "_scale_inv"] = q, s
-            else:
-                p.copy_(p.data.to(torch.bfloat16).float())
-                sd[name] = p.data.to(torch.bfloat16).contiguous()
-    os.remove(os.path.join(directory, "model.safetensors"))
-    save_file(sd, os.path.join(directory, "model.safetensors"))
+    path = os.path.join(directory, "model.safetensors")
+    fp8, plain = {}, {}
+    for name, t in load_file(path).items():
+        if t.ndim == 2 and not any(s in name for s in skip):
+            q, s = fp8_quantize(t)
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            plain[name] = fp8_dequantize(q, s).to(torch.bfloat16)
+        else:
+            fp8[name] = plain[name] = t
+    twin = directory + "-dequantized"
+    shutil.copytree(directory, twin)
+    save_file(plain, os.path.join(twin, "model.safetensors"), metadata={"format": "pt"})
+    save_file(fp8, path, metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json")) as fh:
         cfg = json.load(fh)
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -92,7 +98,9 @@ def save_fp8_checkpoint(model: Any, directory: str, skip: tuple[str, ...] = ("em
     with open(os.path.join(directory, "config.json"), "w") as fh:
         json.dump(cfg, fh)
     write_tokenizer(directory)
-    return directory
+    ref = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    ref.config._attn_implementation = model.config._attn_implementation
+    return ref
 
 
 def bf16_round(model: Any) -> Any:
