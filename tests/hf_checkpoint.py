@@ -29,8 +29,10 @@ def write_tokenizer(directory: str) -> None:
     vocab = {t: i for i, (t, ty) in enumerate(zip(tokens, types, strict=True)) if ty == tk.NORMAL}
     merges = [tuple(m.split(" ")) for m in md["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE(vocab, merges))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(tk.QWEN2_SPLIT), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])  # fmt: skip
+    split = pre_tokenizers.Split(Regex(tk.QWEN2_SPLIT), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([t for t, ty in zip(tokens, types, strict=True) if ty != tk.NORMAL])
     tok.save(os.path.join(directory, "tokenizer.json"))
@@ -69,7 +71,9 @@ def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return (q.float() * s).to(torch.bfloat16).float()
 
 
-def save_fp8_checkpoint(model: Any, directory: str, skip: tuple[str, ...] = ("embed_tokens", "lm_head", "gate.")) -> Any:
+def save_fp8_checkpoint(
+    model: Any, directory: str, skip: tuple[str, ...] = ("embed_tokens", "lm_head", "gate.")
+) -> Any:
     """Every 2-D weight of the saved checkpoint but the embedding, head and routers as FP8 with block scales
     (the rest bf16); returns the reference: transformers' float32 model of the values the checkpoint holds
     (bf16-rounded, as moestream decodes them), loaded from a twin directory of dequantized weights."""

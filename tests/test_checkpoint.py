@@ -158,8 +158,10 @@ def _truncate(d):
     [
         (lambda d: os.remove(os.path.join(d, "config.json")), "config.json is missing"),
         (lambda d: _config(d, architectures=["FooForCausalLM"]), "'FooForCausalLM'"),
-        (lambda d: os.remove(os.path.join(d, sorted(n for n in os.listdir(d) if n.endswith(".safetensors"))[1])),
-         "is missing"),
+        (
+            lambda d: os.remove(os.path.join(d, sorted(n for n in os.listdir(d) if n.endswith(".safetensors"))[1])),
+            "is missing",
+        ),
         (_truncate, "download it again"),
     ],
     ids=["no-config", "unknown-arch", "missing-shard", "truncated"],

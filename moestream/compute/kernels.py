@@ -188,7 +188,9 @@ def lane_pack_many(shapes: list[tuple[int, int, int]], srcs: list[int], dsts: li
                                           ks.ctypes.data, dst.ctypes.data)  # fmt: skip
 
 
-def fp8_block_decode(src: np.ndarray, n: int, k: int, scales: np.ndarray, block: tuple[int, int], bf16: bool) -> np.ndarray:
+def fp8_block_decode(
+    src: np.ndarray, n: int, k: int, scales: np.ndarray, block: tuple[int, int], bf16: bool
+) -> np.ndarray:
     """FP8 e4m3 bytes [n, k] times their float32 block scales [ceil(n/bn), ceil(k/bk)] -> the bytes of a
     bf16 (or float32) [n, k] matrix, by the C library (torch where it is not built)."""
     src = np.ascontiguousarray(src[: n * k])

@@ -120,7 +120,9 @@ class CheckpointModel:
     def source(self, name: str) -> tuple[int, SafeTensor]:
         found = self.hf.get(name)
         if found is None:
-            raise ModelFileError(f"{self.path}: the checkpoint has no tensor {name!r}; it is incomplete or another model")
+            raise ModelFileError(
+                f"{self.path}: the checkpoint has no tensor {name!r}; it is incomplete or another model"
+            )
         return found
 
     def has_source(self, name: str) -> bool:
@@ -130,7 +132,9 @@ class CheckpointModel:
             *, offset: int = 0, nbytes: int | None = None) -> None:  # fmt: skip
         """GGUF tensor `name` is the range of checkpoint tensor `src` from `offset` (all of it by default)."""
         part, t = self.source(src)
-        info = TensorInfo(name, ggml_type, tuple(shape), t.offset + offset, t.nbytes if nbytes is None else nbytes, part)
+        info = TensorInfo(
+            name, ggml_type, tuple(shape), t.offset + offset, t.nbytes if nbytes is None else nbytes, part
+        )
         self.tensors[name] = info
         if convert is not None:
             self.converts[name] = convert

@@ -112,8 +112,10 @@ def weight(m: Any, name: str, hf: str, permute_heads: int | None = None) -> None
     if permute_heads is not None:
         row_bytes = st.shape[-1] * ELEM[ggml_type] if len(st.shape) == 2 else ELEM[ggml_type]
         first = convert
+
         def convert(raw, first=first):  # noqa: E306
             return _permute_rows(raw if first is None else first(raw), permute_heads, row_bytes)
+
     m.add(name, ggml_type, st.shape, hf, convert)
 
 
@@ -155,9 +157,13 @@ def _attention(m: Any, i: int, permute: tuple[int, int] | None = None) -> None:
     hf, p = f"model.layers.{i}.self_attn.", f"blk.{i}."
     for ours, theirs, heads in (("attn_q", "q_proj", 0), ("attn_k", "k_proj", 1), ("attn_v", "v_proj", None),
                                 ("attn_output", "o_proj", None)):  # fmt: skip
-        weight(m, f"{p}{ours}.weight", f"{hf}{theirs}.weight", None if permute is None or heads is None else permute[heads])
+        weight(
+            m, f"{p}{ours}.weight", f"{hf}{theirs}.weight", None if permute is None or heads is None else permute[heads]
+        )
         if m.has_source(f"{hf}{theirs}.bias"):
-            weight(m, f"{p}{ours}.bias", f"{hf}{theirs}.bias", None if permute is None or heads is None else permute[heads])
+            weight(
+                m, f"{p}{ours}.bias", f"{hf}{theirs}.bias", None if permute is None or heads is None else permute[heads]
+            )
 
 
 def _experts(m: Any, i: int, n_experts: int, hf: str, names: tuple[str, str, str]) -> None:

@@ -55,8 +55,10 @@ def _experts_mxfp4(m: Any, i: int, n_experts: int, hidden: int, ffn: int) -> Non
         halves = (("gate", 0, ffn), ("up", 1, ffn)) if proj == "gate_up_proj" else (("down", None, hidden),)
         for e in range(n_experts):
             for name, parity, rows in halves:
+
                 def convert(raw, s=scales[e], n=n, parity=parity):  # noqa: E306
                     return _mxfp4(raw, s, n, parity)
+
                 m.add(f"blk.{i}.ffn_{name}.{e}.weight", int(T.MXFP4), (rows, k), ex + proj + "_blocks", convert,
                       offset=e * nbytes, nbytes=nbytes)  # fmt: skip
 
@@ -73,8 +75,10 @@ def _experts_float(m: Any, i: int, n_experts: int, hidden: int, ffn: int) -> Non
         halves = (("gate", 0, ffn), ("up", 1, ffn)) if proj == "gate_up_proj" else (("down", None, hidden),)
         for e in range(n_experts):
             for name, parity, rows in halves:
+
                 def convert(raw, elem=ELEM[t], shape=(k, n), parity=parity):  # noqa: E306
                     return _float_rows(raw, elem, shape, parity)
+
                 m.add(f"blk.{i}.ffn_{name}.{e}.weight", t, (rows, k), ex + proj, convert, offset=e * nbytes,
                       nbytes=nbytes)  # fmt: skip
 
@@ -86,8 +90,10 @@ def _bias_halves(m: Any, i: int, n_experts: int, ffn: int) -> None:
         raise ModelFileError(f"{m.path}: {hf} is {list(st.shape)} {st.dtype}, expected [{n_experts}, {2 * ffn}]")
     elem = ELEM[TYPES[st.dtype]]
     for name, parity in (("gate", 0), ("up", 1)):
+
         def convert(raw, parity=parity, elem=elem):  # noqa: E306
             return np.ascontiguousarray(raw.reshape(n_experts, 2 * ffn, elem)[:, parity::2]).reshape(-1)
+
         m.add(f"blk.{i}.ffn_{name}_exps.bias", TYPES[st.dtype], (n_experts, ffn), hf, convert)
 
 
@@ -98,8 +104,9 @@ def gpt_oss(m: Any) -> tuple[str, dict[str, Any]]:
     md = _common("gpt-oss", c) | {a + "expert_count": E, a + "expert_feed_forward_length": ffn,
                                   a + "attention.sliding_window": c.int("sliding_window")}  # fmt: skip
     if rope.get("rope_type", rope.get("type")) == "yarn":
+        orig = int(rope.get("original_max_position_embeddings", 4096))
         md |= {a + "rope.scaling.type": "yarn", a + "rope.scaling.factor": float(rope.get("factor", 1.0)),
-               a + "rope.scaling.original_context_length": int(rope.get("original_max_position_embeddings", 4096))}  # fmt: skip
+               a + "rope.scaling.original_context_length": orig}  # fmt: skip
     _ends(m, c)
     for i in range(c.int("num_hidden_layers")):
         hf, p = f"model.layers.{i}.", f"blk.{i}."

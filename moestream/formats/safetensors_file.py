@@ -77,7 +77,12 @@ class SafetensorsFile:
         if size is None:
             raise ModelFileError(f"{self.path}: tensor {name!r} has dtype {dtype!r}, which moestream cannot read")
         numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if not (isinstance(b, int) and isinstance(e, int)) or b < 0 or e - b != numel * size or any(d < 0 for d in shape):
+        if (
+            not (isinstance(b, int) and isinstance(e, int))
+            or b < 0
+            or e - b != numel * size
+            or any(d < 0 for d in shape)
+        ):
             raise self._bad(f"tensor {name!r} {list(shape)} {dtype} has data offsets {b}..{e}")
         if start + e > self.file_size:
             raise self._bad(f"tensor {name!r} ends at byte {start + e} but the file holds {self.file_size}")

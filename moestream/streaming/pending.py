@@ -35,8 +35,6 @@ class LaneHalves:
     rows: torch.Tensor
 
 
-
-
 def pack_lanes(jobs: list[tuple[PendingExpert, int, Lease]]) -> None:
     """Pack finished lane-form segments (pending, segment index, its bytes) in one native call, spread over
     the lane pool's threads; the read buffers go back whatever happens."""
