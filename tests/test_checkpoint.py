@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -17,6 +18,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.checkpoint import CheckpointModel
+from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.tokenizer import Tokenizer
 from tests.hf_checkpoint import bf16_round, save_checkpoint, save_fp8_checkpoint
 from tests.hf_gguf import QWEN3MOE, TinyArch, n_experts, random_tokens, tiny_tokenizer_metadata
@@ -110,6 +112,15 @@ def test_gpt_oss_mxfp4_checkpoint(tmp_path):
     save_file(sd, os.path.join(ckpt, "model.safetensors"))
     gguf = str(tmp_path / "m.gguf")
     write_gpt_oss_from_hf(model, gguf, mxfp4=packed)
+    f, g = CheckpointModel(ckpt), GGUFFile(gguf)
+    try:  # each expert's fill gives the bytes llama.cpp's converter writes, scales and all
+        for w in ("gate", "up", "down"):
+            merged = g.read(f"blk.1.ffn_{w}_exps.weight").reshape(n_experts(model.config), -1)
+            for e in (0, 5):
+                np.testing.assert_array_equal(f.read(f"blk.1.ffn_{w}.{e}.weight"), merged[e])
+    finally:
+        f.close()
+        g.close()
     prompt = _prompt(model)
     for slots in _budgets(model):
         assert _ours(ckpt, prompt, slots) == _ours(gguf, prompt, slots), slots
