@@ -27,7 +27,7 @@ from typing import Any
 
 from moestream.analysis.probe import ProbeResult
 from moestream.errors import MoestreamError
-from moestream.formats.gguf_model import GGUFModel
+from moestream.formats.checkpoint import open_model_file
 
 ENGINE_IO_THREADS = 4  # the engine's default --io-threads
 
@@ -46,7 +46,7 @@ class Geometry:
 
 
 def geometry_from_gguf(path: str) -> Geometry:
-    f = GGUFModel(path)
+    f = open_model_file(path)
     try:
         arch = f.metadata.get("general.architecture", "")
         per_layer: dict[str, int] = {}

@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from moestream.errors import MoestreamError
-from moestream.formats.gguf_model import GGUFModel
+from moestream.formats.checkpoint import open_model_file
 from moestream.streaming.budget import total_ram
 from moestream.streaming.reader import open_direct
 
@@ -95,7 +95,7 @@ def expert_geometry(path: str) -> tuple[int, int, tuple[int, int], str]:
     """(segment bytes, expert bytes, (start, end) byte span of the expert tensors, the file that span is in)
     of a GGUF model (a file, any part of a split model, or a directory holding one). A split model's reads
     are probed in the part that holds the most expert bytes: the engine's reads never span two parts."""
-    f = GGUFModel(path)
+    f = open_model_file(path)
     try:
         segs: list[int] = []
         per_layer: dict[str, int] = {}

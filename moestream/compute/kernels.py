@@ -186,3 +186,24 @@ def lane_pack_many(shapes: list[tuple[int, int, int]], srcs: list[int], dsts: li
     src, dst = np.array(srcs, np.uint64), np.array(dsts, np.uint64)
     return native.lib().ms_lane_pack_many(len(shapes), types.ctypes.data, src.ctypes.data, ns.ctypes.data,
                                           ks.ctypes.data, dst.ctypes.data)  # fmt: skip
+
+
+def fp8_block_decode(
+    src: np.ndarray, n: int, k: int, scales: np.ndarray, block: tuple[int, int], bf16: bool
+) -> np.ndarray:
+    """FP8 e4m3 bytes [n, k] times their float32 block scales [ceil(n/bn), ceil(k/bk)] -> the bytes of a
+    bf16 (or float32) [n, k] matrix, by the C library (torch where it is not built)."""
+    src = np.ascontiguousarray(src[: n * k])
+    scales = np.ascontiguousarray(scales, dtype=np.float32)
+    if src.size < n * k or scales.shape != (-(-n // block[0]), -(-k // block[1])):
+        raise ValueError(f"fp8 [{n}, {k}]: {src.size} bytes and scales {scales.shape} do not fit blocks {block}")
+    out = np.empty(n * k * (2 if bf16 else 4), np.uint8)
+    lib = native.lib()
+    if lib is not None:
+        lib.ms_fp8_block_decode(src.ctypes.data, n, k, scales.ctypes.data, block[0], block[1], out.ctypes.data,
+                                int(bf16))  # fmt: skip
+        return out
+    w = torch.from_numpy(src).view(torch.float8_e4m3fn).float().view(n, k)
+    s = torch.from_numpy(scales).repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    w = w * s
+    return (w.to(torch.bfloat16).view(torch.int16) if bf16 else w).numpy().view(np.uint8).reshape(-1)

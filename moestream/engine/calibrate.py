@@ -23,6 +23,7 @@ def measure_pack_ms(model_path: str, repeats: int = 9) -> float:
         store = m.store
         segs = store.segments(0, 0)
         raws = [m.gguf.read_range(s.offset, s.nbytes, s.part) for s in segs]
+        raws = [r if s.convert is None else s.convert(r) for r, s in zip(raws, segs, strict=True)]
     finally:
         m.close()
     layout = store.layouts[0]

@@ -10,6 +10,7 @@ from moestream.compute import linear
 from moestream.engine.options import EngineOptions
 from moestream.errors import ModelFileError, MoestreamError
 from moestream.formats import quants
+from moestream.formats.checkpoint import open_model_file
 from moestream.formats.gguf_model import GGUFModel
 from moestream.formats.tokenizer import Tokenizer
 from moestream.models import ARCHITECTURES, model_class
@@ -43,7 +44,7 @@ class OpenModel:
 def open_model(path: str, exact: bool | None = None, *, check_types: bool = True) -> OpenModel:
     """Open `path` (a model file, any part of a split model, or a directory holding one model) and read what
     it holds; the caller closes it. exact None: float32 for float files."""
-    f = GGUFModel(path)
+    f = open_model_file(path)
     try:
         arch = model_class(f.arch, f.metadata)
         if arch is None:

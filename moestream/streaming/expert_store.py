@@ -11,7 +11,9 @@ the kernels compute from.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from moestream.compute import linear
 from moestream.errors import ModelFileError
@@ -42,6 +44,9 @@ class Segment:
     n: int
     k: int
     part: int = 0
+    # a checkpoint's tensor that llama.cpp's converter would change (formats/checkpoint.py): the bytes read ->
+    # the GGUF bytes of ggml_type [n, k], applied on every fill before packing
+    convert: Callable | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,7 @@ PROJECTIONS = ("gate", "up", "down")
 
 
 class ExpertStore:
-    def __init__(self, gguf: GGUFModel, n_layers: int, n_experts: int, exact: bool, first_block: int = 0):
+    def __init__(self, gguf: GGUFModel | Any, n_layers: int, n_experts: int, exact: bool, first_block: int = 0):
         """Expert layer L is block first_block + L: where the leading blocks are dense FFNs (DeepSeek), the
         engine and the cache number only the MoE layers."""
         self.path = gguf.path
@@ -118,6 +123,7 @@ class ExpertStore:
                     fused_gate_up=fused,
                     gate_kind=kind,
                     all_lane=fused
+                    and not any(s.convert for s in segs)  # the lane packer reads the file's bytes as they are
                     and kind == "lane"
                     and linear.compute_kind(segs[2].ggml_type, segs[2].n, segs[2].k, exact) == "lane",
                 )
@@ -149,7 +155,8 @@ class ExpertStore:
                 f"{gguf.path}: {info.name} has shape {info.shape} ({info.type_name}), unlike {first.name} "
                 f"{first.shape} ({first.type_name}); every expert of a layer must have the same shape and type"
             )
-        return Segment(info.offset, info.nbytes, info.ggml_type, info.shape[0], info.shape[1], info.part)
+        convert = getattr(gguf, "convert_of", lambda _: None)(info.name)
+        return Segment(info.offset, info.nbytes, info.ggml_type, info.shape[0], info.shape[1], info.part, convert)
 
     def segments(self, layer: int, expert: int) -> tuple[Segment, Segment, Segment]:
         split = self._split[layer]

@@ -35,8 +35,6 @@ class LaneHalves:
     rows: torch.Tensor
 
 
-
-
 def pack_lanes(jobs: list[tuple[PendingExpert, int, Lease]]) -> None:
     """Pack finished lane-form segments (pending, segment index, its bytes) in one native call, spread over
     the lane pool's threads; the read buffers go back whatever happens."""
@@ -82,6 +80,8 @@ class PendingExpert:
         """Segment i's bytes into its place in the slot (any thread: the C packer releases the GIL)."""
         seg = self.segs[i]
         arr = np.frombuffer(raw, dtype=np.uint8)
+        if seg.convert is not None:
+            arr = seg.convert(arr)
         with torch.inference_mode():  # the slot views were made in inference mode; reader threads are not in it
             return self._pack(i, seg, arr)
 

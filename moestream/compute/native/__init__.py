@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE_NAMES = (
     "pack.c", "lane_pack.c", "pool.c", "qmm.c", "qmm_vnni.c", "qmm_avx2.c", "ops.c", "mla.c", "deltanet.c", "attn.c",
+    "fp8.c",
 )  # fmt: skip
 SOURCES = tuple(Path(__file__).with_name(n) for n in _SOURCE_NAMES)
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("blocks.h", "internal.h", "gemm.h"))
@@ -172,6 +173,7 @@ def _declare(lib: ctypes.CDLL, only: set[str] | None = None) -> None:
     vp, i64, c_int, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     checked = {  # these return 0 (or a size) and a negative code on error: ctypes raises through _check
         "ms_dequant": ([c_int, vp, i64, vp, c_int], c_int),
+        "ms_fp8_block_decode": ([vp, i64, i64, vp, i64, i64, vp, c_int], c_int),
         "ms_pack_int4": ([c_int, vp, i64, i64, vp, vp, c_int], c_int),
         "ms_int4_to_bf16": ([vp, vp, i64, i64, i64, i64, vp, c_int], c_int),
         "ms_lane_row_bytes": ([c_int, i64], i64),
