@@ -31,7 +31,9 @@ from moestream.errors import MoestreamError
 @dataclass
 class RouteSample:
     decode: np.ndarray  # int16 [tokens, layers, top_k]: the experts each generated token routed to
-    prompt: np.ndarray  # int16 [tokens, layers, top_k]: the prompt's, where the source has them (else 0 tokens)
+    # int16 [tokens, layers, top_k]: the prompt's, where the source has them (else 0 tokens); -1 where a layer
+    # did not route a token (llama.cpp skips the last layer for all prompt tokens but the last)
+    prompt: np.ndarray
 
 
 @dataclass
@@ -69,6 +71,7 @@ def check_shape(rs: RouteSet, what: str, layers: int, experts: int, top_k: int, 
 
 
 def _check_ids(routes: np.ndarray, n_experts: int, where: str) -> None:
+    routes = routes[(routes >= 0).all(-1)]
     if routes.size and (routes.min() < 0 or routes.max() >= n_experts):
         bad = int(routes.max() if routes.max() >= n_experts else routes.min())
         raise MoestreamError(f"{where} routes to expert {bad}, outside 0..{n_experts - 1}; is it damaged?")
@@ -190,22 +193,37 @@ def read_route_csv(path: str) -> RouteSet:
     samples = []
     for turn in np.unique(a[:, 0]):
         t = a[a[:, 0] == turn]
-        parts = [_csv_phase(path, t[t[:, 1] == ph], L, k, int(turn)) for ph in (0, 1)]
+        parts = [_csv_phase(path, t[t[:, 1] == ph], L, k, int(turn), ph == 1) for ph in (0, 1)]
         samples.append(RouteSample(parts[1], parts[0]))
     return _finish(samples, path, E, {"source": os.path.basename(path)}, nbytes)
 
 
-def _csv_phase(path: str, t: np.ndarray, L: int, k: int, turn: int) -> np.ndarray:
-    if not len(t):
-        return np.zeros((0, L, k), np.int16)
-    t = t[np.lexsort((t[:, 4], t[:, 3], t[:, 2]))]
-    n_steps = len(np.unique(t[:, 2]))
-    if len(t) != n_steps * L * k or (t[:, 3] >= L).any() or (t[:, 4] >= k).any():
+def fill_routes(step: np.ndarray, layer: np.ndarray, rank: np.ndarray, expert: np.ndarray, L: int, k: int):
+    """[tokens, L, k] from rows (one token per distinct step, in step order), -1 where no row is; None if a
+    row is out of that shape or two rows fill one place."""
+    steps, idx = np.unique(step, return_inverse=True)
+    if len(layer) and (layer.min() < 0 or layer.max() >= L or rank.min() < 0 or rank.max() >= k):
+        return None
+    flat = (idx * L + layer) * k + rank
+    if len(np.unique(flat)) != len(flat):
+        return None
+    out = np.full(len(steps) * L * k, -1, np.int64)
+    out[flat] = expert
+    return out.reshape(len(steps), L, k)
+
+
+def _csv_phase(path: str, t: np.ndarray, L: int, k: int, turn: int, decode: bool) -> np.ndarray:
+    routes = fill_routes(t[:, 2], t[:, 3], t[:, 4], t[:, 5], L, k)
+    # a prompt token may lack whole layers (see RouteSample); a decode token routes every slot of every layer
+    full = (routes >= 0).all(-1) if routes is not None else None
+    partial = full is not None and (full.any(-1) if not decode else full.all(-1)).all()
+    if routes is None or not partial or ((routes >= 0).any(-1) != full).any():
+        what = "decode" if decode else "prompt"
         raise MoestreamError(
-            f"{path}: turn {turn} does not hold {k} experts for each of {L} layers of every token "
-            f"({len(t)} rows for {n_steps} tokens); is it cut off?"
+            f"{path}: turn {turn}'s {what} tokens do not each hold {k} experts for each of {L} layers; "
+            "is it cut off or damaged?"
         )
-    return t[:, 5].reshape(n_steps, L, k).astype(np.int16)
+    return routes.astype(np.int16)
 
 
 def read_moestream_trace(path: str, n_experts: int | None = None) -> RouteSet:
@@ -213,18 +231,19 @@ def read_moestream_trace(path: str, n_experts: int | None = None) -> RouteSet:
     meta, rows = read_trace(path)
     if "samples" not in meta:  # a recorded trace: its decode steps (a prompt step is a span's union), one sample
         rows = rows[rows["phase"] == DECODE]
-    rows = rows[np.lexsort((rows["rank"], rows["layer"], rows["step"]))]
     if not len(rows):
         raise MoestreamError(f"{path} has no decode accesses to take routes from; record one with --trace")
-    L = int(rows["layer"].max()) + 1
-    n_steps = len(np.unique(rows["step"]))
-    per = np.unique(rows["step"] * L + rows["layer"], return_counts=True)[1]
-    k = int(per.max())
-    if (per != k).any() or len(per) != n_steps * L:
+    L = int(meta.get("layers") or 0) or int(rows["layer"].max()) + 1
+    counts = np.unique(rows["step"] * L + rows["layer"], return_counts=True)[1]
+    k = int(meta.get("top_k") or 0) or int(counts.max())
+    routes = fill_routes(rows["step"], rows["layer"], rows["rank"], rows["expert"], L, k)
+    dec = np.unique(rows["step"], return_index=True)[1]
+    dec = rows["phase"][dec] == DECODE
+    if routes is None or not (routes[dec] >= 0).all() or ((routes >= 0).any(-1) != (routes >= 0).all(-1)).any():
         raise MoestreamError(
-            f"{path} does not hold the same number of experts for every layer of every token; is it cut off?"
+            f"{path} does not hold {k} experts for every layer of every decode token; is it cut off or damaged?"
         )
-    routes = rows["expert"].reshape(-1, L, k).astype(np.int16)
+    routes = routes.astype(np.int16)
     decode_n = [int(n) for n in meta.get("samples", [len(routes)])]
     prompt_n = [int(n) for n in meta.get("prompt_tokens", [0] * len(decode_n))]
     if len(prompt_n) != len(decode_n) or sum(decode_n) + sum(prompt_n) != len(routes):
@@ -259,7 +278,7 @@ def route_rows(rs: RouteSet) -> np.ndarray:
             r["expert"] = routes.reshape(-1)
             r["rank"] = np.tile(np.arange(k), n * L)
             r["source"] = 2
-            parts.append(r)
+            parts.append(r[r["expert"] >= 0])
             step += n
     return np.concatenate(parts)
 
