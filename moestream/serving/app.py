@@ -490,13 +490,10 @@ def serve(
     server = uvicorn.Server(config)
 
     def on_signal(sig: int, frame: Any) -> None:
-        # uvicorn waits for open connections before it shuts down, and a streaming answer can run for
-        # minutes: end the generations now (their streams close without [DONE])
+        # end the generations now (uvicorn waits for open connections); stop as uvicorn's handler does, but
+        # without recording the signal it raises again once stopped, before the caller closes the engine
         app.state.service.worker.cancel_all()
-        # what uvicorn's own handler does, less recording the signal: uvicorn raises a recorded signal again
-        # once it has stopped, which would end the process before the caller closes the engine (and its trace)
-        server.force_exit = server.should_exit and sig == signal.SIGINT
-        server.should_exit = True
+        server.force_exit, server.should_exit = server.should_exit and sig == signal.SIGINT, True
 
     server.handle_exit = on_signal  # type: ignore[method-assign]
     server.run(sockets=[sock] if sock is not None else None)
