@@ -255,7 +255,7 @@ def test_forced_routes_per_row_at_its_own_position(tiny_file):
     E, k = n_experts(cfg), cfg.num_experts_per_tok
     calls = []
 
-    def hook(layer: int, pos: int, n: int) -> torch.Tensor:
+    def hook(layer: int, pos: int, n: int, seq: object = None) -> torch.Tensor:
         calls.append((layer, pos, n))
         return torch.tensor([[(layer + pos + j) % E for j in range(k)]] * n)
 

@@ -267,7 +267,8 @@ def test_route_hook_replaces_the_routers_choice(tiny):
     eng = _engine(path)
     calls = []
 
-    def fixed(layer: int, pos: int, n: int) -> torch.Tensor:  # what analysis.routes.RouteTrace answers
+    # what analysis.routes.RouteTrace answers
+    def fixed(layer: int, pos: int, n: int, seq: object = None) -> torch.Tensor:
         calls.append((layer, pos, n))
         return torch.tensor([[layer % 8, 7]] * n)
 

@@ -51,5 +51,5 @@ def test_route_trace_with_wrong_top_k_is_refused(tiny, tmp_path):
     eng.close()
     with pytest.raises(MoestreamError, match="top-k"):
         RouteTrace(recorded, eng.cfg.n_experts, eng.cfg.top_k + 1)
-    with pytest.raises(MoestreamError, match="experts per layer"):
+    with pytest.raises(MoestreamError, match="16 experts"):
         RouteTrace(recorded, 1, eng.cfg.top_k)

@@ -32,6 +32,7 @@ COMMANDS = {  # name: (module, help)
     "stats": ("moestream.cli.analysis", "workload statistics of a trace: U(k), reuse, coverage, hit rates"),
     "profile": ("moestream.cli.analysis", "rank (layer, expert) pairs by use, for pinning"),
     "forecast": ("moestream.cli.analysis", "predict decode tok/s from a disk probe, the model and a hit rate"),
+    "routes": ("moestream.cli.routes", "import real routing as a route file; fit and draw from a routing model"),
     "pull": ("moestream.cli.hub", "fetch a GGUF model from the Hugging Face Hub: pull OWNER/NAME[:QUANT]"),
     "list": ("moestream.cli.hub", "list the GGUF models in the Hugging Face Hub cache"),
 }

@@ -152,6 +152,9 @@ def cmd_synth(args: argparse.Namespace) -> int:
         need = synth_nbytes(args.shape, args.quant, args.layers)
     except (KeyError, ValueError) as exc:
         raise MoestreamError(f"cannot make {args.shape} in {args.quant}: {exc}") from None
+    n_experts = SHAPES[args.shape].n_experts
+    if args.top_k is not None and args.top_k > n_experts:
+        raise MoestreamError(f"--top-k must be at most the {n_experts} experts of {args.shape}, got {args.top_k}")
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         raise MoestreamError(f"output directory {out_dir} does not exist")
@@ -162,7 +165,13 @@ def cmd_synth(args: argparse.Namespace) -> int:
             f"{gib(free, 1)} free; use --layers to make a shallower model"
         )
     paths = write_synth_parts(
-        args.shape, args.quant, args.output, layers=args.layers, seed=args.seed, split_max_size=args.split_max_size or 0
+        args.shape,
+        args.quant,
+        args.output,
+        layers=args.layers,
+        seed=args.seed,
+        split_max_size=args.split_max_size or 0,
+        top_k=args.top_k,
     )
     written = sum(os.path.getsize(p) for p in paths)
     what = paths[0] if len(paths) == 1 else f"{len(paths)} parts {paths[0]} ... {os.path.basename(paths[-1])}"
@@ -330,6 +339,13 @@ def _synth_args(p: argparse.ArgumentParser) -> None:
         help="keep only the first N blocks (deepseek2/glm4moe: the leading dense ones count)",
     )
     p.add_argument("--seed", type=values.seed, default=0, help="seed of the random weights (default 0)")
+    p.add_argument(
+        "--top-k",
+        type=values.positive,
+        default=None,
+        help="experts each token routes to (expert_used_count; default the shape's), e.g. to run route files "
+        "recorded at another top-k",
+    )
     p.add_argument("-o", "--output", required=True, type=values.output_file, help="the GGUF file to write")
     p.add_argument(
         "--split-max-size",

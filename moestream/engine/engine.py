@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from collections.abc import Generator, Iterator
 from contextlib import nullcontext
@@ -69,7 +70,11 @@ class Engine:
         self.reader = open_reader(self.file, self.cfg, o, read_ahead)
         self.cache, self.trace = open_cache(self.file, self.reader, self.cfg, o, n_slots, read_ahead, model_path)
         # router choices replayed from a trace (--route-trace), handed to every forward step
-        self.route_hook = RouteTrace(o.route_trace, cfg.n_experts, cfg.top_k) if o.route_trace is not None else None
+        self.route_hook = None
+        if o.route_trace is not None:
+            moe_layers = cfg.n_layers - getattr(cfg, "first_moe_block", 0)
+            name = os.path.basename(model_path)
+            self.route_hook = RouteTrace(o.route_trace, cfg.n_experts, cfg.top_k, moe_layers, name)
         # what a prompt step frees is kept for its next layers, within the activations' room the plan counts
         self.heap = FreedHeap(self.plan.compute) if self.plan is not None else None
         self.elastic = ElasticWatcher(self.cache, o.keep_free_mb).start() if o.keep_free_mb is not None else None

@@ -192,6 +192,9 @@ class Scheduler:
                 self.free.remove(conv)
                 s.conversation = conv
                 s.started = time.perf_counter()
+                hook = getattr(self.engine, "route_hook", None)
+                if hook is not None and hasattr(hook, "begin_request"):  # recorded routes: the next sample
+                    hook.begin_request(conv.kv)
                 self.running.append(s)
                 if s.fork_of is None:
                     s.pos = s.stats.reused_tokens = conv.resume(s.prompt, self.engine.prompt_cache)

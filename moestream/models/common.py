@@ -4,7 +4,7 @@ embedding, projections fused by compute form, and the walk over a model's reside
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -15,9 +15,10 @@ from moestream.compute.linear import QLinear
 from moestream.formats import quants
 from moestream.models.kv_cache import KVCache
 
-# (layer, first position, number of tokens) -> expert ids [tokens, top_k] that replace the router's choice,
-# or None to let the router choose. The engine installs one to replay recorded routes (--route-trace).
-RouteHook = Callable[[int, int, int], "torch.Tensor | None"]
+# (layer, first position, number of tokens, the sequence's KV cache) -> expert ids [tokens, top_k] that replace
+# the router's choice, or None to let the router choose. The engine installs one to replay recorded routes
+# (--route-trace); the KV cache tells one sequence of a batch from another.
+RouteHook = Callable[[int, int, int, Any], "torch.Tensor | None"]
 
 
 class ExpertProvider(Protocol):

@@ -37,7 +37,9 @@ class Step:
         if self.route_hook is None:
             return [None] * len(self.spans)
         hook = self.route_hook
-        return [hook(moe_layer, p, e - a) for p, (a, e) in zip(self.positions, self.spans, strict=True)]
+        return [
+            hook(moe_layer, p, e - a, kv) for p, (a, e), kv in zip(self.positions, self.spans, self.kvs, strict=True)
+        ]
 
 
 class Mixer:

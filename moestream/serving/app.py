@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import re
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -486,13 +487,12 @@ def serve(
     app = create_app(engine, name, defaults=defaults, on_fatal=on_fatal, admission=admission, api_key=api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
-    handle_exit = server.handle_exit
 
     def on_signal(sig: int, frame: Any) -> None:
-        # uvicorn waits for open connections before it shuts down, and a streaming answer can run for
-        # minutes: end the generations now (their streams close without [DONE])
+        # end the generations now (uvicorn waits for open connections); stop as uvicorn's handler does, but
+        # without recording the signal it raises again once stopped, before the caller closes the engine
         app.state.service.worker.cancel_all()
-        handle_exit(sig, frame)
+        server.force_exit, server.should_exit = server.should_exit and sig == signal.SIGINT, True
 
     server.handle_exit = on_signal  # type: ignore[method-assign]
     server.run(sockets=[sock] if sock is not None else None)

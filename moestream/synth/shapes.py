@@ -285,10 +285,14 @@ def _quant_type(name: str) -> T:
 AnyShape = SynthShape | DeepSeekShape | GlmShape | GqaShape
 
 
-def _resolve(shape: str, layers: int | None, quant: str | None = None) -> AnyShape:
+def _resolve(shape: str, layers: int | None, quant: str | None = None, top_k: int | None = None) -> AnyShape:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
     s = SHAPES[shape]
+    if top_k is not None:  # a model run at another top-k than its own (expert_used_count), as traces are
+        if not 1 <= top_k <= s.n_experts:
+            raise ValueError(f"top-k must be between 1 and {s.n_experts} for {shape}, got {top_k}")
+        s = replace(s, top_k=top_k)
     if quant is not None and quant.upper() == "MXFP4" and not isinstance(s, GqaShape):
         gqa = ", ".join(n for n in GQA_SHAPES if not n.startswith("tiny"))
         raise ValueError(f"MXFP4 is offered for the shapes {gqa} (and their tiny ones), not {shape}")
@@ -310,6 +314,23 @@ def _tokenizer_md(s: AnyShape) -> dict[str, Any]:
     return s.tokenizer_metadata() if isinstance(s, GqaShape) else build_tiny_bpe_metadata()
 
 
+def shape_routing(shape: str, quant: str) -> dict[str, int]:
+    """A shape's routing and sizes, without writing it: MoE layers, experts, top-k, bytes one expert reads
+    (the mean over layers, as a Q4_K_M mix varies them) and every other byte (the resident part)."""
+    s = _resolve(shape, None, quant)
+    vocab = getattr(s, "vocab", None) or len(_tokenizer_md(s)["tokenizer.ggml.tokens"])
+    specs = _specs(s, _quant_type(quant), _quant_type(quant), vocab, 0, quant.upper() == "Q4_K_M")
+    experts = sum(t.nbytes for t in specs if "_exps." in t.name)
+    moe_layers = s.n_layers - getattr(s, "n_dense", 0)
+    return {
+        "layers": moe_layers,
+        "experts": s.n_experts,
+        "top_k": s.top_k,
+        "expert_bytes": round(experts / (moe_layers * s.n_experts)),
+        "dense_bytes": sum(t.nbytes for t in specs) - experts,
+    }
+
+
 def synth_nbytes(shape: str, quant: str, layers: int | None = None, *, dense: str | None = None) -> int:
     """Bytes of tensor data write_synth would write (plus a header under 1 MB): for a disk-space check."""
     s = _resolve(shape, layers, quant)
@@ -328,9 +349,12 @@ def write_synth(
     *,
     dense: str | None = None,
     split_max_size: int = 0,
+    top_k: int | None = None,
 ) -> str:
     """Write a random-weight GGUF of a named shape; returns the path (of a split model: its first part)."""
-    parts = write_synth_parts(shape, quant, path, layers, seed, progress, dense=dense, split_max_size=split_max_size)
+    parts = write_synth_parts(
+        shape, quant, path, layers, seed, progress, dense=dense, split_max_size=split_max_size, top_k=top_k
+    )
     return parts[0]
 
 
@@ -344,6 +368,7 @@ def write_synth_parts(
     *,
     dense: str | None = None,
     split_max_size: int = 0,
+    top_k: int | None = None,
 ) -> list[str]:
     """Write a random-weight GGUF of a named shape; returns the files written (a split model's parts, with
     split_max_size: write_gguf_parts).
@@ -356,8 +381,9 @@ def write_synth_parts(
     llama-quantize does. Norms and the router stay F32 (the converter keeps ffn_gate_inp in F32).
     layers: keep only the first N layers (a quick model of the same per-layer shape); for deepseek2 and
     glm4moe N counts every block, the leading dense ones included (glm4moe's nextn block comes after them).
+    top_k: the experts each token routes to (expert_used_count), if not the shape's own.
     """
-    s = _resolve(shape, layers, quant)
+    s = _resolve(shape, layers, quant, top_k)
     expert_type = _quant_type(quant)
     dense_type = _quant_type(dense or quant)
     tok_md = _tokenizer_md(s)
@@ -365,6 +391,7 @@ def write_synth_parts(
     if vocab != len(tok_md["tokenizer.ggml.tokens"]):
         raise ValueError(f"{shape} wants vocab {vocab} but the tokenizer has {len(tok_md['tokenizer.ggml.tokens'])}")
     name = f"moestream-synth-{shape}-{quant.upper()}" + (f"-{layers}L" if layers is not None else "")
+    name += f"-top{top_k}" if top_k is not None else ""
     k_m = quant.upper() == "Q4_K_M"
     file_type = LlamaFileType.MOSTLY_Q4_K_M if k_m else _FILE_TYPE[expert_type]
     if isinstance(s, SynthShape):

@@ -1,0 +1,192 @@
+"""A routing model: routes for shapes without per-token traces, fitted to real routing.
+
+What an expert cache sees of routing is, per layer, how far back each expert was last used: a token that
+reuses its predecessor's experts hits in any cache, one that returns to an expert used 30 tokens ago hits
+only in a cache that kept it. The model keeps, per layer:
+* `recency`: the distribution of each routed expert's recency rank within its sample (rank 0: the expert of
+  the layer used most recently; ranks below top_k are mostly the previous token's experts, the measured
+  reuse between consecutive tokens), with one more bin for an expert not used yet in the sample;
+* `popularity`: each expert's share of the layer's activations, which picks the experts a sample has not
+  used yet;
+* `pairs`: co-activation (experts chosen together more often than their popularity says, by lift), which
+  weights those picks towards the experts the token already chose.
+A generated token draws a rank per slot and takes the expert at that rank of its layer's recency list, or,
+for a new one, draws it from popularity times lift. Samples are generated independently, each from an empty
+recency list, as the real samples start.
+
+To another shape (`gen --shape`): layer l takes fitted layer l * L_fit // L; ranks scale with the expert
+count; popularity is the fitted curve of shares resampled to the new count, on a random order of the ids;
+co-activation is kept only at the fitted expert count.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from moestream.analysis.route_files import RouteSample, RouteSet
+from moestream.errors import MoestreamError
+
+VERSION = 1
+MAX_PAIRS = 256  # per layer: the strongest co-activations carry what the weighting needs
+
+
+def recency_ranks(routes: np.ndarray, n_experts: int) -> np.ndarray:
+    """Each access's rank [tokens, top_k] in one layer's recency list (n_experts: not used yet). The list is
+    the previous token's experts in slot order, then the ones before them, as the generator keeps it."""
+    order: list[int] = []
+    out = np.empty(routes.shape, np.int64)
+    for t, row in enumerate(routes.tolist()):
+        pos = {e: i for i, e in enumerate(order)}
+        out[t] = [pos.get(e, n_experts) for e in row]
+        order = row + [e for e in order if e not in row]
+    return out
+
+
+def _pairs(routes: np.ndarray, n_experts: int) -> list[list[float]]:
+    """[i, j, lift] for the layer's strongest co-activations (lift >= 1.5, seen 5 times or more)."""
+    T = len(routes)
+    onehot = np.zeros((T, n_experts), np.float32)
+    np.put_along_axis(onehot, routes.astype(np.int64), 1.0, axis=1)
+    both = onehot.T @ onehot
+    p = onehot.mean(0)
+    lift = both / T / np.maximum(np.outer(p, p), 1e-12)
+    i, j = np.triu_indices(n_experts, 1)
+    keep = (both[i, j] >= 5) & (lift[i, j] >= 1.5)
+    i, j = i[keep], j[keep]
+    order = np.argsort(-both[i, j])[:MAX_PAIRS]
+    return [[int(a), int(b), round(float(lift[a, b]), 3)] for a, b in zip(i[order], j[order], strict=True)]
+
+
+def fit(rs: RouteSet) -> dict:
+    """The model of a route set's decode routing."""
+    L, E, k = rs.n_layers, rs.n_experts, rs.top_k
+    recency = np.zeros((L, E + 1), np.int64)
+    counts = np.zeros((L, E), np.int64)
+    reuse = []
+    for s in rs.samples:
+        d = s.decode.astype(np.int64)
+        for layer in range(L):
+            r = recency_ranks(d[:, layer], E)
+            recency[layer] += np.bincount(r.reshape(-1), minlength=E + 1)
+            counts[layer] += np.bincount(d[:, layer].reshape(-1), minlength=E)
+        if len(d) > 1:
+            same = (d[1:, :, :, None] == d[:-1, :, None, :]).any(-1)
+            reuse.append(same.mean())
+    every = np.concatenate([s.decode for s in rs.samples]).astype(np.int64)
+    return {
+        "routing_model": VERSION,
+        "source": rs.meta.get("source", ""),
+        "layers": L,
+        "experts": E,
+        "top_k": k,
+        "samples": len(rs.samples),
+        "tokens": rs.decode_tokens,
+        "reuse": round(float(np.mean(reuse)) if reuse else 0.0, 4),
+        "recency": (recency / recency.sum(1, keepdims=True)).round(6).tolist(),
+        "popularity": (counts / counts.sum(1, keepdims=True)).round(6).tolist(),
+        "pairs": [_pairs(every[:, layer], E) for layer in range(L)],
+    }
+
+
+def save_model(model: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(model, f)
+
+
+def load_model(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            m = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise MoestreamError(f"cannot read the routing model {path}: {exc}") from None
+    if not isinstance(m, dict) or m.get("routing_model") != VERSION:
+        raise MoestreamError(f"{path} is not a routing model; write one with moestream routes fit")
+    try:
+        L, E = int(m["layers"]), int(m["experts"])
+        rec, pop = np.asarray(m["recency"], float), np.asarray(m["popularity"], float)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MoestreamError(f"{path}: the routing model is damaged ({exc})") from None
+    if rec.shape != (L, E + 1) or pop.shape != (L, E) or len(m.get("pairs", [])) != L:
+        raise MoestreamError(f"{path}: the routing model's tables do not match its {L} layers x {E} experts")
+    return m
+
+
+# ---- generating --------------------------------------------------------------------------------------
+
+
+class _Layer:
+    """One generated layer's tables at the target expert count."""
+
+    def __init__(self, rec: np.ndarray, pop: np.ndarray, pairs: list, n_experts: int, rng: np.random.Generator):
+        E_fit = len(pop)
+        if n_experts == E_fit:
+            self.pop, self.rec = pop, rec
+            self.lift: dict[tuple[int, int], float] = {}
+            for i, j, lift in pairs:
+                self.lift[(int(i), int(j))] = self.lift[(int(j), int(i))] = float(lift)
+        else:  # the fitted shares resampled to the new count, on a random order of the ids
+            grid = np.linspace(0, 1, n_experts)
+            curve = np.interp(grid, np.linspace(0, 1, E_fit), np.sort(pop)[::-1])
+            self.pop = rng.permutation(curve / curve.sum())
+            cdf = np.concatenate([[0], np.cumsum(rec[:E_fit])])
+            scaled = np.diff(np.interp(np.linspace(0, E_fit, n_experts + 1), np.arange(E_fit + 1), cdf))
+            self.rec = np.append(scaled, rec[E_fit])
+            self.lift = {}
+        self.rec = self.rec / self.rec.sum()
+        self.n = n_experts
+
+    def new_expert(self, unseen: np.ndarray, chosen: list[int], rng: np.random.Generator) -> int:
+        w = self.pop * unseen
+        w[chosen] = 0
+        if not w.any():  # every expert was used already: popularity among those not chosen
+            w = self.pop.copy()
+            w[chosen] = 0
+        if self.lift and chosen:
+            for e in np.flatnonzero(w):
+                for c in chosen:
+                    w[e] *= self.lift.get((c, int(e)), 1.0)
+        return int(rng.choice(self.n, p=w / w.sum()))
+
+
+def _token(lay: _Layer, ranks: np.ndarray, order: list[int], unseen: np.ndarray, rng) -> list[int]:
+    """One token's experts in one layer: each slot the expert at its drawn recency rank, else a new one."""
+    chosen: list[int] = []
+    for r in ranks:
+        e = -1
+        if r < len(order):
+            # a rank already taken by this token moves to the next one down (real tokens' ranks are distinct)
+            for e2 in order[r:]:
+                if e2 not in chosen:
+                    e = e2
+                    break
+        if e < 0:
+            e = lay.new_expert(unseen, chosen, rng)
+        chosen.append(e)
+    return chosen
+
+
+def generate(model: dict, lengths: list[int], layers: int = 0, experts: int = 0, top_k: int = 0, seed: int = 0):
+    """A RouteSet of len(lengths) samples of those decode tokens at the shape asked for (0: the model's)."""
+    L_fit, E_fit = int(model["layers"]), int(model["experts"])
+    L, E, k = layers or L_fit, experts or E_fit, top_k or int(model["top_k"])
+    if k > E:
+        raise MoestreamError(f"top-{k} needs at least {k} experts per layer, the shape has {E}")
+    rng = np.random.default_rng(seed)
+    rec, pop = np.asarray(model["recency"], float), np.asarray(model["popularity"], float)
+    lays = [_Layer(rec[li], pop[li], model["pairs"][li], E, rng) for li in (layer * L_fit // L for layer in range(L))]
+    samples = []
+    for n in lengths:
+        out = np.zeros((n, L, k), np.int16)
+        for layer, lay in enumerate(lays):
+            order: list[int] = []  # most recent first
+            unseen = np.ones(E)
+            ranks = rng.choice(E + 1, size=(n, k), p=lay.rec)
+            for t in range(n):
+                chosen = _token(lay, ranks[t], order, unseen, rng)
+                out[t, layer] = chosen
+                unseen[chosen] = 0
+                order = chosen + [e for e in order if e not in chosen]
+        samples.append(RouteSample(out, np.zeros((0, L, k), np.int16)))
+    return RouteSet(samples, L, E, k, meta={"source": f"routing model {model.get('source', '')}".strip()})
