@@ -14,6 +14,7 @@ from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.errors import ModelFileError
 from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.gguf_model import GGUFModel
 from moestream.models.glm4moe import Glm4Moe, Glm4MoeConfig
 from moestream.models.routing import Routing, route_general
 from tests.hf_gguf import one_torch_thread, random_tokens, rel_error, rewrite_gguf
@@ -75,8 +76,8 @@ def test_the_mtp_block_is_never_loaded(glm, monkeypatch):
     assert {f"blk.{n}.nextn.eh_proj.weight", f"blk.{n}.ffn_gate_exps.weight"} <= set(f.tensors)
     f.close()
     read: list[str] = []
-    real_read = GGUFFile.read
-    monkeypatch.setattr(GGUFFile, "read", lambda self, name: read.append(name) or real_read(self, name))
+    real_read = GGUFModel.read  # what the engine reads weights through (whole or split files alike)
+    monkeypatch.setattr(GGUFModel, "read", lambda self, name: read.append(name) or real_read(self, name))
     outputs = []
     for p in (path, no_mtp):
         eng = Engine(p, EngineOptions(n_slots=4, ubatch=16))

@@ -155,6 +155,10 @@ class _KeepLogits:
         self.logits.append(logits.clone())
         return int(logits.argmax())
 
+    def pick(self, logits: torch.Tensor, history=None, top=None) -> tuple[int, None]:
+        """The scheduler's call (Sampler.pick): no penalties, no log-probabilities."""
+        return self(logits), None
+
 
 def _disk_reads_per_layer(trace: str) -> dict[int, tuple[int, int]]:
     """Per layer: (expert reads of the prompt, distinct experts the prompt routed to)."""
