@@ -207,3 +207,24 @@ def fp8_block_decode(
     s = torch.from_numpy(scales).repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
     w = w * s
     return (w.to(torch.bfloat16).view(torch.int16) if bf16 else w).numpy().view(np.uint8).reshape(-1)
+
+
+def fp8_pack(src: np.ndarray, n: int, k: int, scales: np.ndarray, rows_per_scale: int) -> np.ndarray:
+    """FP8 e4m3 bytes [n, k] and their float32 block scales [ceil(n/rows_per_scale), k/128] -> the FP8 compute
+    form's bytes (quants.FP8_B128: per 128 weights of a row, its block's scale then the 128 bytes), by the C
+    library (numpy where it is not built). A NaN byte or a non-finite scale raises."""
+    src = np.ascontiguousarray(src[: n * k])
+    scales = np.ascontiguousarray(scales, dtype=np.float32)
+    if src.size < n * k or k % 128 or scales.shape != (-(-n // rows_per_scale), k // 128):
+        raise ValueError(f"fp8 [{n}, {k}]: {src.size} bytes and scales {scales.shape} do not fit 128-column blocks")
+    out = np.empty(n * k // 128 * 132, np.uint8)
+    lib = native.lib()
+    if lib is not None:
+        lib.ms_fp8_pack(src.ctypes.data, n, k, scales.ctypes.data, rows_per_scale, out.ctypes.data)
+        return out
+    if ((src & 0x7F) == 0x7F).any() or not np.isfinite(scales).all():
+        raise ValueError(f"fp8 [{n}, {k}]: NaN weights or non-finite scales")
+    blocks = out.reshape(n, k // 128, 132)
+    blocks[:, :, :4] = np.repeat(scales, rows_per_scale, axis=0)[:n, :, None].view(np.uint8)
+    blocks[:, :, 4:] = src.reshape(n, k // 128, 128)
+    return out
