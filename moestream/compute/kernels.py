@@ -228,3 +228,25 @@ def fp8_pack(src: np.ndarray, n: int, k: int, scales: np.ndarray, rows_per_scale
     blocks[:, :, :4] = np.repeat(scales, rows_per_scale, axis=0)[:n, :, None].view(np.uint8)
     blocks[:, :, 4:] = src.reshape(n, k // 128, 128)
     return out
+
+
+FP8_SCRATCH_BYTES = 8 << 20  # float32 scratch for one slice of a widened FP8 weight
+
+
+def fp8_mm(weight: torch.Tensor, n: int, k: int, x2: torch.Tensor, gemm_min_rows: int) -> torch.Tensor:
+    """float32 x2 [M, K] (contiguous) @ W.T for W [n, k] in the FP8 form (uint8 [n, row bytes]): the native
+    kernel below gemm_min_rows rows, else float32 GEMMs over W widened a slice of rows at a time (bounded
+    scratch), which amortize the widening over the rows."""
+    lib = native.lib()
+    if x2.shape[0] < gemm_min_rows:
+        y = torch.empty(x2.shape[0], n)
+        lib.ms_fp8_mm(weight.data_ptr(), n, k, x2.data_ptr(), x2.shape[0], y.data_ptr())
+        return y
+    step = max(1, FP8_SCRATCH_BYTES // (4 * k))
+    scratch = torch.empty(min(step, n), k)
+    parts = []
+    for r0 in range(0, n, step):
+        w = scratch[: min(n, r0 + step) - r0]
+        lib.ms_fp8_unpack(weight[r0:].data_ptr(), w.shape[0], k, w.data_ptr(), 0)
+        parts.append(torch.nn.functional.linear(x2, w))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from moestream.compute import native
+from moestream.compute import kernels, native
 from moestream.errors import ComputeError
 from moestream.formats import lowbit, quants
 
@@ -149,7 +149,10 @@ class QLinear:
             )  # fmt: skip
             return y
         if self.kind == "fp8":
-            return self._fp8_mm(x2)
+            x2 = x2.contiguous()
+            if not _rows_ok(x2, self.in_features):
+                raise ComputeError(f"an fp8 matmul of {tuple(self.shape)} got an input {_desc(x2)}")
+            return kernels.fp8_mm(self.weight, self.out_features, self.in_features, x2, FP8_GEMM_MIN_ROWS)
         if self.kind == "int4":
             if x2.shape[0] >= INT4_GEMM_MIN_ROWS and (lib := _int4_expander()) is not None:
                 return self._expanded_mm(x2, lib)
@@ -160,26 +163,6 @@ class QLinear:
         if self.kind == "bf16":
             return linear_bf16(x2, self.weight)
         return F.linear(x2, self.weight)
-
-    def _fp8_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        """float32 x2 [M, K] @ the FP8 W.T: the native kernel for a few rows, else float32 GEMMs over W widened
-        a slice of rows at a time (bounded scratch)."""
-        x2 = x2.contiguous()
-        if not _rows_ok(x2, self.in_features):
-            raise ComputeError(f"an fp8 matmul of {tuple(self.shape)} got an input {_desc(x2)}")
-        n, k, lib = self.out_features, self.in_features, native.lib()
-        if x2.shape[0] < FP8_GEMM_MIN_ROWS:
-            y = torch.empty(x2.shape[0], n)
-            lib.ms_fp8_mm(self.weight.data_ptr(), n, k, x2.data_ptr(), x2.shape[0], y.data_ptr())
-            return y
-        step = max(1, EXPAND_SCRATCH_BYTES // (4 * k))
-        scratch = torch.empty(min(step, n), k)
-        parts = []
-        for r0 in range(0, n, step):
-            w = scratch[: min(n, r0 + step) - r0]
-            lib.ms_fp8_unpack(self.weight[r0:].data_ptr(), w.shape[0], k, w.data_ptr(), 0)
-            parts.append(F.linear(x2, w))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     @property
     def nbytes(self) -> int:
