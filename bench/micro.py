@@ -10,6 +10,7 @@
     python bench/micro.py moe-inputs --tokens 2048                       # a span's expert inputs gathered vs prepared
     python bench/micro.py clamped-ffn --rows 1,16                        # GPT-OSS's experts one by one vs one call
     python bench/micro.py kv-dtype --lengths 2048,8192                   # the KV cache read as bf16 vs float16
+    python bench/micro.py fp8 --shapes 2048x7168 --m 1,4                 # an FP8 weight decoded to bf16 vs its FP8 form
 
 Every case is a baseline arm and a measured arm on random inputs of a model's shape. The arms alternate call by
 call and their order swaps every round (harness.alternate), so a round's ratio compares calls made milliseconds

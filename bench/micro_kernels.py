@@ -1,5 +1,6 @@
 """micro.py's matmul cases: two trees' lane matmuls (kernel), a span's expert inputs gathered or prepared
-(moe-inputs), GPT-OSS's clamped experts one by one or in one call (clamped-ffn); and build_tree, which the
+(moe-inputs), GPT-OSS's clamped experts one by one or in one call (clamped-ffn), an FP8 weight decoded to bf16
+or computed in its FP8 form (fp8); and build_tree, which the
 cases with --before share.
 """
 
@@ -196,7 +197,56 @@ def clamped_ffn_cases(args: argparse.Namespace) -> Iterator[Case]:
                    f"largest difference {diff:.1e}", 3 * ffn_dim * hidden * m * n, "GMAC/s")  # fmt: skip
 
 
+# ---- fp8: an FP8 checkpoint weight computed at 1 byte a weight vs decoded to bf16 -----------------
+
+
+def fp8_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--shapes", type=parse_shapes, default=[(2048, 7168), (7168, 2048)], help="NxK,... (K: x128)")
+    ap.add_argument("--m", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4], help="rows per call")
+
+
+def _fp8_fills(raw: np.ndarray, n: int, k: int, scales: np.ndarray) -> dict[str, Callable[[], linear.QLinear]]:
+    """One cache fill of each arm: the checkpoint's bytes -> the QLinear the cache holds."""
+    from moestream.compute import kernels
+
+    bf16 = int(GGMLQuantizationType.BF16)
+    return {
+        "bf16": lambda: linear.from_gguf(kernels.fp8_block_decode(raw, n, k, scales, (128, 128), True), bf16, n, k,
+                                         False),
+        "fp8": lambda: linear.from_gguf(kernels.fp8_pack(raw, n, k, scales, 128), quants.FP8_B128, n, k, False),
+    }  # fmt: skip
+
+
+def fp8_cases(args: argparse.Namespace) -> Iterator[Case]:
+    """An FP8 e4m3 weight with 128x128 block scales (DeepSeek-V3's expert shapes by default): `bf16` is the path
+    before issue 44 (the checkpoint decoded to bf16 in C, QLinear's bf16 matmul: ms_gemv_bf16 for a few rows),
+    `fp8` the FP8 form (1 byte a weight and a scale per 128, ms_fp8_mm). Then one cache fill of each: the
+    decode to bf16 and its copy into a slot vs the FP8 packing and its copy."""
+    rng = np.random.default_rng(0)
+    for n, k in args.shapes:
+        raw = rng.integers(0, 256, n * k, dtype=np.uint8)
+        raw[(raw & 0x7F) == 0x7F] = 0
+        scales = rng.uniform(1e-4, 1e-3, (-(-n // 128), k // 128)).astype(np.float32)
+        fills = _fp8_fills(raw, n, k, scales)
+        lins = {arm: fill() for arm, fill in fills.items()}
+        for m in args.m:
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+            outs = {arm: lin(x) for arm, lin in lins.items()}
+            rel = float((outs["fp8"] - outs["bf16"]).abs().max() / outs["bf16"].abs().max())
+            arms = {arm: (lambda lin=lin, x=x: lin(x)) for arm, lin in lins.items()}
+            yield Case(f"{n}x{k} m={m}", arms, f"relative difference {rel:.1e}", n * k * m, "GMAC/s")
+        yield Case(f"{n}x{k} fill", fills, "-", n * k, "Gweights/s")
+
+
 KERNEL_SUITES = {
+    "fp8": Suite(
+        "an FP8 block-scaled weight's matmul and cache fill: decoded to bf16 vs the FP8 form",
+        41,
+        1,
+        fp8_args,
+        lambda args: f"{args.threads} threads, FP8 e4m3 weights with 128x128 block scales",
+        fp8_cases,
+    ),
     "kernel": Suite(
         "two source trees' lane matmuls (ms_qmm), weights packed once", 21, 1, kernel_args, kernel_header, kernel_cases
     ),

@@ -65,10 +65,10 @@ def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """What the checkpoint holds, rounded to bf16 as moestream computes it."""
+    """What the checkpoint holds: each weight fp8 * scale in float32, as moestream's FP8 kernel takes it."""
     n, k = q.shape
     s = scale_inv.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
-    return (q.float() * s).to(torch.bfloat16).float()
+    return q.float() * s
 
 
 def save_fp8_checkpoint(
@@ -76,7 +76,7 @@ def save_fp8_checkpoint(
 ) -> Any:
     """Every 2-D weight of the saved checkpoint but the embedding, head and routers as FP8 with block scales
     (the rest bf16); returns the reference: transformers' float32 model of the values the checkpoint holds
-    (bf16-rounded, as moestream decodes them), loaded from a twin directory of dequantized weights."""
+    (in float32, as moestream's FP8 kernel computes them), loaded from a twin directory of dequantized weights."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -88,9 +88,9 @@ def save_fp8_checkpoint(
         if t.ndim == 2 and not any(s in name for s in skip):
             q, s = fp8_quantize(t)
             fp8[name], fp8[name + "_scale_inv"] = q, s
-            plain[name] = fp8_dequantize(q, s).to(torch.bfloat16)
+            plain[name] = fp8_dequantize(q, s)
         else:
-            fp8[name] = plain[name] = t
+            fp8[name], plain[name] = t, t.float()
     twin = directory + "-dequantized"
     shutil.copytree(directory, twin)
     save_file(plain, os.path.join(twin, "model.safetensors"), metadata={"format": "pt"})

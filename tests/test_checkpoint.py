@@ -17,6 +17,7 @@ from moestream.cli.main import main
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
+from moestream.formats import quants
 from moestream.formats.checkpoint import CheckpointModel
 from moestream.formats.gguf_file import GGUFFile
 from moestream.formats.tokenizer import Tokenizer
@@ -89,15 +90,26 @@ def test_fp8_block_scaled_checkpoint(arch: TinyArch, tmp_path):
     f = CheckpointModel(ckpt)
     try:
         assert f.hf["model.layers.0.self_attn.q_proj.weight"][1].dtype == "F8_E4M3"
-        assert f.tensor("blk.0.ffn_down.3.weight").ggml_type == T.BF16  # decoded per fill, in C
+        # kept at 1 byte a weight (and a scale per 128) in the cache, computed by the FP8 kernel
+        assert f.tensor("blk.0.ffn_down.3.weight").ggml_type == quants.FP8_B128
     finally:
         f.close()
-    gguf = str(tmp_path / "m.gguf")
-    arch.write(model, gguf, dense_type=T.BF16, expert_type=T.BF16)
+    cfg = model.config
+    hidden, ffn = cfg.hidden_size, cfg.moe_intermediate_size if arch is QWEN3MOE else cfg.intermediate_size
     prompt = _prompt(model)
+    want = _transformers(model, prompt)
     for slots in _budgets(model):
-        assert _ours(ckpt, prompt, slots) == _ours(gguf, prompt, slots), slots
-    assert _ours(ckpt, prompt, _budgets(model)[0], exact=True) == _transformers(model, prompt)
+        eng = Engine(ckpt, EngineOptions(n_slots=slots, ubatch=16))
+        try:
+            lay = eng.store.layouts[0]
+            assert lay.gate_kind == "fp8" and lay.packed_nbytes == 3 * hidden * ffn * 132 // 128
+            assert eng.store.slot_nbytes < 3 * hidden * ffn * 2  # what a bf16 expert took
+            gen = eng.generate(prompt, N, Sampler())
+            assert eng.cache.used_slots <= slots
+        finally:
+            eng.close()
+        assert gen.tokens == want, slots
+    assert _ours(ckpt, prompt, _budgets(model)[0], exact=True) == want
 
 
 def test_gpt_oss_mxfp4_checkpoint(tmp_path):

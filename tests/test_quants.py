@@ -54,7 +54,7 @@ def test_sizes_and_unsupported_types():
     assert quants.tensor_nbytes(T.Q4_K, 512) == 288
     assert quants.tensor_nbytes(T.Q4_0, 64) == 36
     assert quants.tensor_nbytes(T.BF16, 3) == 6
-    assert quants.SUPPORTED_TYPES == {int(t) for t in ALL_TYPES}
+    assert quants.SUPPORTED_TYPES == {int(t) for t in ALL_TYPES} | {quants.FP8_B128}  # and checkpoints' FP8
     with pytest.raises(ValueError):
         quants.tensor_nbytes(T.Q4_K, 100)
     with pytest.raises(ModelFileError, match="Q8_K"):  # llama.cpp's activation type: never in a model file

@@ -207,3 +207,46 @@ def fp8_block_decode(
     s = torch.from_numpy(scales).repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
     w = w * s
     return (w.to(torch.bfloat16).view(torch.int16) if bf16 else w).numpy().view(np.uint8).reshape(-1)
+
+
+def fp8_pack(src: np.ndarray, n: int, k: int, scales: np.ndarray, rows_per_scale: int) -> np.ndarray:
+    """FP8 e4m3 bytes [n, k] and their float32 block scales [ceil(n/rows_per_scale), k/128] -> the FP8 compute
+    form's bytes (quants.FP8_B128: per 128 weights of a row, its block's scale then the 128 bytes), by the C
+    library (numpy where it is not built). A NaN byte or a non-finite scale raises."""
+    src = np.ascontiguousarray(src[: n * k])
+    scales = np.ascontiguousarray(scales, dtype=np.float32)
+    if src.size < n * k or k % 128 or scales.shape != (-(-n // rows_per_scale), k // 128):
+        raise ValueError(f"fp8 [{n}, {k}]: {src.size} bytes and scales {scales.shape} do not fit 128-column blocks")
+    out = np.empty(n * k // 128 * 132, np.uint8)
+    lib = native.lib()
+    if lib is not None:
+        lib.ms_fp8_pack(src.ctypes.data, n, k, scales.ctypes.data, rows_per_scale, out.ctypes.data)
+        return out
+    if ((src & 0x7F) == 0x7F).any() or not np.isfinite(scales).all():
+        raise ValueError(f"fp8 [{n}, {k}]: NaN weights or non-finite scales")
+    blocks = out.reshape(n, k // 128, 132)
+    blocks[:, :, :4] = np.repeat(scales, rows_per_scale, axis=0)[:n, :, None].view(np.uint8)
+    blocks[:, :, 4:] = src.reshape(n, k // 128, 128)
+    return out
+
+
+FP8_SCRATCH_BYTES = 8 << 20  # float32 scratch for one slice of a widened FP8 weight
+
+
+def fp8_mm(weight: torch.Tensor, n: int, k: int, x2: torch.Tensor, gemm_min_rows: int) -> torch.Tensor:
+    """float32 x2 [M, K] (contiguous) @ W.T for W [n, k] in the FP8 form (uint8 [n, row bytes]): the native
+    kernel below gemm_min_rows rows, else float32 GEMMs over W widened a slice of rows at a time (bounded
+    scratch), which amortize the widening over the rows."""
+    lib = native.lib()
+    if x2.shape[0] < gemm_min_rows:
+        y = torch.empty(x2.shape[0], n)
+        lib.ms_fp8_mm(weight.data_ptr(), n, k, x2.data_ptr(), x2.shape[0], y.data_ptr())
+        return y
+    step = max(1, FP8_SCRATCH_BYTES // (4 * k))
+    scratch = torch.empty(min(step, n), k)
+    parts = []
+    for r0 in range(0, n, step):
+        w = scratch[: min(n, r0 + step) - r0]
+        lib.ms_fp8_unpack(weight[r0:].data_ptr(), w.shape[0], k, w.data_ptr(), 0)
+        parts.append(torch.nn.functional.linear(x2, w))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

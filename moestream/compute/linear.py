@@ -1,6 +1,6 @@
 """The compute form of one weight matrix: GGUF bytes in, `y = x @ W.T` out.
 
-Four forms, picked per tensor by `compute_kind`:
+Five forms, picked per tensor by `compute_kind`:
   lane  Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS / Q3_K / Q2_K / Q5_0 / Q5_1 / MXFP4 kept at their own bits in
         the lane layout of native/internal.h (a reshuffle of the GGUF blocks, about the same size, by
         lane_pack.c) and multiplied by the kernels of qmm_vnni.c (AVX-512 VNNI) or qmm_avx2.c (AVX2 + FMA +
@@ -14,6 +14,10 @@ Four forms, picked per tensor by `compute_kind`:
         slice at a time, where the CPU has no bf16 GEMM: `linear_bf16`). The types the C library
         cannot decode (the 1-3 bit K/IQ/ternary types, IQ4: `DECODED_TYPES`) are decoded by numpy,
         once per cache fill for an expert and once at load for a resident weight: correct, but slower.
+  fp8   a checkpoint's FP8 e4m3 weights with 128-column block scales (quants.FP8_B128): 1 byte a weight plus
+        its block's scale, widened in registers by native/fp8.c and multiplied by float32 activations (a few
+        rows), or widened to float32 a slice at a time for a float32 GEMM (many rows). bf16 where there
+        is no C library.
   f32   F32/F16 weights, and everything when exact=True (logits checked against a float reference).
 
 `pack_into` writes the form into memory the caller owns (the expert cache's slots) and returns views of
@@ -32,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from moestream.compute import native
+from moestream.compute import kernels, native
 from moestream.errors import ComputeError
 from moestream.formats import lowbit, quants
 
@@ -62,6 +66,10 @@ F32_TYPES = frozenset({int(T.F32), int(T.F16)})
 # no native decoder: numpy widens them (see slow_path); the C library decodes MXFP4 (pack.c)
 DECODED_TYPES = frozenset(lowbit.DECODERS) - {int(T.MXFP4)}
 DECODE_ROWS_BYTES = 4 << 20  # float32 rows decoded at a time by the numpy path (bounds its temporaries)
+FP8 = quants.FP8_B128
+# From this many rows of activations on, an FP8 weight is widened to float32 a slice at a time for a GEMM: its
+# kernel widens every weight once per FP8_XT rows and runs no cache tiling, which a GEMM's rows amortize.
+FP8_GEMM_MIN_ROWS = 16
 
 
 @dataclass(eq=False)
@@ -70,15 +78,15 @@ class QLinear:
 
     out_features: int
     in_features: int
-    kind: str  # 'lane' | 'int4' | 'bf16' | 'f32'
-    weight: torch.Tensor  # lane: uint8 [N, row bytes]; int4: uint8 [N, K/2] packed; bf16/f32: [N, K]
+    kind: str  # 'lane' | 'int4' | 'fp8' | 'bf16' | 'f32'
+    weight: torch.Tensor  # lane, fp8: uint8 [N, row bytes]; int4: uint8 [N, K/2] packed; bf16/f32: [N, K]
     scales_zeros: torch.Tensor | None = None  # int4 only: bf16 [K/32, N, 2]
     ggml_type: int = -1  # lane only: the GGUF type its blocks came from
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [..., K] -> float32 [..., N]."""
         lead = x.shape[:-1]
-        if self.kind == "lane":
+        if self.kind in ("lane", "fp8"):
             return self.mm(x.reshape(-1, self.in_features)).reshape(*lead, self.out_features)
         if self.kind == "int4":
             # the int4 kernel's fast path takes bf16 activations (float32 ones go to a far slower path)
@@ -126,7 +134,7 @@ class QLinear:
     @property
     def dtype(self) -> torch.dtype:
         """The activation dtype this weight computes in natively (see `mm`)."""
-        return torch.float32 if self.kind in ("f32", "lane") else torch.bfloat16
+        return torch.float32 if self.kind in ("f32", "lane", "fp8") else torch.bfloat16
 
     def mm(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, K] already in `self.dtype` -> [M, N] in `self.dtype`: no conversions, for hot loops."""
@@ -140,6 +148,11 @@ class QLinear:
                 x2.data_ptr(), x2.shape[0], self.in_features, y.data_ptr(), self.out_features,
             )  # fmt: skip
             return y
+        if self.kind == "fp8":
+            x2 = x2.contiguous()
+            if not _rows_ok(x2, self.in_features):
+                raise ComputeError(f"an fp8 matmul of {tuple(self.shape)} got an input {_desc(x2)}")
+            return kernels.fp8_mm(self.weight, self.out_features, self.in_features, x2, FP8_GEMM_MIN_ROWS)
         if self.kind == "int4":
             if x2.shape[0] >= INT4_GEMM_MIN_ROWS and (lib := _int4_expander()) is not None:
                 return self._expanded_mm(x2, lib)
@@ -171,6 +184,10 @@ class QLinear:
                 self.ggml_type, self.weight.data_ptr(), self.out_features, self.in_features, w.data_ptr()
             )
             return w
+        if self.kind == "fp8":
+            w = torch.empty(self.out_features, self.in_features)
+            native.lib().ms_fp8_unpack(self.weight.data_ptr(), self.out_features, self.in_features, w.data_ptr(), 0)
+            return w
         if self.kind != "int4":
             return self.weight.float()
         if (lib := _int4_expander()) is not None:
@@ -192,7 +209,7 @@ def concat(parts: list[QLinear]) -> QLinear | None:
         return None
     n = sum(p.out_features for p in parts)
     weight = torch.cat([p.weight for p in parts], dim=0)
-    if kind == "lane":  # rows are independent in the lane layout
+    if kind in ("lane", "fp8"):  # rows are independent in the lane and FP8 forms
         return QLinear(n, k, kind, weight, ggml_type=gt)
     sz = None
     if kind == "int4":
@@ -207,6 +224,8 @@ def compute_kind(ggml_type: int, n: int, k: int, exact: bool) -> str:
     quants.tensor_nbytes(ggml_type, k)  # raises for an unsupported type or a ragged row
     if exact or ggml_type in F32_TYPES:
         return "f32"
+    if ggml_type == FP8:
+        return "fp8" if native.lib() is not None else "bf16"
     if ggml_type in LANE_TYPES and k % lane_k(ggml_type) == 0 and native.lane_ok():
         return "lane"
     if ggml_type in INT4_TYPES and n % INT4_BLOCK_N == 0 and k % GROUP == 0:
@@ -240,6 +259,8 @@ def packed_nbytes(ggml_type: int, n: int, k: int, exact: bool) -> int:
     kind = compute_kind(ggml_type, n, k, exact)
     if kind == "lane":
         return n * lane_row_bytes(ggml_type, k)
+    if kind == "fp8":
+        return quants.tensor_nbytes(FP8, n * k)
     if kind == "int4":
         return sum(_int4_sizes(n, k))
     return n * k * (2 if kind == "bf16" else 4)
@@ -390,6 +411,10 @@ def pack_into(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, out:
         w = out[:nbytes].view(n, nbytes // n)
         lib.ms_lane_pack(ggml_type, src.ctypes.data, n, k, w.data_ptr())
         return QLinear(n, k, kind, w, ggml_type=ggml_type)
+    if kind == "fp8":  # the checkpoint reader made the form (kernels.fp8_pack): a copy
+        w = out[:nbytes].view(n, nbytes // n)
+        np.copyto(w.numpy().reshape(-1), src)
+        return QLinear(n, k, kind, w, ggml_type=ggml_type)
     if kind == "int4":
         n_packed, n_sz = _int4_sizes(n, k)
         packed = out[:n_packed].view(n, k // 2)
@@ -398,8 +423,10 @@ def pack_into(raw: np.ndarray | memoryview, ggml_type: int, n: int, k: int, out:
         return QLinear(n, k, kind, packed, sz)
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
     w = out[:nbytes].view(dtype).view(n, k)
-    if ggml_type in DECODED_TYPES:
+    if ggml_type in DECODED_TYPES or ggml_type == FP8 and lib is None:
         _dequant_numpy(src, ggml_type, n, k, w)
+    elif ggml_type == FP8:
+        lib.ms_fp8_unpack(src.ctypes.data, n, k, w.data_ptr(), int(kind == "bf16"))
     elif lib is not None:
         lib.ms_dequant(ggml_type, src.ctypes.data, n * k, w.data_ptr(), int(kind == "bf16"))
     else:
@@ -466,7 +493,7 @@ def kernel_scratch_bytes(ubatch: int, top_k: int, hidden: int, ffn: int, max_in:
 
 
 def decode_on_pool(linears: list[QLinear], min_bytes: int = 1 << 20) -> bool:
-    """True when every weight of at least min_bytes is in the lane form or bf16 (GEMV_MAX_ROWS rows go to the
+    """True when every weight of at least min_bytes is in the lane or fp8 form or bf16 (GEMV_MAX_ROWS rows go to the
     C library's gemv): a decode step of such a model does all its heavy matmuls in the lane pool and leaves
     torch only small ops."""
-    return all(lin.kind in ("lane", "bf16") for lin in linears if lin.nbytes >= min_bytes)
+    return all(lin.kind in ("lane", "bf16", "fp8") for lin in linears if lin.nbytes >= min_bytes)

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as T
 
 from moestream.compute import kernels
 from moestream.errors import ModelFileError
+from moestream.formats import quants
 
 TYPES = {"F32": int(T.F32), "F16": int(T.F16), "BF16": int(T.BF16)}
 ELEM = {int(T.F32): 4, int(T.F16): 2, int(T.BF16): 2}
@@ -68,9 +69,11 @@ def _block_size(m: Any) -> tuple[int, int]:
     return size[0], size[1]
 
 
-def _fp8(m: Any, hf: str, n: int, k: int) -> Callable[[np.ndarray], np.ndarray]:
-    """FP8 bytes -> bf16 bytes, times the block scales (`weight_scale_inv`, kept in memory: 1/16384 of the
-    weights' count) in C."""
+def _fp8(m: Any, hf: str, n: int, k: int) -> tuple[Callable[[np.ndarray], np.ndarray], int]:
+    """(convert, type): FP8 bytes and their block scales (`weight_scale_inv`, kept in memory: 1/16384 of the
+    weights' count) -> the FP8 compute form (quants.FP8_B128: 1 byte a weight, computed at its own bits) where
+    the scales' blocks are 128 columns wide and rows whole blocks, as DeepSeek's and Qwen's are; else -> bf16
+    bytes, the products rounded (in C)."""
     scale_name = hf + "_scale_inv"
     _, st = m.source(scale_name)
     raw = m.read_source(scale_name)
@@ -86,7 +89,10 @@ def _fp8(m: Any, hf: str, n: int, k: int) -> Callable[[np.ndarray], np.ndarray]:
         raise ModelFileError(f"{m.path}: {scale_name} has shape {list(st.shape)}, expected {list(want)} for "
                              f"[{n}, {k}] in {block[0]}x{block[1]} blocks")  # fmt: skip
     scales = scales.reshape(want).copy()
-    return functools.partial(kernels.fp8_block_decode, n=n, k=k, scales=scales, block=block, bf16=True)
+    if block[1] == 128 and k % 128 == 0:
+        return functools.partial(kernels.fp8_pack, n=n, k=k, scales=scales, rows_per_scale=block[0]), quants.FP8_B128
+    decode = functools.partial(kernels.fp8_block_decode, n=n, k=k, scales=scales, block=block, bf16=True)
+    return decode, int(T.BF16)
 
 
 def _permute_rows(raw: np.ndarray, n_head: int, row_bytes: int) -> np.ndarray:
@@ -104,13 +110,13 @@ def weight(m: Any, name: str, hf: str, permute_heads: int | None = None) -> None
     if st.dtype == FP8:
         if len(st.shape) != 2:
             raise ModelFileError(f"{m.path}: {hf} is FP8 with shape {list(st.shape)}; only matrices can be")
-        convert, ggml_type = _fp8(m, hf, *st.shape), int(T.BF16)
+        convert, ggml_type = _fp8(m, hf, *st.shape)
     elif st.dtype in TYPES:
         ggml_type = TYPES[st.dtype]
     else:
         raise ModelFileError(f"{m.path}: {hf} is {st.dtype}, which moestream cannot compute (BF16, F16, F32, FP8)")
     if permute_heads is not None:
-        row_bytes = st.shape[-1] * ELEM[ggml_type] if len(st.shape) == 2 else ELEM[ggml_type]
+        row_bytes = quants.row_nbytes(ggml_type, st.shape[-1] if len(st.shape) == 2 else 1)
         first = convert
 
         def convert(raw, first=first):  # noqa: E306

@@ -15,6 +15,10 @@ Block layouts (llama.cpp ggml-common.h), one block = `BLOCK_SIZE` weights in `TY
   Q6_K  [ql 128][qh 64][scales i8 x16][d f16]       16 groups of 16: w = d*sc[i]*(q - 32)
 
 The 1- to 3-bit, IQ, ternary and MXFP4 types are decoded by `lowbit` (same interface, registered below).
+
+FP8_B128 is no GGUF type: a checkpoint's FP8 e4m3 weights with their block scales, as the FP8 compute form
+keeps them (native/fp8.c), an id beyond GGML's so that the two cannot clash:
+  FP8_B128 [scale f32][e4m3 u8 x128]                w = e4m3(q) * scale
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from moestream.errors import ModelFileError
 from moestream.formats import lowbit
 
 QK_K = 256
+FP8_B128 = 0x10F8  # checkpoint FP8 (see above); GGML's type ids are below 64
 
 # (weights per block, bytes per block)
 BLOCK_SIZES: dict[int, tuple[int, int]] = {
@@ -44,6 +49,7 @@ BLOCK_SIZES: dict[int, tuple[int, int]] = {
     T.Q5_K: (256, 176),
     T.Q6_K: (256, 210),
     **lowbit.BLOCK_SIZES,
+    FP8_B128: (128, 132),
 }
 
 SUPPORTED_TYPES: frozenset[int] = frozenset(int(t) for t in BLOCK_SIZES)
@@ -53,6 +59,8 @@ QUANTIZE_TYPES: frozenset[int] = frozenset(
 
 
 def type_name(ggml_type: int) -> str:
+    if ggml_type == FP8_B128:
+        return "FP8_E4M3 (block scales)"
     try:
         return T(ggml_type).name
     except ValueError:
@@ -194,7 +202,24 @@ def _dq_q6_k(b: np.ndarray) -> np.ndarray:
     return ((d * scale)[:, :, None] * q.reshape(-1, 16, 16).astype(np.float32)).reshape(-1, QK_K)
 
 
+def _e4m3_table() -> np.ndarray:
+    """e4m3fn byte -> float32: 4 exponent bits (bias 7), 3 mantissa bits, exponent 0 subnormal, S.1111.111 NaN."""
+    b = np.arange(256)
+    e, m = (b >> 3) & 15, (b & 7).astype(np.float32)
+    v = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * np.exp2(e - 7.0)).astype(np.float32)
+    v[(b & 0x7F) == 0x7F] = np.nan
+    return np.where(b & 0x80, -v, v).astype(np.float32)
+
+
+E4M3 = _e4m3_table()
+
+
+def _dq_fp8_b128(b: np.ndarray) -> np.ndarray:
+    return E4M3[b[:, 4:]] * b[:, :4].copy().view(np.float32)
+
+
 _BLOCK_DECODERS = {
+    FP8_B128: _dq_fp8_b128,
     T.Q8_0: _dq_q8_0,
     T.Q4_0: _dq_q4_0,
     T.Q4_1: _dq_q4_1,

@@ -43,7 +43,7 @@ _SOURCE_NAMES = (
 )  # fmt: skip
 SOURCES = tuple(Path(__file__).with_name(n) for n in _SOURCE_NAMES)
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("blocks.h", "internal.h", "gemm.h"))
-ABI_VERSION = 3
+ABI_VERSION = 4
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing")
 # AMD's family 25 (Zen 3 and Zen 4; only Zen 4 has AVX-512) runs the VNNI kernels of the types with one sum
 # per (row, token) faster in tiles of 1 row x 8 tokens than in the 2 x 4 chosen on Zen 5 (bench/RESULTS.md,
@@ -174,6 +174,9 @@ def _declare(lib: ctypes.CDLL, only: set[str] | None = None) -> None:
     checked = {  # these return 0 (or a size) and a negative code on error: ctypes raises through _check
         "ms_dequant": ([c_int, vp, i64, vp, c_int], c_int),
         "ms_fp8_block_decode": ([vp, i64, i64, vp, i64, i64, vp, c_int], c_int),
+        "ms_fp8_pack": ([vp, i64, i64, vp, i64, vp], c_int),
+        "ms_fp8_unpack": ([vp, i64, i64, vp, c_int], c_int),
+        "ms_fp8_mm": ([vp, i64, i64, vp, i64, vp], c_int),
         "ms_pack_int4": ([c_int, vp, i64, i64, vp, vp, c_int], c_int),
         "ms_int4_to_bf16": ([vp, vp, i64, i64, i64, i64, vp, c_int], c_int),
         "ms_lane_row_bytes": ([c_int, i64], i64),
