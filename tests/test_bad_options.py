@@ -230,6 +230,7 @@ PROCESS_CASES = [
 ]
 
 
+@pytest.mark.slow
 def test_bad_values_as_processes(files) -> None:
     cli = [os.fsencode(sys.executable), b"-m", b"moestream"]
     runs = [([os.fsencode(a) for a in _fill(argv, files)], needle) for argv, needle in PROCESS_CASES]

@@ -21,7 +21,7 @@ from moestream.models.moe import ClampedSwiGLU
 from moestream.models.ops import f32_matmul, rms_norm
 from moestream.models.routing import route_topk
 from tests.hf_gguf import n_experts, one_torch_thread, random_tokens
-from tests.test_models import MOE_CASES
+from tests.test_models import MOE_CASES, SLOW_CASES
 
 pytest.importorskip("transformers")
 
@@ -67,8 +67,11 @@ class CountingExperts:
         return self.inner.fetch_groups(layer, ids, admit, ordered)
 
 
-@pytest.fixture(scope="module", params=[(a, w) for a in MOE_CASES for w in (0, 1)],
-                ids=lambda p: f"{p[0].id}-{'float' if p[1] == 0 else 'quantized'}")  # fmt: skip
+@pytest.fixture(scope="module", params=[
+    pytest.param((a, w), id=f"{a.id}-{'float' if w == 0 else 'quantized'}",
+                 marks=[pytest.mark.slow] if a.id in SLOW_CASES or (w == 0 and a.id != "qwen3moe") else [])
+    for a in MOE_CASES for w in (0, 1)
+])  # fmt: skip
 def tiny_file(request, tmp_path_factory):
     arch, which = request.param
     model = arch.hf_model(seed=3)

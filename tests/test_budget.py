@@ -145,6 +145,7 @@ def test_a_known_prompt_length_bounds_the_span_and_its_buffers(tiny, tmp_path):
     assert json.loads(stats.read_text())["plan"]["span"] <= 128 < free_span
 
 
+@pytest.mark.slow
 def test_peak_rss_stays_under_a_budget_close_to_the_minimum(tiny, tmp_path):
     """A long prompt then a long generation, in a fresh process (so ru_maxrss is this run's alone)."""
     prompt = " ".join(f"word{i} the quick brown fox" for i in range(36))  # ~600 tokens

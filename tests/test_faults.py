@@ -34,6 +34,8 @@ from moestream.streaming.expert_store import ExpertStore
 from moestream.streaming.reader import ALIGN, RETRY_DELAYS_S
 from moestream.synth.shapes import write_synth
 
+pytestmark = pytest.mark.slow  # injected disk faults, each a run of its own: .ci/run
+
 PROMPT = list(range(5, 45))
 N = 8
 WATCHDOG_S = 60.0  # a run that has not ended by then is a hang
@@ -430,6 +432,7 @@ def preadv(fd, bufs, offset, *flags):
     return real(fd, bufs, offset, *flags)
 os.preadv = preadv
 from moestream.cli.main import main
+
 sys.exit(main(sys.argv[2:]))
 """
 

@@ -87,6 +87,7 @@ def test_an_empty_prompt_fails_before_loading(model, tmp_path, argv):
     assert "the prompt is empty" in r.stderr and "mlock" not in r.stderr  # the model was never loaded
 
 
+@pytest.mark.slow
 def test_the_prompt_from_stdin_or_a_file_is_the_same_as_from_p(model, tmp_path):
     text = "hello there"
     (tmp_path / "prompt.txt").write_text(text)
@@ -177,12 +178,14 @@ def test_keys_typed_during_an_answer_are_not_echoed_nor_kept():
         os.close(slave)
 
 
+@pytest.mark.slow
 def test_chat_answers_have_a_default_limit(model):
     args = build_parser("chat").parse_args(["chat", "-m", model])
     assert args.n == DEFAULT_MAX_TOKENS
     assert f"default {DEFAULT_MAX_TOKENS}" in " ".join(_moestream("chat", "--help").stdout.split())
 
 
+@pytest.mark.slow
 def test_moestream_home_holds_the_demo_model_as_the_readme_says(tmp_path):
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "**`MOESTREAM_HOME`**" in readme and "`$MOESTREAM_HOME/models`" in readme

@@ -16,6 +16,8 @@ from moestream.formats.gguf_model import GGUFModel
 from moestream.synth.shapes import write_synth, write_synth_parts
 from tests.hub_server import FakeHub, Repo
 
+pytestmark = pytest.mark.slow  # a local Hub server and real downloads: .ci/run
+
 BIG = 12 << 20  # over the client's 10 MiB read chunk, so that a cut transfer has something to resume from
 
 

@@ -458,6 +458,7 @@ def test_many_rows_use_bf16_gemm(monkeypatch, no_lane, scratch):
 # the loader
 
 
+@pytest.mark.slow
 @needs_native
 def test_build_is_atomic_under_concurrency(tmp_path):
     cc = native._compiler()

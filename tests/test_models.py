@@ -45,6 +45,17 @@ transformers = pytest.importorskip("transformers")
 ARCH_CASES = [QWEN3MOE, QWEN35MOE, DEEPSEEK_V2_LITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM4MOE, GLM45_AIR]
 ARCH_CASES += [MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE, GPT_OSS, *DENSE_CASES]
 MOE_CASES = [a for a in ARCH_CASES if not a.dense]  # what streams and routes
+# The default run takes one architecture of each family; `-m ""` (.ci/run) takes every case. The others differ
+# from one taken by config fields or a tensor layout (their own test files cover what is theirs alone).
+SLOW_CASES = {"deepseek-v2-lite", "deepseek-v2", "glm-4.5", "mixtral-per-expert", "olmoe", "qwen2moe", "qwen2"}
+
+
+def case_params(cases: list[TinyArch]) -> list:
+    """The cases as parameters, those of SLOW_CASES marked slow."""
+    return [pytest.param(a, id=a.id, marks=[pytest.mark.slow] if a.id in SLOW_CASES else []) for a in cases]
+
+
+ARCH_PARAMS, MOE_PARAMS = case_params(ARCH_CASES), case_params(MOE_CASES)
 N_PROMPT, N_DECODE = 80, 16  # the prompt is longer than one DeltaNet chunk (64)
 
 
@@ -61,7 +72,7 @@ def _engine(path: str, **kw) -> Engine:
     return Engine(path, EngineOptions(n_slots=kw.pop("n_slots", 32), **kw))
 
 
-@pytest.fixture(scope="module", params=ARCH_CASES, ids=lambda a: a.id)
+@pytest.fixture(scope="module", params=ARCH_PARAMS)
 def tiny(request, tmp_path_factory):
     """(arch, model file, tokens, transformers' logits for every position of prompt + decoded tokens, model)."""
     arch: TinyArch = request.param
@@ -123,7 +134,7 @@ def test_whole_prompt_equals_token_by_token_and_micro_batches(tiny):
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["float", "quantized"])
-@pytest.mark.parametrize("arch", MOE_CASES, ids=lambda a: a.id)
+@pytest.mark.parametrize("arch", MOE_PARAMS)
 def test_streaming_never_changes_greedy_output(tmp_path, arch, which):
     dense_type, expert_type = arch.stream_types[which]
     model = arch.hf_model(seed=2)
@@ -352,7 +363,7 @@ def test_f32_file_reads_back_exactly(tiny):
     "dense,expert,tol",
     [(T.F16, T.Q8_0, 0.01), (T.Q8_0, T.Q4_0, 0.15), (T.Q8_0, T.Q4_K, 0.15), (T.BF16, T.F32, 0.01)],
 )
-@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.id)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_quantized_types(tmp_path, arch, dense, expert, tol):
     model = arch.hf_model(seed=1)
     f32_path, path = tmp_path / "f.gguf", tmp_path / "q.gguf"
@@ -368,7 +379,7 @@ def test_quantized_types(tmp_path, arch, dense, expert, tol):
         assert rel < (tol if kind != "f32" else 1e-7), (t.name, rel)
 
 
-@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.id)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_tied_embeddings_omit_output(tmp_path, arch):
     model = arch.hf_model(seed=2, tie_word_embeddings=True)
     path = tmp_path / "tied.gguf"
@@ -388,7 +399,7 @@ def test_tied_embeddings_omit_output(tmp_path, arch):
         eng.close()
 
 
-@pytest.mark.parametrize("arch", ARCH_CASES, ids=lambda a: a.id)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_vocab_mismatch_is_explained(tmp_path, arch):
     model = arch.hf_model(vocab_size=tiny_vocab_size() + 3)
     with pytest.raises(ValueError, match="tiny BPE vocab"):

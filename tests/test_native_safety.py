@@ -382,6 +382,7 @@ def _reports(proc: subprocess.CompletedProcess) -> bool:
     return "AddressSanitizer" in proc.stderr or "runtime error:" in proc.stderr
 
 
+@pytest.mark.slow
 def test_hostile_calls_under_sanitizers(sanitized):
     path, env = sanitized
     proc = _run(HOSTILE, path, env)
@@ -392,6 +393,7 @@ def test_hostile_calls_under_sanitizers(sanitized):
     assert refused > 60 and done > (40 if native.lane_ok() else 30)
 
 
+@pytest.mark.slow
 def test_the_sanitizer_catches_an_overflow(sanitized):
     """The harness is live: a buffer one row short, passed straight to the C packer, is reported."""
     path, env = sanitized
@@ -523,6 +525,7 @@ print("FUZZ-OK", " ".join(map(str, codes)))
 """
 
 
+@pytest.mark.slow
 def test_fuzz_corpus_under_sanitizers(sanitized, tmp_path):
     """The whole engine over corrupted model files, on the sanitized kernels: damaged weights, tables and
     metadata reach every kernel a run uses; no out-of-bounds access, no undefined behaviour, no traceback."""

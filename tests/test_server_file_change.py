@@ -52,6 +52,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_synth("tiny", "Q4_0", tmp_path_factory.mktemp("model") / "tiny.gguf", progress=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("idle", [False, True])
 def test_truncated_model_file_stops_the_server(model: str, tmp_path, idle: bool) -> None:
     path = str(tmp_path / "copy.gguf")

@@ -42,6 +42,7 @@ def _normal(url: str) -> dict:
     return {}
 
 
+@pytest.mark.slow
 def test_hostile_requests(server) -> None:
     url, proc = server
     cases = make_cases(seed=15, n=N_CASES)

@@ -22,6 +22,8 @@ from moestream.formats.chat_template import render_chat
 from moestream.serving.chat_formats import render_prompt
 from tests.real_model import smollm2_path
 
+pytestmark = pytest.mark.slow  # a real model fetched from PyPI and llama.cpp beside it: .ci/run
+
 PROMPTS = ["The capital of France is", "Here is a short poem about the sea:\n", "def fibonacci(n):"]
 N_TOKENS = 24
 AGREE = 8  # greedy tokens that must equal llama.cpp's
@@ -124,6 +126,7 @@ import json, sys
 import numpy as np
 import llama_cpp
 import llama_cpp.llama_cpp as lib
+
 default_params = lib.llama_model_default_params
 def without_repack():  # the CPU backend's repacked Q4_1 crashes on some CPUs (AMX): compute from the file
     p = default_params()
