@@ -21,7 +21,7 @@ from moestream.models.moe import ClampedSwiGLU
 from moestream.models.ops import f32_matmul, rms_norm
 from moestream.models.routing import route_topk
 from tests.hf_gguf import n_experts, one_torch_thread, random_tokens
-from tests.test_models import MOE_CASES, SLOW_CASES
+from tests.test_models import MOE_CASES
 
 pytest.importorskip("transformers")
 
@@ -67,9 +67,13 @@ class CountingExperts:
         return self.inner.fetch_groups(layer, ids, admit, ordered)
 
 
+# the default run's cases (`-m ""` runs every MoE case, float and quantized): the families' kernels and mixers
+BATCH_DEFAULT = {("qwen3moe", 0), ("qwen3moe", 1), ("qwen35moe", 1), ("deepseek-v3", 1), ("gpt-oss", 1)}
+
+
 @pytest.fixture(scope="module", params=[
     pytest.param((a, w), id=f"{a.id}-{'float' if w == 0 else 'quantized'}",
-                 marks=[pytest.mark.slow] if a.id in SLOW_CASES or (w == 0 and a.id != "qwen3moe") else [])
+                 marks=[] if (a.id, w) in BATCH_DEFAULT else [pytest.mark.slow])
     for a in MOE_CASES for w in (0, 1)
 ])  # fmt: skip
 def tiny_file(request, tmp_path_factory):

@@ -224,6 +224,7 @@ def worker(seed_paths):
     w.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(CORPUS_CASES))
 def test_fuzz_corpus(index, seeds, worker, tmp_path):
     case = make_case(seeds, CORPUS_SEED, index)

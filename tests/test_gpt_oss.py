@@ -181,7 +181,10 @@ def test_llama_cpp_reads_the_mxfp4_file(mxfp4_model):
 SHARP_PROMPT, SHARP_DECODE = 89, 12
 
 
-@pytest.fixture(scope="module", params=[0, 1, 2], ids=lambda s: f"seed{s}")
+SHARP_SEEDS = [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2))]  # the full run takes all three
+
+
+@pytest.fixture(scope="module", params=SHARP_SEEDS, ids=lambda s: f"seed{s}")
 def sharp(request, tmp_path_factory):
     """(MXFP4 file, F32 file, prompt + transformers' greedy continuation, their float32 logits at every
     position from the prompt's last on)."""

@@ -45,9 +45,13 @@ transformers = pytest.importorskip("transformers")
 ARCH_CASES = [QWEN3MOE, QWEN35MOE, DEEPSEEK_V2_LITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM4MOE, GLM45_AIR]
 ARCH_CASES += [MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE, GPT_OSS, *DENSE_CASES]
 MOE_CASES = [a for a in ARCH_CASES if not a.dense]  # what streams and routes
-# The default run takes one architecture of each family; `-m ""` (.ci/run) takes every case. The others differ
-# from one taken by config fields or a tensor layout (their own test files cover what is theirs alone).
-SLOW_CASES = {"deepseek-v2-lite", "deepseek-v2", "glm-4.5", "mixtral-per-expert", "olmoe", "qwen2moe", "qwen2"}
+# The default run takes the cases whose mixers and FFNs differ most (qwen3moe, qwen35moe, deepseek-v3, mixtral,
+# gpt-oss, llama-dense); `-m ""` (.ci/run) takes every case. The others differ from those by config fields or a
+# tensor layout, and their own test files (test_glm4moe.py, test_deepseek2.py, ...) cover what is theirs alone.
+SLOW_CASES = {"deepseek-v2-lite", "deepseek-v2", "glm-4.5", "glm-4.5-air", "mixtral-per-expert", "olmoe", "qwen2moe",
+              "qwen2", "qwen3"}  # fmt: skip
+
+SLOW = pytest.mark.slow  # in .ci/run's full run only (see SLOW_CASES)
 
 
 def case_params(cases: list[TinyArch]) -> list:
@@ -133,7 +137,7 @@ def test_whole_prompt_equals_token_by_token_and_micro_batches(tiny):
     assert rel_error(chunked, whole) < 1e-5
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["float", "quantized"])
+@pytest.mark.parametrize("which", [pytest.param(0, marks=SLOW), 1], ids=["float", "quantized"])
 @pytest.mark.parametrize("arch", MOE_PARAMS)
 def test_streaming_never_changes_greedy_output(tmp_path, arch, which):
     dense_type, expert_type = arch.stream_types[which]
@@ -198,7 +202,7 @@ def test_span_attention_runs_in_query_chunks_equal_to_one_call():
     assert query_chunks(T, 8)[-1] == (48, 50) and len(query_chunks(T, 8)) == 7
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streaming"])
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=SLOW)], ids=["cached", "streaming"])
 def test_layer_major_prefill_equals_micro_batch_major(tiny, tmp_path, stream):
     """Prompts of 1, 2 and 10 micro-batches run as one span through every layer give the tokens and the last
     position's logits of the micro-batch-major path, with every expert cached and under a budget that
@@ -227,7 +231,7 @@ def test_layer_major_prefill_equals_micro_batch_major(tiny, tmp_path, stream):
             assert sum(r for r, _ in mb_reads.values()) >= sum(r for r, _ in reads.values())
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streaming"])
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=SLOW)], ids=["cached", "streaming"])
 def test_a_span_summed_as_its_experts_come_is_bit_identical(tiny, stream, monkeypatch):
     """A span whose experts are fetched in order and summed as they come (routed.InOrderSum) gives the very
     logits of holding every (token, expert) result to the end, with every expert cached and under a budget
@@ -361,7 +365,12 @@ def test_f32_file_reads_back_exactly(tiny):
 
 @pytest.mark.parametrize(
     "dense,expert,tol",
-    [(T.F16, T.Q8_0, 0.01), (T.Q8_0, T.Q4_0, 0.15), (T.Q8_0, T.Q4_K, 0.15), (T.BF16, T.F32, 0.01)],
+    [
+        (T.F16, T.Q8_0, 0.01),
+        (T.Q8_0, T.Q4_0, 0.15),
+        pytest.param(T.Q8_0, T.Q4_K, 0.15, marks=SLOW),
+        pytest.param(T.BF16, T.F32, 0.01, marks=SLOW),
+    ],  # fmt: skip
 )
 @pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_quantized_types(tmp_path, arch, dense, expert, tol):

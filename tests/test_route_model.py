@@ -47,6 +47,7 @@ def test_fit_and_gen_make_a_route_file(tmp_path):
     assert main(["routes", "gen", str(tmp_path / "bad.json"), "-o", out]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(SHARED is None, reason="no ../shared/routes (the real routing data)")
 def test_model_predicts_held_out_gpt_oss_20b_hit_rates():
     rs = read_routes(str(SHARED / "gpt-oss-20b.npz"))

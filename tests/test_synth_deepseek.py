@@ -294,6 +294,7 @@ def _llama_run(llama_cpp, path: str, prompt: list[int], n: int = 0) -> tuple[tor
         llm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-deepseek2", "tiny-deepseek3"])
 def test_llama_cpp_computes_the_same_model(tmp_path, monkeypatch, name):
     """The independent check that synth's files are real deepseek2 files: llama.cpp's own graph on the same

@@ -231,6 +231,7 @@ def test_engine_runs_them_the_same_under_a_streaming_budget(tmp_path, name):
         eng.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TINY)
 @pytest.mark.parametrize("quant", ["F32", "F16"])
 def test_llama_cpp_computes_the_same_model(tmp_path, monkeypatch, name, quant):
