@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -25,8 +26,10 @@ from tests.real_model import smollm2_path
 pytestmark = pytest.mark.slow  # a real model fetched from PyPI and llama.cpp beside it: .ci/run
 
 PROMPTS = ["The capital of France is", "Here is a short poem about the sea:\n", "def fibonacci(n):"]
+# more prompts for the comparison with llama.cpp's greedy text (the issue asks for three that match in full)
+MORE_PROMPTS = ["The largest planet in the solar system is", "Water boils at", "Once upon a time, there was a",
+                "The three primary colours are"]  # fmt: skip
 N_TOKENS = 24
-AGREE = 8  # greedy tokens that must equal llama.cpp's
 TEXTS = [
     "Dense weights (embeddings, attention, norms) stay resident; routed experts live on disk.",
     "It costs 1234 dollars,  12 euros or 3.5e-7 of a bitcoin!\n\n\tTabs, CRLF\r\nand trailing spaces   ",
@@ -153,7 +156,7 @@ print(json.dumps(out))
 @pytest.mark.skipif(not has_llama_cpp, reason="llama-cpp-python is not installed")
 def test_greedy_tokens_equal_llama_cpp(smol, engine):
     tok = engine.tokenizer
-    prompts = [tok.encode(p) for p in PROMPTS] + [render_prompt(tok, MESSAGES[0])[1]]
+    prompts = [tok.encode(p) for p in PROMPTS + MORE_PROMPTS] + [render_prompt(tok, MESSAGES[0])[1]]
     cmd = [sys.executable, "-c", _LLAMA_GREEDY, smol, str(N_TOKENS)]
     done = subprocess.run(cmd, input=json.dumps(prompts), capture_output=True, text=True, timeout=600)
     if done.returncode < 0:
@@ -162,7 +165,27 @@ def test_greedy_tokens_equal_llama_cpp(smol, engine):
     want = json.loads(done.stdout.strip().splitlines()[-1])
     # Both engines meet the Q4_1 weights with int8 activations, summed in other orders: each is about as far
     # from the float32 forward as the other, and a near-tie later in a long continuation may go either way.
-    # The first tokens of every prompt must agree.
+    # Every prompt's first token must agree, and at least three continuations in full.
+    whole = 0
     for ids, ref in zip(prompts, want, strict=True):
         got = _greedy(engine, ids)
-        assert got[:AGREE] == ref[:AGREE], (tok.decode(got), tok.decode(ref))
+        assert got[:1] == ref[:1], (tok.decode(got), tok.decode(ref))
+        whole += got == ref
+    assert whole >= 3, f"{whole} of {len(prompts)} continuations equal llama.cpp's in full"
+
+
+def test_chat_through_serve_with_the_openai_client_answers_in_sentences(smol, tmp_path):
+    """The real model behind `moestream serve`, asked through the official `openai` client as a user would."""
+    import openai
+
+    from tests.test_server import MODEL, serve_process
+
+    with serve_process(smol, tmp_path, "--ram-budget-mb", "2048") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        answer = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Why is the sky blue? Answer in two sentences."}],
+            max_tokens=80, temperature=0,
+        )  # fmt: skip
+    text = answer.choices[0].message.content or ""
+    words = re.findall(r"[A-Za-z]+", text)
+    assert len(words) >= 8 and re.search(r"[A-Z][a-z]+[^.!?]*\b[a-z]+[.!?]", text), text
