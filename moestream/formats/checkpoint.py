@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from moestream.errors import ModelFileError
-from moestream.formats.gguf_file import TensorInfo
+from moestream.formats.gguf_file import ModelLookups, TensorInfo
 from moestream.formats.safetensors_file import SafeTensor, SafetensorsFile
 
 CONFIG, INDEX = "config.json", "model.safetensors.index.json"
@@ -56,7 +56,10 @@ def read_json(path: str, what: str) -> Any:
         raise ModelFileError(f"{path}: cannot read it as JSON ({str(e)[:120]}); download it again") from None
 
 
-class CheckpointModel:
+class CheckpointModel(ModelLookups):
+    MISSING_KEY = "{key} could not be made from config.json"
+    MISSING_TENSOR = "tensor {name!r} is missing; the checkpoint is incomplete"
+
     def __init__(self, directory: str):
         from moestream.formats import checkpoint_arch, checkpoint_tokenizer
 
@@ -144,23 +147,6 @@ class CheckpointModel:
         return self.read_range(t.offset, t.nbytes, part)
 
     # -- GGUFModel's interface ----------------------------------------------------------------------------
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(key, default)
-
-    def arch_key(self, suffix: str, default: Any = None) -> Any:
-        return self.metadata.get(f"{self.arch}.{suffix}", default)
-
-    def require(self, key: str) -> Any:
-        if key not in self.metadata:
-            raise ModelFileError(f"{self.path}: {key} could not be made from config.json")
-        return self.metadata[key]
-
-    def tensor(self, name: str) -> TensorInfo:
-        info = self.tensors.get(name)
-        if info is None:
-            raise ModelFileError(f"{self.path}: tensor {name!r} is missing; the checkpoint is incomplete")
-        return info
 
     def convert_of(self, name: str) -> Convert | None:
         return self.converts.get(name)

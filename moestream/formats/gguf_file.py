@@ -276,7 +276,36 @@ def _open_regular(path: str) -> tuple[int, int]:
     return fd, st.st_size
 
 
-class GGUFFile:
+class ModelLookups:
+    """Metadata and tensor lookups over `path`, `metadata`, `arch` and `tensors`, shared by every kind of model
+    file (a GGUF, a split set, a checkpoint directory); each says in its own words what a missing one means."""
+
+    path: str
+    metadata: dict[str, Any]
+    arch: str
+    tensors: dict[str, TensorInfo]
+    MISSING_KEY = "metadata key {key!r} is missing; the file was not made for this arch"
+    MISSING_TENSOR = "tensor {name!r} is missing; the file is incomplete or another arch"
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def arch_key(self, suffix: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.arch}.{suffix}", default)
+
+    def require(self, key: str) -> Any:
+        if key not in self.metadata:
+            raise ModelFileError(f"{self.path}: " + self.MISSING_KEY.format(key=key))
+        return self.metadata[key]
+
+    def tensor(self, name: str) -> TensorInfo:
+        info = self.tensors.get(name)
+        if info is None:
+            raise ModelFileError(f"{self.path}: " + self.MISSING_TENSOR.format(name=name))
+        return info
+
+
+class GGUFFile(ModelLookups):
     """Header of a GGUF file plus positional reads of its tensors.
 
     Nothing in the header is trusted: every count, length, dimension, type id and offset is checked against
@@ -313,23 +342,6 @@ class GGUFFile:
     def paths(self) -> list[str]:
         """The files of the model: this one (a split model, gguf_model.GGUFModel, has several)."""
         return [self.path]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(key, default)
-
-    def arch_key(self, suffix: str, default: Any = None) -> Any:
-        return self.metadata.get(f"{self.arch}.{suffix}", default)
-
-    def require(self, key: str) -> Any:
-        if key not in self.metadata:
-            raise ModelFileError(f"{self.path}: metadata key {key!r} is missing; the file was not made for this arch")
-        return self.metadata[key]
-
-    def tensor(self, name: str) -> TensorInfo:
-        info = self.tensors.get(name)
-        if info is None:
-            raise ModelFileError(f"{self.path}: tensor {name!r} is missing; the file is incomplete or another arch")
-        return info
 
     def read(self, name: str) -> np.ndarray:
         """The raw bytes of a tensor as a uint8 array, without leaving them in the page cache."""

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from moestream.errors import ModelFileError
-from moestream.formats.gguf_file import GGUFFile, TensorInfo
+from moestream.formats.gguf_file import GGUFFile, ModelLookups, TensorInfo
 
 # gguf-split's names (and gguf.GGUFWriter's): the prefix, the 1-based part number, the part count
 SPLIT_NAME = re.compile(r"(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf", re.IGNORECASE)
@@ -71,7 +71,7 @@ def model_nbytes(path: str) -> int:
         model.close()
 
 
-class GGUFModel:
+class GGUFModel(ModelLookups):
     """One model over one or several GGUF files: the first part's metadata, every part's tensors.
 
     Reads go to the part that holds the tensor: read_range takes the part's index with the offset (a
@@ -140,21 +140,6 @@ class GGUFModel:
                 f"{first.path}: the parts hold {len(seen)} tensors ({counts}) but {SPLIT_TENSORS} says {want}; "
                 "a part is from another model or damaged: download the set again"
             )
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(key, default)
-
-    def arch_key(self, suffix: str, default: Any = None) -> Any:
-        return self.metadata.get(f"{self.arch}.{suffix}", default)
-
-    def require(self, key: str) -> Any:
-        return self.parts[0].require(key)
-
-    def tensor(self, name: str) -> TensorInfo:
-        info = self.tensors.get(name)
-        if info is None:
-            raise ModelFileError(f"{self.path}: tensor {name!r} is missing; the file is incomplete or another arch")
-        return info
 
     def read(self, name: str) -> np.ndarray:
         """The raw bytes of a tensor, from the part that holds it."""
