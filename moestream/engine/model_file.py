@@ -71,9 +71,12 @@ def is_float_model(f: GGUFModel) -> bool:
     return all(t.ggml_type in FLOAT_TYPES for t in f.tensors.values() if len(t.shape) >= 2)
 
 
+INDEX_TYPES = frozenset({26})  # I32: integer tables (DeepSeek-V4's tid2eid), read as indices, never as weights
+
+
 def _check_types(f: GGUFModel) -> None:
     for t in f.tensors.values():
-        if t.ggml_type not in quants.SUPPORTED_TYPES:
+        if t.ggml_type not in quants.SUPPORTED_TYPES and t.ggml_type not in INDEX_TYPES:
             supported = ", ".join(quants.type_name(x) for x in sorted(quants.SUPPORTED_TYPES))
             raise ModelFileError(
                 f"{f.path}: tensor {t.name} has weight type {t.type_name}, which moestream does not support yet "

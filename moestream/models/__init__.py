@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from moestream.models.deepseek2 import DeepSeek2
+from moestream.models.deepseek4 import DeepSeek4
 from moestream.models.dense import Llama, Qwen2, Qwen3
 from moestream.models.glm4moe import Glm4Moe
 from moestream.models.gpt_oss import GptOss
@@ -24,6 +25,7 @@ from moestream.models.qwen35moe import Qwen35Moe
 
 ARCHITECTURES = {
     "deepseek2": DeepSeek2,
+    "deepseek4": DeepSeek4,
     "glm4moe": Glm4Moe,
     "gpt-oss": GptOss,
     "qwen3moe": Qwen3Moe,
