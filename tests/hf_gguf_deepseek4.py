@@ -121,7 +121,7 @@ def checkpoint_tensors(model: Any) -> dict[str, torch.Tensor]:
     sd = dict(model.state_dict())
     out: dict[str, torch.Tensor] = {}
     for hf, ds in ROOT_NAMES.items():
-        if hf in sd:
+        if hf in sd and not (ds == "head.weight" and cfg.tie_word_embeddings):
             out[ds] = sd[hf]
     for i in range(cfg.num_hidden_layers):
         hf = f"model.layers.{i}."

@@ -104,11 +104,15 @@ class LayerCache:
     def __init__(self, head_dim: int, window: int, ctx: int, dtype: torch.dtype,
                  specs: tuple[CompressorSpec, ...]):  # fmt: skip
         self.ring = window + RESUME_SLACK
-        self.raw = torch.zeros(self.ring, head_dim, dtype=dtype)
+        # float32 whatever the cache's dtype: the ring is a fixed few hundred entries, and values read back
+        # from it equal the span's own (a prompt gives the bits of its tokens run one by one)
+        self.raw = torch.zeros(self.ring, head_dim, dtype=torch.float32)
         self.specs = specs
         self.src_ring = [2 * s.rate + RESUME_SLACK for s in specs]
         self.src = [torch.zeros(n, s.src_width, dtype=torch.float32) for n, s in zip(self.src_ring, specs, strict=True)]
-        self.entries = [torch.zeros(ctx // s.rate + 1, s.width, dtype=dtype) for s in specs]
+        # float32 as well: an entry pools projections whose last bits depend on the span's size (torch's GEMM),
+        # and rounded to float16 one in a thousand would land on the other side of a rounding step
+        self.entries = [torch.zeros(ctx // s.rate + 1, s.width, dtype=torch.float32) for s in specs]
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.raw, *self.src, *self.entries]
@@ -143,14 +147,12 @@ class CompressedKVCache:
 
     @staticmethod
     def bytes_for(ratios: tuple[int, ...], head_dim: int, window: int, index_dim: int, ctx: int, exact: bool) -> int:
-        """What the cache of these layers holds at ctx positions (float32 values when exact, else float16; the
-        compressors' projection rings always float32)."""
-        value = 4 if exact else 2
+        """What the cache of these layers holds at ctx positions (float32 throughout, exact or not)."""
         n = 0
         for rate in ratios:
-            n += (window + RESUME_SLACK) * head_dim * value
+            n += (window + RESUME_SLACK) * head_dim * 4
             for spec in layer_specs(rate, head_dim, index_dim):
-                n += (2 * spec.rate + RESUME_SLACK) * spec.src_width * 4 + (ctx // spec.rate + 1) * spec.width * value
+                n += (2 * spec.rate + RESUME_SLACK) * spec.src_width * 4 + (ctx // spec.rate + 1) * spec.width * 4
         return n
 
     # -- the forward step's protocol ------------------------------------------------------------------
@@ -203,8 +205,8 @@ class CompressedKVCache:
         own `kv` [T, D] stored."""
         lc = self.layers[layer]
         first = max(0, pos - self.window + 1)
-        keys = torch.cat([lc.ring_rows(lc.raw, first, pos).to(kv.dtype), kv])
-        LayerCache.ring_write(lc.raw, pos, as_cached(kv, self.dtype))
+        keys = torch.cat([lc.ring_rows(lc.raw, first, pos), kv.float()])
+        LayerCache.ring_write(lc.raw, pos, kv.float())
         return keys, first
 
     def compress(self, layer: int, which: int, pos: int, src: torch.Tensor, ape: torch.Tensor,
