@@ -290,14 +290,19 @@ class DeepSeek4(MoEModel):
         return CompressedKVCache(cfg.head_dim, cfg.window, ctx, dtype,
                                  [cfg.attention(i).specs() for i in range(cfg.n_layers)])  # fmt: skip
 
-    def summary(self) -> list[str]:
-        """What the load summary says of this model beyond the common lines."""
-        cfg = self.cfg
-        per_token = type(self).memory(cfg).kv_nbytes(1 << 16, self.exact) / (1 << 16)
+    @staticmethod
+    def load_notes(cfg: DeepSeek4Config, exact: bool) -> list[str]:
+        """What the load summary says of a V4 file: the attention schedule, the KV bytes a token takes, the
+        hash layers, and the MTP block left out."""
+        per_token = DeepSeek4.memory(cfg).kv_nbytes(1 << 20, exact) / (1 << 20)
         lines = [
-            f"attention: {cfg.schedule()}; KV {per_token / 1024:.1f} KiB per token",
-            f"MoE: {cfg.n_hash} hash-routed layers, then top-{cfg.top_k} of {cfg.n_experts} (sqrtsoftplus)",
+            f"deepseek4 attention: {cfg.schedule()}; KV cache {per_token:.0f} bytes per token "
+            f"(sliding rings fixed, compressed entries per token)",
+            f"deepseek4 MoE: {cfg.n_hash} hash-routed layers (experts read ahead from the token ids), then "
+            f"top-{cfg.top_k} of {cfg.n_experts} by sqrtsoftplus",
         ]
         if cfg.n_nextn:
-            lines.append(f"MTP: {cfg.n_nextn} multi-token-prediction block(s) skipped (not loaded, not counted)")
+            lines.append(
+                f"deepseek4 MTP: {cfg.n_nextn} multi-token-prediction block(s) skipped (neither loaded nor counted)"
+            )
         return lines

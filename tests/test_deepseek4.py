@@ -1,0 +1,173 @@
+"""DeepSeek-V4 (deepseek4): what the parametrized tests (test_models.py) do not reach with their 96 tokens:
+a prompt past the 128-token windows of heavily compressed attention, the lightning indexer really dropping
+entries, the clipped SwiGLU biting, hash-routed experts requested before any layer runs, the compressed
+cache's bytes, the load notes and the skipped MTP block; and the real converter's output for the same model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+import moestream.models.compressed_attention as ca
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
+from moestream.engine.sampling import Sampler
+from moestream.formats.gguf_file import GGUFFile
+from moestream.models.deepseek4 import ClippedSwiGLU, DeepSeek4
+from moestream.models.loader import config_from_gguf
+from moestream.streaming.expert_cache import ExpertCache
+from tests.hf_gguf import one_torch_thread, random_tokens, rewrite_gguf
+from tests.hf_gguf_deepseek4 import DEEPSEEK_V4
+
+pytest.importorskip("transformers")
+
+N_PROMPT, N_DECODE = 300, 6  # past two HCA windows of 128 and 75 CSA entries against a top-k of 4
+
+one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model = DEEPSEEK_V4.hf_model()
+    path = str(tmp_path_factory.mktemp("dsv4") / "m.gguf")
+    DEEPSEEK_V4.write(model, path)
+    toks = random_tokens(N_PROMPT + N_DECODE, model.config.vocab_size)
+    with torch.no_grad():
+        ref = model(torch.tensor([toks])).logits[0].float()
+    return model, path, toks, ref
+
+
+def test_long_prompt_matches_transformers_at_every_position(tiny, monkeypatch):
+    """Exact mode, a prompt of 300 (its attention in query chunks of 128 over the compressed cache), then
+    decoding: every position within 1e-3 of transformers, and the same greedy tokens; on the way the
+    indexer drops entries a query could see, and the clip bites."""
+    model, path, toks, ref = tiny
+    dropped, clipped = [], []
+    choice, act = ca.indexer_choice, ClippedSwiGLU.act
+
+    def spy_choice(q, keys, head_w, seen, topk, scale):
+        picked = choice(q, keys, head_w, seen, topk, scale)
+        dropped.append(int((seen & ~picked).sum()))
+        return picked
+
+    def spy_act(self, gate, up):
+        clipped.append(int((gate > self.limit).sum() + (up.abs() > self.limit).sum()))
+        return act(self, gate, up)
+
+    monkeypatch.setattr(ca, "indexer_choice", spy_choice)
+    monkeypatch.setattr(ClippedSwiGLU, "act", spy_act)
+    eng = Engine(path, EngineOptions(n_slots=64, exact=True))
+    try:
+        with torch.inference_mode():
+            ours = eng.forward(toks[:N_PROMPT], 0, all_logits=True)
+            assert (ours - ref[:N_PROMPT]).abs().max() < 1e-3
+            assert torch.equal(ours.argmax(-1), ref[:N_PROMPT].argmax(-1))
+            for j in range(N_PROMPT, N_PROMPT + N_DECODE):
+                last = eng.forward([toks[j]], j)
+                assert (last - ref[j]).abs().max() < 1e-3, j
+                assert int(last.argmax()) == int(ref[j].argmax())
+    finally:
+        eng.close()
+    assert sum(dropped) > 0 and sum(clipped) > 0
+
+
+def test_streaming_and_micro_batches_never_change_a_long_prompts_tokens(tmp_path):
+    model = DEEPSEEK_V4.hf_model(seed=2)
+    path = str(tmp_path / "q.gguf")
+    DEEPSEEK_V4.write(model, path, dense_type=T.Q8_0, expert_type=T.Q4_0)
+    prompt = random_tokens(N_PROMPT, model.config.vocab_size, seed=3)
+    k, layers, experts = model.config.num_experts_per_tok, model.config.num_hidden_layers, model.config.n_routed_experts
+    outputs, hits = [], []
+    for slots, ubatch in ((k, 16), (k + 3, 64), (layers * experts, 512)):
+        eng = Engine(path, EngineOptions(n_slots=slots, ubatch=ubatch))
+        try:
+            gen = eng.generate(prompt, 8, Sampler())
+            outputs.append(gen.tokens)
+            hits.append(gen.stats.hit_rate)
+        finally:
+            eng.close()
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert hits[0] < hits[2]
+
+
+def test_hash_layer_experts_are_requested_before_any_layer_runs(tiny, monkeypatch):
+    """The hash layers' experts are a function of the token ids: the step asks the cache for them (prefetch)
+    before the first layer's attention runs, for the prompt and for each decoded token."""
+    model, path, toks, _ = tiny
+    events: list[tuple] = []
+    real_prefetch, real_core = ExpertCache.prefetch, ca.CompressedAttention.core
+
+    def prefetch(self, layer, ids):
+        events.append(("prefetch", layer, sorted(ids)))
+        return real_prefetch(self, layer, ids)
+
+    def core(self, parts, layer, cache, pos, rope):
+        events.append(("compute", layer))
+        return real_core(self, parts, layer, cache, pos, rope)
+
+    monkeypatch.setattr(ExpertCache, "prefetch", prefetch)
+    monkeypatch.setattr(ca.CompressedAttention, "core", core)
+    n_hash = model.config.mlp_layer_types.count("hash_moe")
+    tid2eid = [model.model.layers[i].mlp.gate.tid2eid for i in range(n_hash)]
+    eng = Engine(path, EngineOptions(n_slots=64))
+    try:
+        prompt = toks[:40]
+        gen = eng.generate(prompt, 3, Sampler())
+        steps = [prompt, *[[t] for t in gen.tokens[:2]]]
+    finally:
+        eng.close()
+    starts = [i for i, e in enumerate(events) if e == ("compute", 0)]
+    assert len(starts) == len(steps)
+    for s, tokens in zip(starts, steps, strict=True):
+        asked = [e for e in events[max(0, s - n_hash) : s] if e[0] == "prefetch"]
+        want = [
+            ("prefetch", i, sorted(set(tid2eid[i][torch.tensor(tokens)].reshape(-1).tolist()))) for i in range(n_hash)
+        ]
+        assert asked == want
+
+
+def test_compressed_cache_is_what_the_budget_counts_and_grows_by_the_entries(tiny):
+    cfg = _cfg(tiny[1])
+    mem = DeepSeek4.memory(cfg)
+    csa, hca = cfg.ratios.count(4), cfg.ratios.count(128)
+    # 512 more positions add 128 CSA entries (attention's and the indexer's) and 4 HCA entries, float32
+    grow = mem.kv_nbytes(1024, False) - mem.kv_nbytes(512, False)
+    assert grow == 4 * (csa * 128 * (cfg.head_dim + cfg.index_dim) + hca * 4 * cfg.head_dim)
+    ctx = 1000
+    kv = ca.CompressedKVCache(cfg.head_dim, cfg.window, ctx, torch.float16,
+                              [cfg.attention(i).specs() for i in range(cfg.n_layers)])  # fmt: skip
+    assert kv.nbytes == mem.kv_nbytes(ctx, False)
+
+
+def _cfg(path: str):
+    f = GGUFFile(path)
+    try:
+        return config_from_gguf(DeepSeek4, f)
+    finally:
+        f.close()
+
+
+def test_load_notes_name_the_schedule_the_kv_bytes_and_the_skipped_mtp(tiny, tmp_path, capfd):
+    """A file with an MTP block after the trunk (nextn_predict_layers 1): the trunk runs as without it, and
+    the load notes say it was skipped, beside the attention schedule and the KV bytes a token takes."""
+    model, path, toks, ref = tiny
+    n = model.config.num_hidden_layers
+    mtp = str(tmp_path / "mtp.gguf")
+    clamp = [float(model.config.swiglu_limit)] * (n + 1)
+    more = {"block_count": n + 1, "nextn_predict_layers": 1, "attention.compress_ratios": [0, 4, 128, 4, 0],
+            "swiglu_clamp_exp": clamp, "swiglu_clamp_shexp": clamp}  # fmt: skip
+    rewrite_gguf(path, mtp, {f"deepseek4.{k}": v for k, v in more.items()})
+    eng = Engine(mtp, EngineOptions(n_slots=64, exact=True))
+    try:
+        with torch.inference_mode():
+            ours = eng.forward(toks[:20], 0, all_logits=True)
+        assert eng.cfg.n_layers == n and eng.cfg.n_nextn == 1
+    finally:
+        eng.close()
+    assert (ours - ref[:20]).abs().max() < 1e-3
+    err = capfd.readouterr().err
+    assert "1 sliding, 2 CSA 4:1, 1 HCA 128:1 (window 16)" in err
+    assert "bytes per token" in err and "2 hash-routed layers" in err
+    assert "MTP: 1 multi-token-prediction block(s) skipped" in err
