@@ -143,7 +143,7 @@ def deepseek4_metadata(cfg: Any, name: str = "tiny-deepseek4", file_type: int = 
     md: dict[str, Any] = {
         "general.architecture": "deepseek4", "general.name": name, "general.file_type": int(file_type),
         "general.quantization_version": 2, a + "block_count": n, a + "context_length": cfg.max_position_embeddings,
-        a + "embedding_length": cfg.hidden_size, a + "feed_forward_length": cfg.moe_intermediate_size,
+        a + "embedding_length": cfg.hidden_size,
         a + "attention.head_count": cfg.num_attention_heads, a + "attention.head_count_kv": cfg.num_key_value_heads,
         a + "rope.freq_base": float(cfg.rope_parameters["main"]["rope_theta"]),
         a + "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps), a + "expert_count": cfg.n_routed_experts,
@@ -252,3 +252,83 @@ def _perturb_deepseek4(model: Any) -> None:
 DEEPSEEK_V4 = TinyArch("deepseek4", "DeepseekV4ForCausalLM", tiny_deepseek_v4_config, write_deepseek4_from_hf,
                        _perturb_deepseek4, ((T.F32, T.F32), (T.Q8_0, T.Q4_0)), _expected_deepseek4,
                        "deepseek-v4")  # fmt: skip
+
+
+# ---- DeepSeek's own checkpoint layout, for llama.cpp's converter ------------------------------------
+
+
+def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [..., cols] (cols a multiple of 32) as DeepSeek's FP4 experts hold it: (the values it then stands for,
+    the e2m1 codes packed two a byte (element 2i low nibble, 2i+1 high) [..., cols / 2], one E8M0 exponent
+    byte per 32 values [..., cols / 32])."""
+    from tests.hf_gguf import E2M1
+
+    table = torch.from_numpy(E2M1)
+    g = w.float().reshape(*w.shape[:-1], -1, 32)
+    top = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    e = torch.ceil(torch.log2(top / 6.0)).clamp(-127, 127)
+    codes = (g / 2**e).unsqueeze(-1).sub(table).abs().argmin(dim=-1)
+    values = (table[codes] * 2**e).reshape(w.shape)
+    flat = codes.reshape(*w.shape[:-1], -1, 2).to(torch.uint8)
+    packed = (flat[..., 0] | (flat[..., 1] << 4)).contiguous()
+    return values, packed, (e.squeeze(-1) + 127).to(torch.uint8)
+
+
+def snap_experts_to_mxfp4(model: Any) -> None:
+    """Every routed expert's weights replaced by the MXFP4 values they round to: the converter's file then
+    holds them exactly."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                p.copy_(mxfp4(p)[0])
+
+
+def deepseek_config_json(cfg: Any) -> dict[str, Any]:
+    """The config.json DeepSeek ships with a V4 checkpoint (its own key names), for this config."""
+    rope = cfg.rope_parameters["compress"]
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "q_lora_rank": cfg.q_lora_rank,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "num_experts_per_tok": cfg.num_experts_per_tok,
+        "n_routed_experts": cfg.n_routed_experts, "n_shared_experts": cfg.n_shared_experts,
+        "scoring_func": "sqrtsoftplus", "norm_topk_prob": cfg.norm_topk_prob,
+        "routed_scaling_factor": cfg.routed_scaling_factor, "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_parameters["main"]["rope_theta"],
+        "rope_scaling": {"type": "yarn", "factor": rope["factor"],
+                         "original_max_position_embeddings": rope["original_max_position_embeddings"],
+                         "beta_fast": rope["beta_fast"], "beta_slow": rope["beta_slow"]},
+        "compress_ratios": [RATE_OF(cfg, t) for t in cfg.layer_types], "compress_rope_theta": rope["rope_theta"],
+        "hc_mult": cfg.hc_mult, "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters, "hc_eps": cfg.hc_eps,
+        "num_hash_layers": cfg.mlp_layer_types.count("hash_moe"), "swiglu_limit": cfg.swiglu_limit,
+        "sliding_window": cfg.sliding_window, "o_groups": cfg.o_groups, "o_lora_rank": cfg.o_lora_rank,
+        "index_n_heads": cfg.index_n_heads, "index_head_dim": cfg.index_head_dim, "index_topk": cfg.index_topk,
+        "num_nextn_predict_layers": 0, "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 1,
+    }  # fmt: skip
+
+
+def write_deepseek_checkpoint(model: Any, folder: str | os.PathLike[str]) -> None:
+    """`model` (its experts snapped to MXFP4) as DeepSeek's checkpoint: config.json and model.safetensors, the
+    routed experts as FP4 codes (uint8, two a byte) with E8M0 scales (`.scale`), tid2eid int32, everything else
+    float32 (which the converter keeps F32)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in checkpoint_tensors(model).items():
+        if ".ffn.experts." in name:
+            values, packed, scale = mxfp4(t)
+            assert torch.equal(values, t.float()), f"{name} is not on the MXFP4 grid (snap_experts_to_mxfp4)"
+            tensors[name] = packed
+            tensors[name.removesuffix(".weight") + ".scale"] = scale
+        elif name.endswith("tid2eid"):
+            tensors[name] = t.to(torch.int32).contiguous()
+        else:
+            tensors[name] = t.float().contiguous()
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(deepseek_config_json(model.config), f)

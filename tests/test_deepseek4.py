@@ -6,9 +6,16 @@ cache's bytes, the load notes and the skipped MTP block; and the real converter'
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+from gguf.quants import dequantize
 
 import moestream.models.compressed_attention as ca
 from moestream.engine.engine import Engine
@@ -19,7 +26,7 @@ from moestream.models.deepseek4 import ClippedSwiGLU, DeepSeek4
 from moestream.models.loader import config_from_gguf
 from moestream.streaming.expert_cache import ExpertCache
 from tests.hf_gguf import one_torch_thread, random_tokens, rewrite_gguf
-from tests.hf_gguf_deepseek4 import DEEPSEEK_V4
+from tests.hf_gguf_deepseek4 import DEEPSEEK_V4, snap_experts_to_mxfp4, write_deepseek_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -171,3 +178,64 @@ def test_load_notes_name_the_schedule_the_kv_bytes_and_the_skipped_mtp(tiny, tmp
     assert "1 sliding, 2 CSA 4:1, 1 HCA 128:1 (window 16)" in err
     assert "bytes per token" in err and "2 hash-routed layers" in err
     assert "MTP: 1 multi-token-prediction block(s) skipped" in err
+
+
+# ---- the real converter --------------------------------------------------------------------------
+
+LLAMA_CPP = os.environ.get("MOESTREAM_LLAMA_CPP_SRC", "/work/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp")
+# llama.cpp's converter, its vocabulary step left out (a tiny checkpoint has no DeepSeek tokenizer to read)
+RUN_CONVERTER = """
+import runpy, sys
+src, folder, out = sys.argv[1:4]
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion.deepseek as ds
+ds.DeepseekV4Model.set_vocab = lambda self: None
+sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", "f32"]
+runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def _values(t) -> np.ndarray:
+    if t.tensor_type == T.I32:
+        return np.asarray(t.data).reshape(-1)
+    return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)
+
+
+@pytest.mark.slow
+def test_the_real_converter_writes_what_our_writer_writes(tmp_path):
+    """DeepSeek's checkpoint layout (FP4 experts with E8M0 scales, the only layout llama.cpp's converter
+    reads) through the converter of the llama-cpp-python 0.3.36 sdist: its file has our writer's tensors
+    (names, shapes, values; the experts as MXFP4 holding the same values) and keys, and moestream runs it
+    as transformers does."""
+    if not os.path.isfile(os.path.join(LLAMA_CPP, "convert_hf_to_gguf.py")):
+        pytest.skip(f"no llama.cpp source at {LLAMA_CPP} (set MOESTREAM_LLAMA_CPP_SRC)")
+    model = DEEPSEEK_V4.hf_model(seed=4)
+    snap_experts_to_mxfp4(model)
+    folder, theirs, ours = tmp_path / "ckpt", str(tmp_path / "theirs.gguf"), str(tmp_path / "ours.gguf")
+    write_deepseek_checkpoint(model, folder)
+    run = subprocess.run([sys.executable, "-c", RUN_CONVERTER, LLAMA_CPP, str(folder), theirs],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    DEEPSEEK_V4.write(model, ours, tokenizer_md={})
+    r, o = GGUFReader(theirs), GGUFReader(ours)
+    rt, ot = {t.name: t for t in r.tensors}, {t.name: t for t in o.tensors}
+    assert set(rt) == set(ot)
+    for name, t in rt.items():
+        assert t.shape.tolist() == ot[name].shape.tolist(), name
+        want = T.MXFP4 if "_exps." in name else (T.I32 if "tid2eid" in name else T.F32)
+        assert t.tensor_type == want, name
+        np.testing.assert_array_equal(_values(t), _values(ot[name]), err_msg=name)
+    keys = {k for k in o.fields if k.startswith("deepseek4.")}  # the architecture's keys, every one
+    assert keys == {k for k in r.fields if k.startswith("deepseek4.")}, keys ^ {k for k in r.fields}
+    for k in keys:
+        assert np.allclose(r.fields[k].parts[-1], o.fields[k].parts[-1]), k
+    toks = random_tokens(160, model.config.vocab_size)
+    with torch.no_grad():
+        ref = model(torch.tensor([toks])).logits[0].float()
+    eng = Engine(theirs, EngineOptions(n_slots=64, exact=True))
+    try:
+        with torch.inference_mode():
+            got = eng.forward(toks, 0, all_logits=True)
+    finally:
+        eng.close()
+    assert (got - ref).abs().max() < 1e-3
