@@ -264,8 +264,8 @@ class DeepSeek4(MoEModel):
     def before_layers(self, step: Step) -> None:
         """Hash layers' experts are a function of the token ids: ask for them before any layer runs."""
         prefetch = getattr(step.experts, "prefetch", None)
-        if prefetch is None or step.tokens is None:
-            return
+        if prefetch is None or step.tokens is None or step.route_hook is not None:
+            return  # recorded routes (a route hook) replace the hash table's choice
         for layer in self.layers:
             moe = layer.ffn
             if isinstance(moe, V4MoE) and moe.tid2eid is not None:
