@@ -25,8 +25,10 @@ from moestream.formats.gguf_file import GGUFFile
 from moestream.models.deepseek4 import ClippedSwiGLU, DeepSeek4
 from moestream.models.loader import config_from_gguf
 from moestream.streaming.expert_cache import ExpertCache
+from moestream.synth.shapes import synth_nbytes, write_synth
 from tests.hf_gguf import one_torch_thread, random_tokens, rewrite_gguf
 from tests.hf_gguf_deepseek4 import DEEPSEEK_V4, snap_experts_to_mxfp4, write_deepseek_checkpoint
+from tests.test_synth_deepseek import plain_llama_cpp
 
 pytest.importorskip("transformers")
 
@@ -239,3 +241,40 @@ def test_the_real_converter_writes_what_our_writer_writes(tmp_path):
     finally:
         eng.close()
     assert (got - ref).abs().max() < 1e-3
+
+
+# ---- synth shapes --------------------------------------------------------------------------------
+
+
+def test_synth_shapes_have_v4s_sizes_and_a_tiny_one_streams_and_loads_in_llama_cpp(tmp_path, monkeypatch):
+    """deepseek-v4-flash as MXFP4 is the ~145 GiB the published GGUFs are, a slice keeps its per-layer size;
+    the tiny shape in the converter's MXFP4 mix gives the same tokens whether its experts stream or not, and
+    llama.cpp computes the same logits from it."""
+    flash = synth_nbytes("deepseek-v4-flash", "MXFP4")
+    assert 140 << 30 < flash < 150 << 30
+    assert synth_nbytes("deepseek-v4-pro", "MXFP4") > 5 * flash
+    six = synth_nbytes("deepseek-v4-flash", "MXFP4", layers=6)
+    assert 6 * (3 << 30) < six < flash / 5  # each layer's experts: 256 x 3 x 4096 x 2048 MXFP4 values (~3.2 GiB)
+    path = write_synth("tiny-deepseek4", "MXFP4", tmp_path / "t.gguf", progress=False)
+    prompt = list(range(20, 300))
+    runs = []
+    for slots in (64, 4):
+        eng = Engine(path, EngineOptions(n_slots=slots))
+        try:
+            runs.append(eng.generate(prompt, 6, Sampler()).tokens)
+        finally:
+            eng.close()
+    assert runs[0] == runs[1] and len(set(runs[0])) > 2
+    llama_cpp = plain_llama_cpp(monkeypatch)
+    llm = llama_cpp.Llama(model_path=path, n_ctx=512, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(prompt[:200])
+    ref = torch.tensor(np.asarray(llm.scores[:200]))
+    llm.close()
+    eng = Engine(path, EngineOptions(n_slots=64))
+    try:
+        with torch.inference_mode():
+            ours = eng.forward(prompt[:200], 0, all_logits=True)
+    finally:
+        eng.close()
+    assert float((ours - ref).norm() / ref.norm()) < 2e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
