@@ -19,6 +19,7 @@ from moestream.formats.tokenizer import CONTROL, USER_DEFINED, Tokenizer, build_
 from moestream.serving.app import create_app
 from moestream.serving.chat_formats import (
     DEEPSEEK,
+    DEEPSEEK_V4,
     GLM,
     KIMI_K2,
     QWEN,
@@ -178,8 +179,31 @@ def test_family_is_read_off_the_template() -> None:
     for name in ("deepseek-v3", "deepseek-r1", "deepseek-v3-0324", "deepseek-v3.1"):
         assert chat_format(template(name)) is DEEPSEEK
     assert chat_format(template("glm-4.5")) is GLM
+    assert chat_format(template("deepseek-v4")) is DEEPSEEK_V4
     assert chat_format(template("kimi-k2")) is KIMI_K2 and chat_format(template("kimi-k2-thinking")) is KIMI_K2
     assert chat_format(None) is QWEN and chat_format("{{ messages }}") is QWEN
+
+
+def test_deepseek_v4_renders_tools_calls_results_and_the_thinking_switch() -> None:
+    """V4's template (llama.cpp's, written into V4 GGUFs by its converter): the tools in the system prompt
+    with the DSML call format, a call written back in DSML (its arguments given as a JSON string too), the
+    result as <tool_result> in a user turn, and the generation prompt closing (no thinking) or opening
+    (thinking) the <think> block."""
+    t = template("deepseek-v4")
+    string_args = dict(CALL, function={"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'})
+    msgs = [*TOOL_TURN[:2], {"role": "assistant", "content": None, "tool_calls": [string_args]}, TOOL_TURN[3]]
+    out = render_chat(t, msgs, tools=TOOLS, add_generation_prompt=True, bos_token="<｜begin▁of▁sentence｜>")
+    assert out.startswith("<｜begin▁of▁sentence｜>Be brief.\n\n## Tools\n")
+    assert json.dumps(TOOLS[0]["function"], ensure_ascii=False) in out
+    assert out.endswith(
+        "<｜User｜>Weather in Paris?<｜Assistant｜></think>\n\n<｜DSML｜tool_calls>\n"
+        '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+        "<｜end▁of▁sentence｜><｜User｜><tool_result>22C</tool_result><｜Assistant｜></think>"
+    )
+    thinking = render_chat(t, TOOL_TURN[:2], add_generation_prompt=True, enable_thinking=True, bos_token="")
+    assert thinking == "Be brief.<｜User｜>Weather in Paris?<｜Assistant｜><think>"
+    assert starts_thinking(DEEPSEEK_V4, thinking)
 
 
 # ------------------------------------------------------------------------------------------- parsing
@@ -204,12 +228,19 @@ KIMI_TEXT = (
     '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|><|tool_call_begin|>'
     "functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"
 )
+V4_TEXT = (
+    "The user asks.\nCall it.</think>Sure.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+    '<｜DSML｜invoke name="get_time">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+)
 WEATHER_AND_TIME = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]
 CASES = {
     "r1": (DEEPSEEK, True, R1_TEXT, "Okay, the user wants weather.\nI will call the tool.", "Checking."),
     "v3.1": (DEEPSEEK, True, V31_TEXT, "plan", "ok"),
     "glm": (GLM, False, GLM_TEXT, "The user asks.\nCall it.", "Sure."),
     "kimi": (KIMI_K2, False, KIMI_TEXT, "Let me see.", "Checking."),
+    "v4": (DEEPSEEK_V4, True, V4_TEXT, "The user asks.\nCall it.", "Sure."),
 }
 
 

@@ -6,6 +6,9 @@ The family is read off the chat template (the markers it writes), never set by t
 - DeepSeek V3/R1: `<think>...</think>` (R1's template opens it in the prompt, so the answer starts inside
   it), calls `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{..}\\n```
   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`; V3.1 writes `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{..}`.
+- DeepSeek V4: `<think>...</think>` (opened by the prompt when thinking), calls in DSML:
+  `<｜DSML｜tool_calls>` then per call `<｜DSML｜invoke name="NAME">` with one `<｜DSML｜parameter name="K"
+  string="true|false">V</｜DSML｜parameter>` per argument (string="true": V as text, else JSON).
 - Kimi-K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>
   {..}<|tool_call_end|>...<|tool_calls_section_end|>`.
 - GLM-4.5/4.6: `<think>...</think>`, calls `<tool_call>NAME\\n<arg_key>k</arg_key>\\n<arg_value>v
@@ -92,6 +95,31 @@ def deepseek_calls(body: str, tools: dict[str, dict[str, Any]]) -> list[ParsedCa
     return calls or None
 
 
+DSML = "｜DSML｜"
+_DSML_INVOKE = re.compile(rf'<{DSML}invoke name="([^"]*)">(.*?)</{DSML}invoke>', re.DOTALL)
+_DSML_PARAM = re.compile(rf'<{DSML}parameter name="([^"]*)" string="(true|false)">(.*?)</{DSML}parameter>', re.DOTALL)
+
+
+def dsml_calls(body: str, tools: dict[str, dict[str, Any]]) -> list[ParsedCall] | None:
+    """The invocations of a DeepSeek-V4 `<｜DSML｜tool_calls>` block; a parameter marked string="false" must be
+    JSON (else the block is not a call and stays text)."""
+    calls: list[ParsedCall] = []
+    for name, inner in _DSML_INVOKE.findall(body):
+        args: dict[str, Any] = {}
+        for key, is_string, value in _DSML_PARAM.findall(inner):
+            if is_string == "true":
+                args[key] = value
+                continue
+            try:
+                args[key] = json.loads(value)
+            except ValueError:
+                return None
+        if not name.strip():
+            return None
+        calls.append((name.strip(), json.dumps(args, ensure_ascii=False), None))
+    return calls or None
+
+
 KIMI_CALL_BEGIN, KIMI_ARGS, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 _KIMI_ID = re.compile(r"^(?:functions\.)?(.+?)(?::\d+)?$")
 
@@ -146,6 +174,15 @@ DEEPSEEK = ChatFormat(
     True,
     ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", DS_CALL_BEGIN, DS_SEP, DS_CALL_END),
 )
+DEEPSEEK_V4 = ChatFormat(
+    "deepseek-v4",
+    True,
+    f"<{DSML}tool_calls>",
+    f"</{DSML}tool_calls>",
+    dsml_calls,
+    True,
+    (f"<{DSML}tool_calls>", f"</{DSML}tool_calls>"),
+)
 KIMI_K2 = ChatFormat(
     "kimi-k2",
     True,
@@ -184,6 +221,8 @@ def chat_format(template: str | None) -> ChatFormat:
     t = template or ""
     if "<|channel|>" in t and "<|message|>" in t:
         return HARMONY
+    if DSML in t:  # V4's template also writes <｜Assistant｜>
+        return DEEPSEEK_V4
     if "<｜tool▁calls▁begin｜>" in t or "<｜Assistant｜>" in t:
         return DEEPSEEK
     if "<|tool_calls_section_begin|>" in t or "<|im_assistant|>" in t:
