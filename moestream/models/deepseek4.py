@@ -18,6 +18,7 @@ The multi-token-prediction block a file may carry after the trunk (nextn_predict
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moestream.compute.experts import ClampedAct
 from moestream.models.base import MoEModel
 from moestream.models.compressed_attention import (
     AttentionShape,
@@ -166,10 +168,13 @@ class Rotaries:
 
 @dataclass(frozen=True, eq=False)
 class ClippedSwiGLU:
-    """V4's expert: down(silu(min(gate, limit)) * clamp(up, -limit, limit)). No `lane` form: the lane
-    kernel's clamped activation is GPT-OSS's, so these run per expert in torch (routed.lane_takes)."""
+    """V4's expert: down(silu(min(gate, limit)) * clamp(up, -limit, limit)). Lane-form experts (MXFP4 and the
+    other quantized types) run it in the lane kernel's clamped activation (alpha 1, no +1 on up, zero
+    biases); others in torch. `hidden`, `ffn`: the experts' sizes (the zero biases)."""
 
     limit: float
+    hidden: int = 0
+    ffn: int = 0
 
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
@@ -179,6 +184,15 @@ class ClippedSwiGLU:
         down = expert.down
         return down.mm(self.act(a, b).to(down.dtype)).float()
 
+    def lane(self, ids: list[int]) -> ClampedAct:
+        zeros = _zero_biases(self.ffn, self.hidden)
+        return ClampedAct([zeros] * len(ids), 1.0, self.limit, up_shift=0.0)
+
+
+@functools.lru_cache(maxsize=4)
+def _zero_biases(ffn: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.zeros(ffn), torch.zeros(ffn), torch.zeros(hidden)
+
 
 class V4MoE(MoE):
     """The MoE block with V4's routing (hash layers: ids from tid2eid) and clipped experts."""
@@ -187,7 +201,7 @@ class V4MoE(MoE):
         super().__init__(w, i, hidden=cfg.hidden, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn,
                          top_k=cfg.top_k, norm_topk=cfg.routing.norm, shared_ffn=cfg.shared_ffn,
                          routing=cfg.routing)  # fmt: skip
-        self.ffn = ClippedSwiGLU(cfg.clamp_exp[i])  # type: ignore[assignment]
+        self.ffn = ClippedSwiGLU(cfg.clamp_exp[i], cfg.hidden, cfg.expert_ffn)  # type: ignore[assignment]
         self.shared_act = ClippedSwiGLU(cfg.clamp_shexp[i])
         self.tid2eid = None
         if i < cfg.n_hash:
