@@ -278,3 +278,26 @@ def test_synth_shapes_have_v4s_sizes_and_a_tiny_one_streams_and_loads_in_llama_c
         eng.close()
     assert float((ours - ref).norm() / ref.norm()) < 2e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_snapshot_restore_and_truncate_resume_the_compressed_cache(tiny):
+    """A snapshot holds the rings and the closed windows' entries only; restored after other tokens ran, the
+    continuation is the one the snapshot's moment had; a truncate within the rings' slack resumes there, one
+    further back starts over."""
+    _, path, toks, _ = tiny
+    eng = Engine(path, EngineOptions(n_slots=64, exact=True))
+    try:
+        with torch.inference_mode():
+            eng.forward(toks[:200], 0)
+            snap = eng.kv.snapshot(200)
+            assert snap.nbytes < eng.kv.nbytes  # the entry tables' unused rows are not copied
+            want = eng.forward(toks[200:260], 200, all_logits=True)
+            eng.forward(toks[260:300], 260)
+            assert eng.kv.restore(snap, 200) == 200
+            assert torch.equal(eng.forward(toks[200:260], 200, all_logits=True), want)
+            assert eng.kv.truncate(230) == 230  # within the slack: resumes at 230
+            resumed = eng.forward(toks[230:260], 230, all_logits=True)  # a shorter span: torch's GEMMs round apart
+            assert (resumed - want[30:]).abs().max() < 1e-4
+            assert eng.kv.resumable(0) == 0 and eng.kv.truncate(2) == 2
+    finally:
+        eng.close()

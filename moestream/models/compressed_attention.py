@@ -185,15 +185,24 @@ class CompressedKVCache:
         return self.length
 
     def snapshot(self, length: int) -> KVSnapshot:
-        """The whole state, resumable at its length (and, after restore, as truncate allows)."""
-        rows = [t.clone() for layer in self.layers for t in layer.tensors()]
+        """The rings whole and the compressed entries held so far: resumable at the cache's length (and, after
+        a restore, as truncate allows)."""
+        rows = [t[: self._held(t)].clone() for t in self.rows()]
         return KVSnapshot(self.length, rows, [(self.length, {}, {})])
 
     def restore(self, snap: KVSnapshot, length: int) -> int:
-        for t, saved in zip((t for layer in self.layers for t in layer.tensors()), snap.rows, strict=True):
-            t.copy_(saved)
+        for t, saved in zip(self.rows(), snap.rows, strict=True):
+            t[: saved.shape[0]] = saved
         self.length = snap.length
         return self.truncate(length)
+
+    def _held(self, t: torch.Tensor) -> int:
+        """Rows of `t` that hold something: a ring's all, an entry table's closed windows (and one more)."""
+        for layer in self.layers:
+            for spec, entries in zip(layer.specs, layer.entries, strict=True):
+                if t is entries:
+                    return min(t.shape[0], self.length // spec.rate + 1)
+        return t.shape[0]
 
     def rows(self) -> list[torch.Tensor]:
         return [t for layer in self.layers for t in layer.tensors()]
