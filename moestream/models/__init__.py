@@ -6,8 +6,8 @@ router, routed and shared experts), routed.py (the one executor of routed expert
 attention.py and kv_cache.py (attention over a cache, the KV cache), rope.py, ops.py (norms and small ops),
 mla.py (latent attention and its cache), compressed_attention.py (DeepSeek-V4's sliding and compressed
 attention, the lightning indexer, the compressed cache), hyper.py (hyper-connected residual streams), deltanet.py
-(Gated DeltaNet and the hybrid cache), gqa.py (the plain grouped-query decoder Mixtral, OLMoE and Qwen2-MoE share), dense.py (the dense models: Llama, Qwen2,
-Qwen3), memory.py (the bytes a model's KV cache and prompt steps take), loader.py (weights and metadata as the
+(Gated DeltaNet and the hybrid cache), gqa.py (the plain grouped-query decoder Mixtral, OLMoE and Qwen2-MoE
+share), dense.py (the dense models: Llama, Qwen2, Qwen3), memory.py (the bytes a model's KV cache and prompt steps take), loader.py (weights and metadata as the
 model names them, checked), common.py (the expert provider, embedding, fused projections, resident tensors)."""
 
 from collections.abc import Mapping
