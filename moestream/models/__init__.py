@@ -4,11 +4,12 @@ class. Shared once: base.py (embedding, head, the one forward step), layer.py (t
 interface, a step's context), rows.py (row-wise ops of a step of several sequences), moe.py (the MoE block:
 router, routed and shared experts), routed.py (the one executor of routed experts), routing.py (routers),
 attention.py and kv_cache.py (attention over a cache, the KV cache), rope.py, ops.py (norms and small ops),
-mla.py (latent attention and its cache), compressed_attention.py (DeepSeek-V4's sliding and compressed
-attention, the lightning indexer, the compressed cache), hyper.py (hyper-connected residual streams), deltanet.py
-(Gated DeltaNet and the hybrid cache), gqa.py (the plain grouped-query decoder Mixtral, OLMoE and Qwen2-MoE
-share), dense.py (the dense models: Llama, Qwen2, Qwen3), memory.py (the bytes a model's KV cache and prompt steps take), loader.py (weights and metadata as the
-model names them, checked), common.py (the expert provider, embedding, fused projections, resident tensors)."""
+mla.py (latent attention and its cache), compressed_attention.py (DeepSeek-V4's sliding and compressed attention, the
+lightning indexer, the compressed cache), hyper.py (hyper-connected residual streams), deltanet.py (Gated DeltaNet and
+the hybrid cache), gqa.py (the plain grouped-query decoder Mixtral, OLMoE and Qwen2-MoE share), dense.py (the dense
+models: Llama, Qwen2, Qwen3), memory.py (the bytes a model's KV cache and prompt steps take), loader.py (weights and
+metadata as the model names them, checked), common.py (the expert provider, embedding, fused projections, resident
+tensors)."""
 
 from collections.abc import Mapping
 from typing import Any
