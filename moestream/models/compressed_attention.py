@@ -51,17 +51,18 @@ class Rotary:
         return freqs.cos(), freqs.sin()
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """x [T, ..., D] at positions [T]: its trailing rope_dim rotated (by -angle when inverse)."""
+        """x [T, ..., D] float32 at positions [T]: its trailing rope_dim rotated (by -angle when inverse), in
+        place (every caller hands over a tensor of its own); returns x."""
         cos, sin = self.tables(positions)
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         cos, sin = cos.view(shape), sin.view(shape)
         if inverse:
             sin = -sin
-        r = self.rope_dim
-        rot = x[..., -r:].float()
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
-        return torch.cat([x[..., :-r], out.to(x.dtype)], dim=-1)
+        rot = x[..., -self.rope_dim :]
+        a, b = rot[..., 0::2].clone(), rot[..., 1::2].clone()
+        rot[..., 0::2] = a * cos - b * sin
+        rot[..., 1::2] = b * cos + a * sin
+        return x
 
 
 @dataclass(frozen=True)
