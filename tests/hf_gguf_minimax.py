@@ -17,11 +17,21 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 
-from tests.hf_gguf import _FILE_TYPE, TinyArch, _experts, _f32_spec, _rope_theta, _types, _weight, _write
-from tests.hf_gguf import tiny_vocab_size
+from tests.hf_gguf import (
+    _FILE_TYPE,
+    TinyArch,
+    _experts,
+    _f32_spec,
+    _rope_theta,
+    _types,
+    _weight,
+    _write,
+    tiny_vocab_size,
+)
 
 ARCH = "minimax-m2"
 SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID
+ATTN = (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj"))
 
 
 def tiny_minimax_m2_config(**overrides: Any):
@@ -97,13 +107,14 @@ def write_minimax_m2_from_hf(
 
     def add(name: str, t: Any) -> None:
         kind = "expert" if "_exps." in name else "f32" if t.ndim == 1 or "ffn_gate_inp" in name else "dense"
-        specs.append(_f32_spec(name, t) if kind == "f32" else _weight(name, t, expert_t if kind == "expert" else dense_t))
+        t_type = expert_t if kind == "expert" else dense_t
+        specs.append(_f32_spec(name, t) if kind == "f32" else _weight(name, t, t_type))
 
     for i in range(cfg.num_hidden_layers):
         hf, p = f"model.layers.{i}.", f"blk.{i}."
         at = hf + "self_attn."
         add(p + "attn_norm.weight", sd[hf + "input_layernorm.weight"])
-        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
+        for ours, theirs in ATTN:
             add(f"{p}{ours}.weight", sd[f"{at}{theirs}.weight"])
         add(p + "attn_q_norm.weight", sd[at + "q_norm.weight"])
         add(p + "attn_k_norm.weight", sd[at + "k_norm.weight"])

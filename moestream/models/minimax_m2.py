@@ -41,7 +41,8 @@ class MiniMaxM2Config(GQAMoEConfig):
         func = m.int("expert_gating_func", 2)
         m.require(func in GATING, "expert_gating_func", f"is {func}; moestream runs 1 (softmax) and 2 (sigmoid)")
         scale = m.md.get(f"{ARCH}.expert_weights_scale", 0.0) or 1.0  # llama.cpp: 0 (unset) scales by nothing
-        m.require(isinstance(scale, (int, float)) and scale > 0, "expert_weights_scale", f"is {scale!r}; it must be > 0")
+        ok = isinstance(scale, (int, float)) and scale > 0
+        m.require(ok, "expert_weights_scale", f"is {scale!r}; it must be > 0")
         return cls(
             **fields,
             expert_ffn=m.int("expert_feed_forward_length", per_layer=True),
