@@ -320,14 +320,15 @@ def test_edge_cases() -> None:
 # ------------------------------------------------------------------------------ through the server
 
 
-def family_tokenizer(name: str, special: list[str], eos: str) -> Tokenizer:
+def family_tokenizer(name: str, special: list[str], eos: str, think_special: bool = False) -> Tokenizer:
     """The tiny test vocabulary plus a family's marker tokens (control tokens, as in the real GGUFs where
-    llama.cpp's converter marks them special) and its real chat template."""
+    llama.cpp's converter marks them special; <think> and </think> too with think_special) and its real chat
+    template."""
     md = build_tiny_bpe_metadata()
     tokens, types = list(md["tokenizer.ggml.tokens"]), list(md["tokenizer.ggml.token_type"])
     for t in special:
         tokens.append(t)
-        types.append(CONTROL if t != "<think>" and t != "</think>" else USER_DEFINED)
+        types.append(CONTROL if think_special or t not in ("<think>", "</think>") else USER_DEFINED)
     merges = md["tokenizer.ggml.merges"]
     return Tokenizer(
         tokens,
@@ -420,3 +421,20 @@ def test_deepseek_prompt_carries_the_tools() -> None:
         assert text.startswith("Be brief.\n\n## Tools\nYou have access to the following tools:\n\n### get_weather\n")
         assert call in text and parser.use_tools
         assert parser.state == ("reasoning" if name == "deepseek-r1" else "start")
+
+
+def test_chat_keeps_a_thinking_answer_as_its_template_splits_it() -> None:
+    """`moestream chat` keeps a MiniMax-M2 answer with its </think> (a special token here), so the next
+    prompt drops that turn's reasoning as the template does for earlier turns."""
+    from moestream.engine.sampling import Sampler
+    from moestream.serving.chat import ChatSession
+
+    tok = family_tokenizer("minimax-m2", MINIMAX_SPECIAL, "[e~[", think_special=True)
+    assert tok.is_special(tok.encode("</think>")[0])
+    engine = ScriptedEngine(tok, "Say hi.\n</think>\n\nHi there.", ctx=4096)
+    session = ChatSession(engine, Sampler())
+    shown: list[str] = []
+    assert session.ask("Hi", shown.append, lambda: False) == "Say hi.\n</think>\n\nHi there."
+    session.messages.append({"role": "user", "content": "Again"})
+    text = tok.decode(session._prompt())
+    assert text.endswith("]~b]user\nHi[e~[\n]~b]ai\nHi there.[e~[\n]~b]user\nAgain[e~[\n]~b]ai\n<think>\n")
