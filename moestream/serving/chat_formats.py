@@ -13,6 +13,9 @@ The family is read off the chat template (the markers it writes), never set by t
   {..}<|tool_call_end|>...<|tool_calls_section_end|>`.
 - GLM-4.5/4.6: `<think>...</think>`, calls `<tool_call>NAME\\n<arg_key>k</arg_key>\\n<arg_value>v
   </arg_value>\\n</tool_call>` with each value as text (JSON for non-string parameters).
+- MiniMax-M2: `<think>...</think>` (its template opens it in the prompt and keeps the reasoning of the turns
+  after the last user message: interleaved thinking), calls `<minimax:tool_call>\n<invoke name="NAME">\n
+  <parameter name="k">v</parameter>\n...</invoke>\n</minimax:tool_call>`, each value as GLM's.
 - GPT-OSS (harmony): messages `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final
   <|message|>...`; the analysis channel is reasoning, final (and commentary without a recipient) content,
   and a message addressed `to=functions.NAME` (in its role or its channel part) a call with JSON arguments.
@@ -143,14 +146,19 @@ _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>"
 
 
 def glm_call(body: str, tools: dict[str, dict[str, Any]]) -> list[ParsedCall] | None:
-    """One GLM-4.5 block: the name, then key/value pairs. A value is text as written where the tool's
-    schema says the parameter is a string, else JSON if it parses (numbers, lists, ...), else text."""
+    """One GLM-4.5 block: the name, then key/value pairs (_typed_arguments)."""
     name = body.split("<arg_key>", 1)[0].strip()
     if not name or "\n" in name:
         return None
+    return [(name, _typed_arguments(_GLM_ARG.findall(body), name, tools), None)]
+
+
+def _typed_arguments(pairs: list[tuple[str, str]], name: str, tools: dict[str, dict[str, Any]]) -> str:
+    """(key, value text) pairs as a JSON object: a value is text as written where the tool's schema says
+    the parameter is a string, else JSON if it parses (numbers, lists, ...), else text."""
     props = (tools.get(name) or {}).get("parameters", {}).get("properties", {})
     args: dict[str, Any] = {}
-    for key, value in _GLM_ARG.findall(body):
+    for key, value in pairs:
         key = key.strip()
         if (props.get(key) or {}).get("type") == "string":
             args[key] = value
@@ -159,7 +167,21 @@ def glm_call(body: str, tools: dict[str, dict[str, Any]]) -> list[ParsedCall] | 
             args[key] = json.loads(value)
         except ValueError:
             args[key] = value
-    return [(name, json.dumps(args, ensure_ascii=False), None)]
+    return json.dumps(args, ensure_ascii=False)
+
+
+MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+_MINIMAX_INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)</invoke>', re.DOTALL)
+_MINIMAX_PARAM = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.DOTALL)
+
+
+def minimax_calls(body: str, tools: dict[str, dict[str, Any]]) -> list[ParsedCall] | None:
+    """The `<invoke name="NAME">` elements of one MiniMax-M2 block, each with its `<parameter name="k">`
+    values (typed as GLM's are); an invoke the generation ended inside is dropped."""
+    calls: list[ParsedCall] = []
+    for name, inner in _MINIMAX_INVOKE.findall(body):
+        calls.append((name.strip(), _typed_arguments(_MINIMAX_PARAM.findall(inner), name.strip(), tools), None))
+    return calls or None
 
 
 # ------------------------------------------------------------------------------------------ families
@@ -201,6 +223,9 @@ GLM = ChatFormat(
     True,
     ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
 )
+MINIMAX_M2 = ChatFormat(
+    "minimax-m2", True, MINIMAX_OPEN, MINIMAX_CLOSE, minimax_calls, True, (MINIMAX_OPEN, MINIMAX_CLOSE)
+)
 
 H_START, H_CHANNEL, H_MESSAGE, H_END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 H_CONSTRAIN, H_CALL, H_RETURN = "<|constrain|>", "<|call|>", "<|return|>"
@@ -229,6 +254,8 @@ def chat_format(template: str | None) -> ChatFormat:
         return KIMI_K2
     if "<arg_key>" in t or "[gMASK]<sop>" in t:
         return GLM
+    if MINIMAX_OPEN in t or "]~b]ai" in t:
+        return MINIMAX_M2
     return QWEN
 
 
@@ -241,7 +268,8 @@ def render_prompt(tok: Any, messages: list[dict[str, Any]], **template_kwargs: A
 
 
 def starts_thinking(fmt: ChatFormat, prompt: str) -> bool:
-    """Whether the prompt leaves the model inside a thinking block (R1's and V3.1's templates open it)."""
+    """Whether the prompt leaves the model inside a thinking block (R1's, V3.1's and MiniMax-M2's templates
+    open it)."""
     return fmt.thinks and prompt.rstrip().endswith(THINK_OPEN)
 
 
