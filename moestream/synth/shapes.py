@@ -1,6 +1,6 @@
 """Synthetic GGUF models at real shapes with random weights: qwen3moe and qwen35moe here, deepseek2
-(DeepSeek-V2/V3, Kimi-K2) and glm4moe (GLM-4.5/4.6) in arches.py, gpt-oss, Mixtral, OLMoE and
-Qwen2-MoE in gqa_arches.py, deepseek4 (DeepSeek-V4 Flash and Pro) in v4_arches.py.
+(DeepSeek-V2/V3, Kimi-K2) and glm4moe (GLM-4.5/4.6) in arches.py, gpt-oss, Mixtral, OLMoE, Qwen2-MoE and
+MiniMax-M2 in gqa_arches.py, deepseek4 (DeepSeek-V4 Flash and Pro) in v4_arches.py.
 
 They exercise the engine (and llama.cpp, for baselines) at full size without downloading anything:
 same tensor names, shapes, types and expert layout as a converted GGUF of that model.
@@ -126,7 +126,7 @@ SHAPES: dict[str, SynthShape | DeepSeekShape | GlmShape | GqaShape | DeepSeek4Sh
         rot_dim=64,
     ),
     **ARCH_SHAPES,  # deepseek2 and glm4moe
-    **GQA_SHAPES,  # gpt-oss, llama (Mixtral), olmoe, qwen2moe
+    **GQA_SHAPES,  # gpt-oss, llama (Mixtral), olmoe, qwen2moe, minimax-m2
     **V4_SHAPES,  # deepseek4 (DeepSeek-V4 Flash and Pro)
 }
 
