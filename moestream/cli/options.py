@@ -223,6 +223,8 @@ def say_caps(args: argparse.Namespace, engine: Engine) -> None:
     """A value the engine lowered to what the model allows is said, not silently used."""
     if args.ctx is not None and engine.ctx < args.ctx:
         print(f"note: --ctx {args.ctx} is more than the model's context; capped at {engine.ctx}", file=sys.stderr)
+    for note in type(engine.model).load_notes(engine.cfg):
+        print(f"note: {note}", file=sys.stderr)
 
 
 def sampler(args: argparse.Namespace) -> Sampler:

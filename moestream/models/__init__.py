@@ -4,7 +4,8 @@ class. Shared once: base.py (embedding, head, the one forward step), layer.py (t
 interface, a step's context), rows.py (row-wise ops of a step of several sequences), moe.py (the MoE block:
 router, routed and shared experts), routed.py (the one executor of routed experts), routing.py (routers),
 attention.py and kv_cache.py (attention over a cache, the KV cache), rope.py, ops.py (norms and small ops),
-mla.py (latent attention and its cache), deltanet.py (Gated DeltaNet and the hybrid cache), gqa.py (the plain
+mla.py (latent attention and its cache), sparse_attention.py (DeepSeek Sparse Attention: the lightning indexer
+and latent attention over its choice), deltanet.py (Gated DeltaNet and the hybrid cache), gqa.py (the plain
 grouped-query decoder Mixtral, OLMoE and Qwen2-MoE share), dense.py (the dense models: Llama, Qwen2,
 Qwen3), memory.py (the bytes a model's KV cache and prompt steps take), loader.py (weights and metadata as the
 model names them, checked), common.py (the expert provider, embedding, fused projections, resident tensors)."""
@@ -13,8 +14,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from moestream.models.deepseek2 import DeepSeek2
+from moestream.models.deepseek32 import DeepSeek32
 from moestream.models.dense import Llama, Qwen2, Qwen3
 from moestream.models.glm4moe import Glm4Moe
+from moestream.models.glm_dsa import GlmDsa
 from moestream.models.gpt_oss import GptOss
 from moestream.models.mixtral import Mixtral
 from moestream.models.olmoe import Olmoe
@@ -24,6 +27,8 @@ from moestream.models.qwen35moe import Qwen35Moe
 
 ARCHITECTURES = {
     "deepseek2": DeepSeek2,
+    "deepseek32": DeepSeek32,
+    "glm-dsa": GlmDsa,
     "glm4moe": Glm4Moe,
     "gpt-oss": GptOss,
     "qwen3moe": Qwen3Moe,

@@ -77,6 +77,11 @@ class MoEModel:
         """What one sequence's cache and a prompt's compute take (models/memory.py's ModelMemory)."""
         raise NotImplementedError
 
+    @staticmethod
+    def load_notes(cfg: Any) -> list[str]:
+        """What the file holds that this model does not run (said when the engine opens it)."""
+        return []
+
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> Any:
         return self.kv_cache(ctx, dtype or (torch.float32 if self.exact else torch.float16))
 
