@@ -149,3 +149,46 @@ GLM_DSA = TinyArch("glm-dsa", "GlmMoeDsaForCausalLM", tiny_glm_dsa_config, write
 
 DEEPSEEK_V32 = TinyArch("deepseek32", "DeepseekV32ForCausalLM", tiny_deepseek_v32_config, write_dsa_from_hf,
                         _perturb_dsa, ((T.F32, T.F32), (T.Q8_0, T.Q4_0)), _expected_dsa, "deepseek-v3.2")  # fmt: skip
+
+
+def reference_cut_gaps(model: Any, toks: list[int]) -> Any:
+    """Per position, the smallest gap between the top_k-th and the next index score of transformers' own
+    indexers over every full block (inf where a query sees no more than top_k keys). Where it is within the
+    reference's float32 rounding (its rope tables are float32 angles, about 1e-3 on these scores), the choice
+    is a near-tie that any other rounding may settle the other way."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        apply_rotary_pos_emb,
+        apply_rotary_pos_emb_interleave,
+    )
+
+    rotate = apply_rotary_pos_emb_interleave if model.config.model_type == "glm_moe_dsa" else apply_rotary_pos_emb
+    gaps, hooks = [], []
+
+    def score(ix: Any, args: tuple, kwargs: dict) -> None:
+        hs, qr, (cos, sin) = args[0], args[1], args[2]
+        S, R, k_top = hs.shape[1], ix.qk_rope_head_dim, ix.index_topk
+        q = ix.wq_b(qr).view(1, S, ix.n_heads, ix.head_dim)
+        k = ix.k_norm(ix.wk(hs)).unsqueeze(2)
+        q_rot, k_rot = rotate(q[..., :R], k[..., :R], cos, sin, unsqueeze_dim=2)
+        q, k = torch.cat([q_rot, q[..., R:]], -1), torch.cat([k_rot, k[..., R:]], -1).squeeze(2)
+        s = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * ix.softmax_scale)
+        w = ix.weights_proj(hs).float() * ix.n_heads**-0.5
+        sc = torch.matmul(w.unsqueeze(-2), s).squeeze(-2)[0]
+        sc = sc.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+        v = sc.sort(-1, descending=True).values
+        gap = torch.full((S,), float("inf"))
+        gap[k_top:] = v[k_top:, k_top - 1] - v[k_top:, k_top]
+        gaps.append(gap)
+
+    for m in model.modules():
+        if type(m).__name__.endswith("Indexer"):
+            hooks.append(m.register_forward_pre_hook(score, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([toks]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(gaps).amin(0)
