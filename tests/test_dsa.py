@@ -249,14 +249,22 @@ def _converter_dir(tmp_root: Path) -> Path:
 
 
 # The converter runs as it is, but for the tokenizer, which the comparison leaves out: the tiny BPE vocabulary
-# has neither a pre-tokenizer hash the converter knows nor GLM's special tokens.
+# has neither a pre-tokenizer hash the converter knows nor GLM's special tokens, and transformers 5 does not
+# set add_bos_token from tokenizer_config.json beside a tokenizer.json (DeepSeek-V3.2's converter asserts it).
 CONVERT = """
 import runpy, sys
 src = sys.argv[1]
 sys.path[:0] = [src, src + "/gguf-py"]
+import transformers
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
 base.TextModel._set_vocab_glm = base.TextModel._set_vocab_gpt2
+load = transformers.AutoTokenizer.from_pretrained
+def with_bos(*args, **kwargs):
+    tok = load(*args, **kwargs)
+    tok.add_bos_token = True
+    return tok
+transformers.AutoTokenizer.from_pretrained = with_bos
 sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outfile", sys.argv[3], "--outtype", "f32"]
 runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
 """
