@@ -307,3 +307,45 @@ def test_the_real_converter_writes_what_hf_gguf_dsa_writes(tmp_path, arch):
     for k in theirs_keys:
         assert r.fields[k].types == o.fields[k].types, k
         assert np.allclose(r.fields[k].parts[-1], o.fields[k].parts[-1]), k
+
+
+# ---- synth shapes ----------------------------------------------------------------------------------------
+
+
+def test_synth_tiny_glm_dsa_runs_the_same_streamed(tmp_path):
+    from moestream.synth.shapes import write_synth
+
+    path = write_synth("tiny-glm-dsa", "Q8_0", tmp_path / "m.gguf", progress=False)
+    prompt = list(range(20, 60))
+    eng = Engine(path, EngineOptions(n_slots=64, threads=1))
+    try:
+        assert eng.cfg.indexer.full == (True, True, False, True)
+        full = eng.generate(prompt, 8, Sampler()).tokens
+        assert eng.kv.keys_attended == [16] * 4
+    finally:
+        eng.close()
+    assert len(set(full)) > 2
+    eng = Engine(path, EngineOptions(n_slots=6, threads=1))
+    try:
+        assert eng.generate(prompt, 8, Sampler()).tokens == full
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("name,cls,blocks,heads", [("glm-5", GlmDsaConfig, 78, 32), ("deepseek-v3.2", None, 61, 64)])
+def test_synth_real_shapes_and_their_slices_read_as_the_models(name, cls, blocks, heads):
+    """glm-5 and deepseek-v3.2 at their real sizes (and a 6-block --layers slice): the config read from the
+    keys and tensor table synth writes (without writing the file)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream.models.deepseek32 import DeepSeek32Config
+    from moestream.synth.shapes import _resolve
+
+    cls = cls or DeepSeek32Config
+    for layers, n in ((None, blocks), (6, 6)):
+        s = _resolve(name, layers)
+        shapes = {t.name: t.shape for t in s.tensors(Q.Q4_K, Q.Q4_K, 1000, 0, k_m=True)}
+        cfg = cls.from_metadata(s.metadata(name, 15, 1000), shapes)
+        assert cfg.n_blocks == n and cfg.first_moe_block == 3 and cfg.n_experts == 256
+        assert (cfg.indexer.heads, cfg.indexer.head_dim, cfg.indexer.top_k) == (heads, 128, 2048)
+        assert cfg.indexer.full == (True,) * n and cfg.indexer.interleaved == (name == "glm-5")
