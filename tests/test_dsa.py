@@ -349,3 +349,41 @@ def test_synth_real_shapes_and_their_slices_read_as_the_models(name, cls, blocks
         assert cfg.n_blocks == n and cfg.first_moe_block == 3 and cfg.n_experts == 256
         assert (cfg.indexer.heads, cfg.indexer.head_dim, cfg.indexer.top_k) == (heads, 128, 2048)
         assert cfg.indexer.full == (True,) * n and cfg.indexer.interleaved == (name == "glm-5")
+
+
+# ---- GLM-5's chat format ---------------------------------------------------------------------------------
+
+GLM5_TEMPLATE = (Path(__file__).parent / "templates" / "glm-4.7-flash.jinja").read_text()
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}  # fmt: skip
+
+
+def test_glm5_format_opens_thinking_and_splits_reasoning_content_and_calls():
+    """GLM-5's format (GLM-4.7's template): the generation prompt opens <think>, so the answer starts inside
+    it; calls are written without newlines; streamed in any pieces it splits as whole; and the reasoning of
+    the turns after the last user message goes back into the prompt (interleaved thinking)."""
+    from moestream.formats.chat_template import render_chat
+    from moestream.serving.chat_formats import GLM, OutputParser, chat_format, split_answer, starts_thinking
+    from moestream.serving.text import split_pieces
+
+    assert chat_format(GLM5_TEMPLATE) is GLM
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": [call]},
+            {"role": "tool", "content": "22C"}]  # fmt: skip
+    prompt = render_chat(GLM5_TEMPLATE, msgs, tools=[WEATHER], add_generation_prompt=True)
+    assert prompt.endswith("<|assistant|><think>") and starts_thinking(GLM, prompt)
+    assert "<think>Look it up.</think>" in prompt  # the tool turn's reasoning is kept
+    assert "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>" in prompt
+    text = ("It is sunny.</think>Here:<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+            "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>")  # fmt: skip
+    want = ("It is sunny.", "Here:", [("get_weather", {"city": "Paris", "days": 2})])
+
+    def run(chunks: list[str]) -> tuple:
+        p = OutputParser(GLM, use_tools=True, thinking=True, tools=[WEATHER])
+        r, c, calls = split_pieces([x for ch in chunks for x in p.feed(ch)] + p.finish())
+        return r, c, [(x.name, json.loads(x.arguments)) for x in calls]
+
+    r, c, calls = split_answer(OutputParser(GLM, use_tools=True, thinking=True, tools=[WEATHER]), text)
+    assert (r, c, [(x.name, json.loads(x.arguments)) for x in calls]) == want
+    assert all(run([text[:i], text[i:]]) == want for i in range(len(text)))
