@@ -88,6 +88,11 @@ class MoEModel:
         """The residual stream back to [N, hidden] for the final norm."""
         return x
 
+    @staticmethod
+    def load_notes(cfg: Any, exact: bool = False) -> list[str]:
+        """What the file holds that this model does not run (said when the engine opens it)."""
+        return []
+
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> Any:
         return self.kv_cache(ctx, dtype or (torch.float32 if self.exact else torch.float16))
 

@@ -305,7 +305,7 @@ class DeepSeek4(MoEModel):
                                  [cfg.attention(i).specs() for i in range(cfg.n_layers)])  # fmt: skip
 
     @staticmethod
-    def load_notes(cfg: DeepSeek4Config, exact: bool) -> list[str]:
+    def load_notes(cfg: DeepSeek4Config, exact: bool = False) -> list[str]:
         """What the load summary says of a V4 file: the attention schedule, the KV bytes a token takes, the
         hash layers, and the MTP block left out."""
         per_token = DeepSeek4.memory(cfg).kv_nbytes(1 << 20, exact) / (1 << 20)
