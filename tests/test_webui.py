@@ -122,9 +122,13 @@ def test_engine_events(server: str) -> None:
 def test_page_and_host_check(server: str) -> None:
     status, ctype, body = _get(server, "/")
     assert status == 200 and ctype.startswith("text/html") and b"/static/app.js" in body
+    u = urlsplit(server)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("GET", "/")
+    assert "default-src 'self'" in conn.getresponse().getheader("content-security-policy", "")
+    conn.close()
     assert _get(server, "/engine")[0] == 200 and _get(server, "/static/engine.js")[0] == 200
     assert _get(server, "/static/nothing.js")[0] == 404
-    u = urlsplit(server)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
     conn.request("GET", "/", headers={"Host": f"rebound.example:{u.port}"})  # a DNS-rebinding page's request
     r = conn.getresponse()
@@ -171,7 +175,8 @@ def _shot(page: Any, out: Path, name: str) -> None:
 def test_chat_and_engine_view_in_chromium(browser: Any, server: str, tmp_path: Path) -> None:
     errors: list[str] = []
     outside: list[str] = []
-    ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+    # the page's Content-Security-Policy forbids eval, which playwright's wait_for_function uses
+    ctx = browser.new_context(viewport={"width": 1280, "height": 900}, bypass_csp=True)
     page = ctx.new_page()
     _watch(page, errors, outside)
     page.goto(server + "/")
