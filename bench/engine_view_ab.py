@@ -1,10 +1,12 @@
 """A/B: decode tok/s of `serve` with the engine view open (a client reading /v1/engine/events) and closed.
 
-Each run is a fresh `moestream serve` on a synthetic model under a budget that streams (the least the server
+Each pair is a fresh `moestream serve` on a synthetic model under a budget that streams (the least the server
 takes plus a margin, so its expert cache holds a fraction of the experts and the grid moves), one warm-up request,
-then one greedy request whose decode speed is the server's own (usage.timings: generated tokens / decode time).
-Run B keeps an SSE client reading the events from before the warm-up to after the answer. Pairs interleave, the
-order alternating (AB, BA, ...), so that other load on the machine falls on both arms alike.
+then greedy requests back to back, whose decode speed is the server's own (usage.timings: generated tokens /
+decode time), alternating: with an SSE client reading the events from before the request starts to after it
+ends, and without; each arm's speed in a pair is the median of its requests, and the first arm alternates pair by
+pair, so that other load on the machine (shared with other work) falls on both arms alike. The states' own
+build times (build_ms) are kept too: what the view costs the server's loop, whatever the noise.
 
     python bench/engine_view_ab.py --pairs 5 --out bench/results/2026-12-04-engine-view-ab.json
 """
@@ -28,6 +30,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import git_commit, host_info, write_json  # noqa: E402
 
+from moestream.serving.webui import SNAPSHOT_S  # noqa: E402
 from moestream.synth.shapes import write_synth  # noqa: E402
 
 PROMPT = "Experts live on disk and the cache keeps the ones"
@@ -55,13 +58,17 @@ def chat(port: int, max_tokens: int) -> dict[str, Any]:
 
 
 class EventReader(threading.Thread):
-    """An engine view: reads /v1/engine/events until stopped; counts the states it got."""
+    """An engine view: reads /v1/engine/events until stopped; keeps each state's build_ms."""
 
     def __init__(self, port: int):
         super().__init__(daemon=True)
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        self.states = 0
+        self.build_ms: list[float] = []
         self.done = threading.Event()
+
+    @property
+    def states(self) -> int:
+        return len(self.build_ms)
 
     def run(self) -> None:
         self.conn.request("GET", "/v1/engine/events")
@@ -70,48 +77,69 @@ class EventReader(threading.Thread):
             line = r.readline()
             if not line:
                 return
-            self.states += line.startswith(b"event: state")
+            if line.startswith(b"data: ") and b'"build_ms"' in line:
+                self.build_ms.append(json.loads(line[6:])["build_ms"])
 
     def stop(self) -> None:
         self.done.set()
         self.conn.sock.shutdown(socket.SHUT_RDWR)
 
 
-def one_run(cmd: list[str], budget: int, view: bool, tokens: int) -> dict[str, Any]:
+def start_server(cmd: list[str], budget: int) -> tuple[subprocess.Popen[str], int]:
     port = free_port()
     proc = subprocess.Popen([*cmd, "--port", str(port), "--ram-budget-mb", str(budget), "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return proc, port
+        except OSError as exc:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out = proc.stdout.read() if proc.stdout else ""
+                raise RuntimeError(f"the server did not start: {out}") from exc
+            time.sleep(0.2)
+
+
+def measure(port: int, view: bool, tokens: int) -> dict[str, Any]:
+    """One greedy request's decode speed; view: with an events reader connected (it got a state first)."""
+    reader = EventReader(port) if view else None
+    if reader:
+        reader.start()
+        while reader.states < 1:
+            time.sleep(0.05)
+    answer = chat(port, tokens)
+    if reader:
+        reader.stop()
+    t = answer["usage"]["timings"]
+    return {"view": view, "decode_tps": t["predicted_n"] / (t["predicted_ms"] / 1000), "tokens": t["predicted_n"],
+            "states_read": reader.states if reader else 0,
+            "build_ms": reader.build_ms[1:] if reader else []}  # fmt: skip
+
+
+def one_pair(cmd: list[str], budget: int, first: bool, tokens: int, repeats: int) -> dict[str, Any]:
+    """A fresh server, a warm-up request, then `repeats` requests of each arm alternating (the first one's arm:
+    view `first`); each arm's speed is the median of its requests (the machine's other load comes in bursts)."""
+    proc, port = start_server(cmd, budget)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start: {proc.stdout.read() if proc.stdout else ''}")
-                time.sleep(0.2)
-        reader = EventReader(port) if view else None
-        if reader:
-            reader.start()
-        chat(port, 16)  # warm-up
-        answer = chat(port, tokens)
-        if reader:
-            reader.stop()
-        t = answer["usage"]["timings"]
-        return {"view": view, "decode_tps": t["predicted_n"] / (t["predicted_ms"] / 1000), "tokens": t["predicted_n"],
-                "states_read": reader.states if reader else 0}  # fmt: skip
+        chat(port, 16)
+        runs = [measure(port, first if i % 2 == 0 else not first, tokens) for i in range(2 * repeats)]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    arms = {view: [r for r in runs if r["view"] == view] for view in (False, True)}
+    tps = {view: statistics.median(r["decode_tps"] for r in arms[view]) for view in arms}
+    return {"closed_tps": tps[False], "open_tps": tps[True], "ratio": tps[True] / tps[False],
+            "first": "open" if first else "closed", "runs": runs}  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--tokens", type=int, default=120)
+    ap.add_argument("--repeats", type=int, default=3, help="requests of each arm per pair")
     ap.add_argument("--shape", default="tiny")
     ap.add_argument("--quant", default="F16")
     ap.add_argument("--margin-mb", type=int, default=12, help="budget above the least the server takes")
@@ -123,20 +151,21 @@ def main() -> None:
     budget = least_budget(cmd) + args.margin_mb
     pairs = []
     for i in range(args.pairs):
-        order = (False, True) if i % 2 == 0 else (True, False)
-        runs = {view: one_run(cmd, budget, view, args.tokens) for view in order}
-        ratio = runs[True]["decode_tps"] / runs[False]["decode_tps"]
-        pairs.append({"closed": runs[False], "open": runs[True], "ratio": ratio, "order": ["open" if v else "closed"
-                      for v in order]})  # fmt: skip
-        print(f"pair {i}: closed {runs[False]['decode_tps']:.2f} open {runs[True]['decode_tps']:.2f} tok/s, "
-              f"ratio {ratio:.3f} ({runs[True]['states_read']} states read)", flush=True)  # fmt: skip
+        pair = one_pair(cmd, budget, i % 2 == 1, args.tokens, args.repeats)
+        pairs.append(pair)
+        built = [ms for r in pair["runs"] for ms in r["build_ms"]]
+        print(f"pair {i}: closed {pair['closed_tps']:.2f} open {pair['open_tps']:.2f} tok/s, ratio "
+              f"{pair['ratio']:.3f} (states built in {statistics.median(built):.2f} ms median)",
+              flush=True)  # fmt: skip
     ratios = [p["ratio"] for p in pairs]
     doc = {
         "what": "decode tok/s with the engine view open (an SSE client on /v1/engine/events) / closed",
         "shape": args.shape, "quant": args.quant, "budget_mb": budget, "tokens": args.tokens,
         "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios),
-        "median_closed_tps": statistics.median(p["closed"]["decode_tps"] for p in pairs),
-        "median_open_tps": statistics.median(p["open"]["decode_tps"] for p in pairs),
+        "median_closed_tps": statistics.median(p["closed_tps"] for p in pairs),
+        "median_open_tps": statistics.median(p["open_tps"] for p in pairs),
+        "median_build_ms": statistics.median(ms for p in pairs for r in p["runs"] for ms in r["build_ms"]),
+        "states_per_s": 1 / SNAPSHOT_S,
         "pairs": pairs, "host": host_info(model), "commit": git_commit(),
     }  # fmt: skip
     write_json(args.out, doc)

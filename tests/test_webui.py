@@ -8,7 +8,6 @@ import http.client
 import json
 import re
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,15 +15,20 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from fastapi.testclient import TestClient
 
+from moestream.formats.gguf_file import GGUFFile
+from moestream.formats.tokenizer import Tokenizer
+from moestream.serving.app import create_app
 from moestream.serving.webui import touched_tail
 from moestream.synth.shapes import write_synth
-from tests.test_server import CTX, _get, _metrics, serve_process
+from tests.test_server import ScriptedEngine, _get, _metrics, serve_process
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]  # fmt: skip
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+KEY = "k-webui-123"
 SECRET = "zebrafish-7731"  # a word of a prompt that the engine events must never carry
 
 
@@ -82,7 +86,9 @@ def _chat(url: str, text: str, max_tokens: int, headers: dict[str, str] | None =
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
     body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
+        conn.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json", **(headers or {})}
+        )
         return json.loads(conn.getresponse().read())
     finally:
         conn.close()
@@ -136,13 +142,31 @@ def test_page_and_host_check(server: str) -> None:
     conn.close()
 
 
-def test_api_key_guards_the_events_and_no_webui(tiny: str, tmp_path: Path) -> None:
-    with serve_process(tiny, tmp_path, "--api-key", "k-123", "--no-webui") as url:
-        status, events = _events(url, 1)
-        assert status == 401 and events[0][1]["error"]["code"] == "invalid_api_key"
-        status, events = _events(url, 2, {"Authorization": "Bearer k-123"})
-        assert status == 200 and [n for n, _ in events] == ["config", "state"]
-        assert _get(url, "/")[0] == 404  # --no-webui: no page
+@pytest.fixture(scope="module")
+def keyed_server(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with serve_process(tiny, tmp_path_factory.mktemp("keyed"), "--api-key", KEY) as url:
+        yield url
+
+
+def test_api_key_guards_the_events(keyed_server: str) -> None:
+    status, events = _events(keyed_server, 1)
+    assert status == 401 and events[0][1]["error"]["code"] == "invalid_api_key"
+    status, events = _events(keyed_server, 2, {"Authorization": f"Bearer {KEY}"})
+    assert status == 200 and [n for n, _ in events] == ["config", "state"]
+    assert _get(keyed_server, "/")[0] == 200  # the page itself is public: it asks for the key
+
+
+def test_no_webui_leaves_the_events_only(tiny: str) -> None:
+    f = GGUFFile(tiny)
+    tokenizer = Tokenizer.from_metadata(f.metadata)
+    f.close()
+    app = create_app(ScriptedEngine(tokenizer, "x"), "scripted", webui=False)
+    paths = {getattr(r, "path", "") for r in app.routes}
+    assert "/v1/engine/events" in paths and not {"/", "/engine", "/static/{name}"} & paths
+    with TestClient(app) as c:
+        assert c.get("/").status_code == 404
+    paths = {getattr(r, "path", "") for r in create_app(ScriptedEngine(tokenizer, "x"), "scripted").routes}
+    assert {"/", "/engine", "/static/{name}"} <= paths
 
 
 # ------------------------------------------------------------------------------------------ the browser
@@ -235,4 +259,26 @@ def test_chat_and_engine_view_in_chromium(browser: Any, server: str, tmp_path: P
     page.wait_for_function("window.moestreamEngine.states >= 1", timeout=30_000)
     ctx.close()
     assert not errors, errors
+    assert not outside, outside
+
+
+@pytest.mark.slow
+def test_the_page_asks_for_the_key_once(browser: Any, keyed_server: str, tmp_path: Path) -> None:
+    errors: list[str] = []
+    outside: list[str] = []
+    ctx = browser.new_context(bypass_csp=True)
+    page = ctx.new_page()
+    _watch(page, errors, outside)
+    page.goto(keyed_server + "/engine")
+    page.wait_for_selector("#key-dialog[open]", timeout=30_000)
+    page.fill("#key-input", KEY)
+    page.keyboard.press("Enter")
+    page.wait_for_function("window.moestreamEngine.states >= 1", timeout=30_000)
+    assert page.inner_text("#model-name") == "tiny"
+    page.reload()  # the key is kept: no second question
+    page.wait_for_function("window.moestreamEngine.states >= 1", timeout=30_000)
+    assert page.locator("#key-dialog[open]").count() == 0
+    ctx.close()
+    # the 401s that made the page ask are logged by chromium as failed loads; nothing else may be
+    assert all("401" in e for e in errors), errors
     assert not outside, outside

@@ -66,8 +66,9 @@ DEFAULT_MAX_TOKENS = 2048  # a request that gives no max_tokens generates at mos
 
 # Variables render_chat sets itself (its parameters, the `documents` it passes, the helpers it installs):
 # a request's chat_template_kwargs may not replace them.
-RESERVED_TEMPLATE_KWARGS = frozenset({"template", "messages", "tools", "documents", "add_generation_prompt", "bos_token",
-                                      "eos_token", "raise_exception", "strftime_now", "namespace", "dict"})  # fmt: skip
+RESERVED_TEMPLATE_KWARGS = frozenset({"template", "messages", "tools", "documents", "add_generation_prompt",
+                                      "bos_token", "eos_token", "raise_exception", "strftime_now", "namespace",
+                                      "dict"})  # fmt: skip
 
 
 @dataclass

@@ -194,8 +194,13 @@ class EngineEvents:
                 self._task, self._last = None, None
 
     async def _sample(self) -> None:
+        build_ms = 0.0
         while True:
-            line = event("state", self.state())
+            t0 = time.perf_counter()
+            body = self.state()
+            body["build_ms"] = build_ms  # the previous state's: what the view costs the server's loop
+            line = event("state", body)
+            build_ms = round((time.perf_counter() - t0) * 1000, 3)
             for queue in list(self.listeners):
                 if queue.full():  # a slow reader gets the newest state, not a backlog
                     queue.get_nowait()

@@ -44,6 +44,7 @@
 
   function chart(id, lines, fixedMax) {
     const cv = $(id), ctx = cv.getContext("2d");
+    if (cv.clientWidth && cv.width !== cv.clientWidth) cv.width = cv.clientWidth; // sharp at any width
     const w = cv.width, h = cv.height;
     ctx.clearRect(0, 0, w, h);
     const pts = lines.flatMap(([s]) => s);
