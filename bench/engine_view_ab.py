@@ -6,7 +6,8 @@ then greedy requests back to back, whose decode speed is the server's own (usage
 decode time), alternating: with an SSE client reading the events from before the request starts to after it
 ends, and without; each arm's speed in a pair is the median of its requests, and the first arm alternates pair by
 pair, so that other load on the machine (shared with other work) falls on both arms alike. The states' own
-build times (build_ms) are kept too: what the view costs the server's loop, whatever the noise.
+build times (build_ms) and the server's CPU time per request are kept too: tokens per CPU second depend far
+less on the machine's other load than tokens per wall second, and count the view's thread with the engine's.
 
     python bench/engine_view_ab.py --pairs 5 --out bench/results/2026-12-04-engine-view-ab.json
 """
@@ -103,18 +104,29 @@ def start_server(cmd: list[str], budget: int) -> tuple[subprocess.Popen[str], in
             time.sleep(0.2)
 
 
-def measure(port: int, view: bool, tokens: int) -> dict[str, Any]:
-    """One greedy request's decode speed; view: with an events reader connected (it got a state first)."""
+def cpu_s(pid: int) -> float:
+    """The process's CPU time so far (user + system, every thread)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(port: int, pid: int, view: bool, tokens: int) -> dict[str, Any]:
+    """One greedy request's decode speed and the server's CPU time over it; view: with an events reader
+    connected (it got a state first)."""
     reader = EventReader(port) if view else None
     if reader:
         reader.start()
         while reader.states < 1:
             time.sleep(0.05)
+    cpu0 = cpu_s(pid)
     answer = chat(port, tokens)
+    cpu = cpu_s(pid) - cpu0
     if reader:
         reader.stop()
     t = answer["usage"]["timings"]
     return {"view": view, "decode_tps": t["predicted_n"] / (t["predicted_ms"] / 1000), "tokens": t["predicted_n"],
+            "cpu_s": cpu, "tokens_per_cpu_s": t["predicted_n"] / cpu if cpu > 0 else None,
             "states_read": reader.states if reader else 0,
             "build_ms": reader.build_ms[1:] if reader else []}  # fmt: skip
 
@@ -125,13 +137,16 @@ def one_pair(cmd: list[str], budget: int, first: bool, tokens: int, repeats: int
     proc, port = start_server(cmd, budget)
     try:
         chat(port, 16)
-        runs = [measure(port, first if i % 2 == 0 else not first, tokens) for i in range(2 * repeats)]
+        runs = [measure(port, proc.pid, first if i % 2 == 0 else not first, tokens) for i in range(2 * repeats)]
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=120)
     arms = {view: [r for r in runs if r["view"] == view] for view in (False, True)}
     tps = {view: statistics.median(r["decode_tps"] for r in arms[view]) for view in arms}
+    per_cpu = {view: statistics.median(r["tokens_per_cpu_s"] for r in arms[view]) for view in arms}
     return {"closed_tps": tps[False], "open_tps": tps[True], "ratio": tps[True] / tps[False],
+            "closed_tokens_per_cpu_s": per_cpu[False], "open_tokens_per_cpu_s": per_cpu[True],
+            "cpu_ratio": per_cpu[True] / per_cpu[False],
             "first": "open" if first else "closed", "runs": runs}  # fmt: skip
 
 
@@ -155,13 +170,16 @@ def main() -> None:
         pairs.append(pair)
         built = [ms for r in pair["runs"] for ms in r["build_ms"]]
         print(f"pair {i}: closed {pair['closed_tps']:.2f} open {pair['open_tps']:.2f} tok/s, ratio "
-              f"{pair['ratio']:.3f} (states built in {statistics.median(built):.2f} ms median)",
+              f"{pair['ratio']:.3f}; tokens per CPU second ratio {pair['cpu_ratio']:.3f} (states built in "
+              f"{statistics.median(built):.2f} ms median)",
               flush=True)  # fmt: skip
     ratios = [p["ratio"] for p in pairs]
+    cpu = [p["cpu_ratio"] for p in pairs]
     doc = {
         "what": "decode tok/s with the engine view open (an SSE client on /v1/engine/events) / closed",
         "shape": args.shape, "quant": args.quant, "budget_mb": budget, "tokens": args.tokens,
         "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios),
+        "median_cpu_ratio": statistics.median(cpu), "min_cpu_ratio": min(cpu), "max_cpu_ratio": max(cpu),
         "median_closed_tps": statistics.median(p["closed_tps"] for p in pairs),
         "median_open_tps": statistics.median(p["open_tps"] for p in pairs),
         "median_build_ms": statistics.median(ms for p in pairs for r in p["runs"] for ms in r["build_ms"]),
@@ -169,7 +187,10 @@ def main() -> None:
         "pairs": pairs, "host": host_info(model), "commit": git_commit(),
     }  # fmt: skip
     write_json(args.out, doc)
-    print(f"median ratio {doc['median_ratio']:.3f} (min {doc['min_ratio']:.3f}, max {doc['max_ratio']:.3f})")
+    print(
+        f"median ratio {doc['median_ratio']:.3f} (min {doc['min_ratio']:.3f}, max {doc['max_ratio']:.3f}); tokens "
+        f"per CPU second {doc['median_cpu_ratio']:.3f} ({doc['min_cpu_ratio']:.3f}-{doc['max_cpu_ratio']:.3f})"
+    )
 
 
 if __name__ == "__main__":

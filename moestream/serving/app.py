@@ -487,6 +487,7 @@ def serve(
         # end the generations now (uvicorn waits for open connections); stop as uvicorn's handler does, but
         # without recording the signal it raises again once stopped, before the caller closes the engine
         app.state.service.worker.cancel_all()
+        app.state.engine_events.closing = True
         server.force_exit, server.should_exit = server.should_exit and sig == signal.SIGINT, True
 
     server.handle_exit = on_signal  # type: ignore[method-assign]

@@ -105,6 +105,7 @@ class EngineEvents:
         self.listeners: set[asyncio.Queue[str]] = set()
         self._task: asyncio.Task[None] | None = None
         self._last: tuple[float, int, int, int, int, int] | None = None  # time and counters at the last state
+        self.closing = False
 
     @property
     def grid(self) -> ExpertGrid:
@@ -185,7 +186,7 @@ class EngineEvents:
         if self._task is None:
             self._task = asyncio.create_task(self._sample())
         try:
-            while True:
+            while not self.closing:  # the server stops: end the stream, or its shutdown would wait for it
                 yield await queue.get()
         finally:
             self.listeners.discard(queue)
@@ -216,7 +217,7 @@ def add_webui(app: FastAPI, engine: Any, worker: Any, model_name: str, *, page: 
     """/v1/engine/events always (scripts use it; the API key guards it with the rest of /v1); the page at / and
     /engine unless `page` is False (--no-webui). Bound to a loopback address, both answer only requests that
     name a loopback host, so a web page elsewhere cannot reach them by rebinding its own name to 127.0.0.1."""
-    events = EngineEvents(engine, worker, model_name)
+    events = app.state.engine_events = EngineEvents(engine, worker, model_name)
     local = is_loopback(host)
 
     def check_host(request: Request) -> None:
