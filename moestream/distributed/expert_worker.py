@@ -30,7 +30,10 @@ class ExpertWorker:
             torch.set_num_threads(threads)
         self.file = open_model(model_path, exact, check_types=False)
         store = self.file.store
-        self.reader = ExpertReader(store.paths, store.max_segment_nbytes, threads=4)
+        # pin() keeps 2 x threads experts' reads in flight and packs them in order: a buffer for each of their
+        # three matrices, or an early expert's last matrix could wait behind later ones holding every buffer
+        threads = 4
+        self.reader = ExpertReader(store.paths, store.max_segment_nbytes, threads=threads, buffers=3 * 2 * threads)
         self.cache = ExpertCache(store, self.reader, len(keys) + 1)
         self.cache.configure(min_slots=1, read_ahead=False)
         pinned = self.cache.pin(keys)
