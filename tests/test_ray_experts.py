@@ -111,3 +111,28 @@ def test_without_ray_installed_the_option_says_how_to_get_it(models, capsys, mon
     assert main(["run", "-m", models["Q4_0"], "-p", "hi", "-n", "1", "--ray", "local", "--expert-workers", "2"]) == 2
     err = capsys.readouterr().err
     assert "Ray is not installed" in err and "Traceback" not in err, err
+
+
+def _batch_logits(eng: Engine) -> list[torch.Tensor]:
+    """Two sequences' prompts in one step, then their next tokens in one decode step (serve's batches)."""
+    a, b = PROMPT, list(range(300, 317))
+    kvs = [eng.kv, eng.batch_kvs[0]]
+    first = eng.step([a, b], kvs, [0, 0], prompt=True)
+    nxt = [[int(t)] for t in first.argmax(-1)]
+    return [first, eng.step(nxt, kvs, [len(a), len(b)], prompt=False)]
+
+
+@pytest.mark.slow
+def test_remote_experts_in_a_batch_of_sequences(ray_local, models):
+    single = Engine(models["Q4_0"], EngineOptions(n_slots=LOCAL_SLOTS, max_batch=2))
+    try:
+        want = _batch_logits(single)
+    finally:
+        single.close()
+    eng = Engine(models["Q4_0"], EngineOptions(n_slots=LOCAL_SLOTS, max_batch=2, ray_address="local",
+                                               expert_workers=2, expert_worker_mb=2))  # fmt: skip
+    try:
+        got = _batch_logits(eng)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    finally:
+        eng.close()
