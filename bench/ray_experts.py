@@ -105,8 +105,16 @@ def main() -> int:
     overhead_layer_s = (t_remote - t_local) / cfg.n_layers
     breakeven_ms = (disk_layer_s - overhead_layer_s) * 1e3
     doc = {
-        "meta": run_meta(args, workers=args.workers, layers=cfg.n_layers, top_k=cfg.top_k, hidden=cfg.hidden,
-                         expert_bytes=expert_bytes, probe_mb_s=mb_s, ray=ray.__version__),  # fmt: skip
+        "meta": run_meta(
+            args,
+            workers=args.workers,
+            layers=cfg.n_layers,
+            top_k=cfg.top_k,
+            hidden=cfg.hidden,
+            expert_bytes=expert_bytes,
+            probe_mb_s=mb_s,
+            ray=ray.__version__,
+        ),  # fmt: skip
         "seconds_per_token": {k: summary(v) for k, v in times.items() if not k.startswith("ratio")},
         "ratios": {k: summary(v) for k, v in times.items() if k.startswith("ratio")},
         "raw": times,
@@ -115,20 +123,29 @@ def main() -> int:
         "breakeven_rtt_ms_per_layer": breakeven_ms,
         "remote_calls": remote.remote.remote_calls,
     }
-    lines = [f"| arm | ms/token median (min-max) | vs local, pair by pair |", "|---|---|---|"]
-    for k, v in doc["seconds_per_token"].items():
-        r = doc["ratios"].get(f"ratio {k}")
-        ratio = f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})" if r else "1"
-        lines.append(f"| {k} | {v['median'] * 1e3:.2f} ({v['min'] * 1e3:.2f}-{v['max'] * 1e3:.2f}) | {ratio} |")
-    lines.append(f"\nremote overhead {overhead_layer_s * 1e3:.2f} ms/layer; disk bound {disk_layer_s * 1e3:.2f} "
-                 f"ms/layer ({cfg.top_k} x {expert_bytes / 2**20:.2f} MiB at {mb_s:.0f} MB/s); break-even round "
-                 f"trip {breakeven_ms:.2f} ms/layer")  # fmt: skip
+    lines = table(doc, cfg.top_k, expert_bytes, mb_s)
     save_results(doc, "\n".join(lines), args, args.name)
     remote.close()
     local.close()
     ray.shutdown()
     log(f"model in {tmp}")
     return 0
+
+
+def table(doc: dict, top_k: int, expert_bytes: int, mb_s: float) -> list[str]:
+    """The markdown table of the arms, and the break-even line."""
+    overhead_layer_s = doc["remote_overhead_ms_per_layer"] / 1e3
+    disk_layer_s = doc["disk_ms_per_layer_bound"] / 1e3
+    breakeven_ms = doc["breakeven_rtt_ms_per_layer"]
+    lines = ["| arm | ms/token median (min-max) | vs local, pair by pair |", "|---|---|---|"]
+    for k, v in doc["seconds_per_token"].items():
+        r = doc["ratios"].get(f"ratio {k}")
+        ratio = f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})" if r else "1"
+        lines.append(f"| {k} | {v['median'] * 1e3:.2f} ({v['min'] * 1e3:.2f}-{v['max'] * 1e3:.2f}) | {ratio} |")
+    lines.append(f"\nremote overhead {overhead_layer_s * 1e3:.2f} ms/layer; disk bound {disk_layer_s * 1e3:.2f} "
+                 f"ms/layer ({top_k} x {expert_bytes / 2**20:.2f} MiB at {mb_s:.0f} MB/s); break-even round "
+                 f"trip {breakeven_ms:.2f} ms/layer")  # fmt: skip
+    return lines
 
 
 def torch_equal(a: Engine, b: Engine, tok: list[int], pos: int) -> bool:
