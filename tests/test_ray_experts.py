@@ -6,6 +6,7 @@ missing Ray are one line and exit code 2."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -134,5 +135,25 @@ def test_remote_experts_in_a_batch_of_sequences(ray_local, models):
     try:
         got = _batch_logits(eng)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    finally:
+        eng.close()
+
+
+@pytest.mark.slow
+def test_a_worker_that_stops_answering_is_dropped_after_the_timeout(ray_local, models):
+    tokens, _ = _single(models["Q4_0"])
+    eng = Engine(models["Q4_0"], EngineOptions(n_slots=LOCAL_SLOTS, ray_address="local", expert_workers=2,
+                                               expert_timeout_s=3.0))  # fmt: skip
+    try:
+        pid = ray_local.get(eng.remote.actors[1].pid.remote())
+        os.kill(pid, signal.SIGSTOP)  # alive but silent: a hung machine, not a dead one
+        try:
+            assert eng.generate(PROMPT, N, Sampler()).tokens == tokens
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # the tier killed it
+        assert eng.remote.alive == [True, False]
     finally:
         eng.close()

@@ -91,6 +91,8 @@ class EngineOptions:
             from moestream.distributed.cluster import parse_address
 
             parse_address(self.ray_address)
+        if self.expert_timeout_s <= 0:
+            raise MoestreamError(f"the expert workers' timeout must be positive, got {self.expert_timeout_s}")
         if self.expert_workers is not None and not 1 <= self.expert_workers <= 256:
             raise MoestreamError(f"--expert-workers must be from 1 to 256, got {self.expert_workers}")
         if self.expert_worker_mb is not None and (self.expert_worker_mb <= 0 or self.expert_workers is None):
