@@ -55,21 +55,37 @@ def check_reachable(host: str, port: int, timeout_s: float = 3.0) -> None:
 
 def connect(address: str, num_cpus: int | None = None) -> Any:
     """Join the cluster at `address` (HOST:PORT) or start a local instance (`local`); returns ray. A driver
-    already connected (serve-ray's replicas) is used as it is."""
+    already connected (a second engine in one process) keeps its connection where it is the cluster asked for."""
     ray = import_ray()
+    host, port = parse_address(address) if address != "local" else ("", 0)
+    if address != "local":
+        check_reachable(host, port)
     if ray.is_initialized():
+        if address != "local":
+            check_same_cluster(ray, host, port)
         return ray
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+    kwargs: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
     if address == "local":
-        kwargs.update(num_cpus=num_cpus or os.cpu_count() or 1, object_store_memory=LOCAL_OBJECT_STORE_MB << 20)
-        ray.init(**kwargs)
+        ray.init(num_cpus=num_cpus or os.cpu_count() or 1, object_store_memory=LOCAL_OBJECT_STORE_MB << 20,
+                 include_dashboard=False, **kwargs)  # fmt: skip
         return ray
-    host, port = parse_address(address)
-    check_reachable(host, port)
-    kwargs.pop("include_dashboard")
     try:
         ray.init(address=f"{host}:{port}", **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise MoestreamError(f"could not join the Ray cluster at {host}:{port}: {first}") from None
     return ray
+
+
+def check_same_cluster(ray: Any, host: str, port: int) -> None:
+    """This process's Ray connection is to HOST:PORT, or one line says which one it holds."""
+    current = ray.get_runtime_context().gcs_address
+    c_host, _, c_port = current.rpartition(":")
+    try:
+        same = int(c_port) == port and socket.gethostbyname(host) == socket.gethostbyname(c_host)
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        raise MoestreamError(
+            f"this process is already connected to the Ray cluster at {current}; --ray {host}:{port} names another"
+        )

@@ -184,14 +184,14 @@ def start_workers(
     return RemoteExperts(ray, actors, shares, timeout_s)
 
 
-def open_remote(file: Any, cache: Any, options: Any, model_path: str) -> RemoteProvider:
+def open_remote(file: Any, cache: Any, options: Any, model_path: str, model: Any) -> RemoteProvider:
     """The engine's provider with the workers the options ask for: every routed expert not pinned locally, in
     layer order, dealt to the workers (up to --expert-worker-mb each; the rest stream from this disk)."""
     cfg = file.cfg
-    if file.arch.memory(cfg).ffn.clamped:
+    if own_activation(model):
         raise MoestreamError(
-            "--expert-workers does not take GPT-OSS's clamped experts yet (their biases stay on this machine); "
-            "run it without --ray"
+            "--expert-workers does not take experts with their own activation yet (GPT-OSS's clamped, "
+            "DeepSeek-V4's clipped SwiGLU: their biases and limits stay on this machine); run it without --ray"
         )
     local = set(cache.policy.profile)
     keys = [(layer, e) for layer in range(cfg.n_layers) for e in range(cfg.n_experts) if (layer, e) not in local]
@@ -200,3 +200,24 @@ def open_remote(file: Any, cache: Any, options: Any, model_path: str) -> RemoteP
     # the prompt read-ahead reads the next layer's uncached experts: those the workers hold would be wasted
     cache.read_ahead = False
     return RemoteProvider(cache, remote)
+
+
+def own_activation(model: Any) -> bool:
+    """Whether any MoE block of the model runs its experts with an activation of its own (MoE.ffn), which the
+    workers do not compute: the executor would keep every expert local, and --expert-workers do nothing."""
+    from moestream.models.moe import MoE
+
+    stack, seen = [model], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, MoE):
+            if obj.ffn is not None:
+                return True
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif type(obj).__module__.startswith("moestream.models") and hasattr(obj, "__dict__"):
+            stack.extend(v for v in vars(obj).values() if not isinstance(v, (torch.Tensor, np.ndarray)))
+    return False

@@ -74,7 +74,7 @@ class Engine:
         if o.expert_workers is not None:
             from moestream.distributed.remote_experts import open_remote
 
-            self.experts = open_remote(self.file, self.cache, o, model_path)
+            self.experts = open_remote(self.file, self.cache, o, model_path, self.model)
             self.remote = self.experts.remote
         # router choices replayed from a trace (--route-trace), handed to every forward step
         self.route_hook = None

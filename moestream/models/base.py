@@ -14,7 +14,7 @@ from moestream.models.layer import DecoderLayer, Mixer, Step
 from moestream.models.loader import Weights
 from moestream.models.ops import rms_norm, wide_torch
 from moestream.models.rope import RoPE
-from moestream.models.rows import linear_rows, norm_blocks, norm_rows, spans_of
+from moestream.models.rows import linear_rows, norm_rows, spans_of
 
 
 class MoEModel:
@@ -77,6 +77,17 @@ class MoEModel:
         """What one sequence's cache and a prompt's compute take (models/memory.py's ModelMemory)."""
         raise NotImplementedError
 
+    def before_layers(self, step: Step) -> None:
+        """What may start once a step's tokens are known, before any layer runs (hash-routed experts' reads)."""
+
+    def residual_in(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream from the embeddings [N, hidden] (hyper-connections widen it)."""
+        return x
+
+    def residual_out(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """The residual stream back to [N, hidden] for the final norm."""
+        return x
+
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> Any:
         return self.kv_cache(ctx, dtype or (torch.float32 if self.exact else torch.float16))
 
@@ -124,20 +135,22 @@ class MoEModel:
         if all_logits and B != 1:
             raise ValueError("all_logits is for a step of one sequence")
         eps, spans = self.cfg.rms_eps, spans_of(lengths)
-        step = Step(spans, kvs, positions, self.rope, experts, route_hook)
+        tokens = [t for block in blocks for t in block]
+        step = Step(spans, kvs, positions, self.rope, experts, route_hook, tokens)
         for kv, p, n in zip(kvs, positions, lengths, strict=True):
             kv.begin_step(p, n)
-        x = self.embed([t for block in blocks for t in block])
+        self.before_layers(step)
+        x = self.residual_in(self.embed(tokens))
         try:
             for i, layer in enumerate(self.layers):
-                x = x + layer.mix(x, i, step, eps)
-                x = x + layer.ffn(norm_blocks(x, spans, layer.ffn_norm, eps), step)
+                x = layer(x, i, step, eps)
         except BaseException:
             for kv, p in zip(kvs, positions, strict=True):
                 kv.abort_step(p)
             raise
         for kv, p, n in zip(kvs, positions, lengths, strict=True):
             kv.end_step(p, n)
+        x = self.residual_out(x, spans)
         with wide_torch():
             if all_logits:
                 return self.output(rms_norm(x, self.norm, eps))

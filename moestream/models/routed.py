@@ -101,7 +101,7 @@ def _local_experts(
     if not ids:
         return
     for group in experts.fetch_groups(layer, ids):
-        if all(w.lane for _, w in group):
+        if all(w.lane for _, w in group) and lane_takes(ffn):
             lane_swiglu(
                 [w for _, w in group], [xc] * len(group), [outs[order[e] : order[e] + 1] for e, _ in group],
                 lane_act(ffn, [e for e, _ in group]),
@@ -110,6 +110,12 @@ def _local_experts(
         for e, expert in group:
             xe = x.to(expert.dtype)
             outs[order[e]] = ffn(e, expert, xe)[0] if ffn is not None else expert.swiglu(xe)[0].float()
+
+
+def lane_takes(ffn) -> bool:
+    """Whether the lane kernel computes this activation: the plain SwiGLU, or an ffn with a `lane` form (an
+    activation without one, DeepSeek-V4's clipped SwiGLU, runs per expert in torch)."""
+    return ffn is None or hasattr(ffn, "lane")
 
 
 def lane_act(ffn, ids: list[int]) -> ClampedAct | None:
@@ -185,7 +191,7 @@ class _RoutedStep:
                 self.run(group)
 
     def run(self, group: list) -> None:
-        lane = all(w.lane for _, w in group)
+        lane = all(w.lane for _, w in group) and lane_takes(self.ffn)
         for part in row_batches(group, self.rows_of):
             if lane:
                 self._lane(part)
