@@ -175,9 +175,10 @@ class CompressedAttentionMemory:
     def kv_nbytes(self, ctx: int, exact: bool) -> int:
         return CompressedKVCache.bytes_for(self.ratios, self.head_dim, self.window, self.index_dim, ctx, exact)
 
-    def span_nbytes(self, tokens: int, ctx: int) -> int:
+    def span_nbytes(self, tokens: int, ctx: int, chunk: int | None = None) -> int:
         """The keys a chunk of queries reads in float32 (window, chunk and every compressed entry), the scores
-        over them for every head, and the indexer's scores."""
+        over them for every head, and the indexer's scores (V4's attention runs QUERY_CHUNK queries at a time
+        whatever the caller's chunk)."""
         rows = min(tokens, QUERY_CHUNK)
         keys = self.window + rows + ctx // CSA_RATE
         return FLOAT * (2 * keys * self.head_dim + 2 * self.heads * rows * keys)
