@@ -102,6 +102,7 @@ def test_touched_tail_finds_the_keys_used_since() -> None:
     assert touched_tail({}, list("ab")) == ["a", "b"]
 
 
+@pytest.mark.slow  # starts a server: over 10 s
 def test_engine_events(server: str) -> None:
     import threading
 
@@ -125,6 +126,7 @@ def test_engine_events(server: str) -> None:
     assert timings["predicted_n"] == answer["usage"]["completion_tokens"] and timings["predicted_ms"] > 0
 
 
+@pytest.mark.slow  # starts a server: over 10 s
 def test_page_and_host_check(server: str) -> None:
     status, ctype, body = _get(server, "/")
     assert status == 200 and ctype.startswith("text/html") and b"/static/app.js" in body
@@ -144,10 +146,11 @@ def test_page_and_host_check(server: str) -> None:
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with serve_process(tiny, tmp_path_factory.mktemp("keyed"), "--api-key", KEY) as url:
+    with serve_process(tiny, tmp_path_factory.mktemp("keyed"), "--api-key", KEY, "--ram-budget-mb", "600") as url:
         yield url
 
 
+@pytest.mark.slow  # starts a server: over 10 s
 def test_api_key_guards_the_events(keyed_server: str) -> None:
     status, events = _events(keyed_server, 1)
     assert status == 401 and events[0][1]["error"]["code"] == "invalid_api_key"
