@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 from gguf import GGMLQuantizationType as T
@@ -194,6 +195,19 @@ def write_deepseek2_from_hf(
     """
     cfg = model.config
     dense_t, expert_t = _types(dense_type, expert_type)
+    specs = deepseek2_specs(model, dense_t, expert_t, kv_b_split)
+    md = deepseek2_metadata(cfg, file_type=_FILE_TYPE.get(expert_t, LlamaFileType.ALL_F32), mla=kv_b_split)
+    _write(path, "deepseek2", md, specs, cfg.vocab_size, tokenizer_md)
+
+
+LayerExtra = Callable[[dict, str, str, T], list]  # (state dict, HF layer prefix, GGUF prefix, dense type) -> specs
+
+
+def deepseek2_specs(model: Any, dense_t: T, expert_t: T, kv_b_split: bool = True,
+                    extra: LayerExtra | None = None) -> list:  # fmt: skip
+    """The tensors of a deepseek2-shaped file (see write_deepseek2_from_hf); `extra` adds a block's own after
+    its attention's (the sparse attention's indexer)."""
+    cfg = model.config
     sd = dict(model.state_dict())
     weight, f32 = _weight, _f32_spec
     nh, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
@@ -218,6 +232,8 @@ def write_deepseek2_from_hf(
         else:
             specs.append(weight(p + "attn_kv_b.weight", kv_b, dense_t))
         specs.append(weight(p + "attn_output.weight", sd[at + "o_proj.weight"], dense_t))
+        if extra is not None:
+            specs += extra(sd, hf, p, dense_t)
         specs.append(f32(p + "ffn_norm.weight", sd[hf + "post_attention_layernorm.weight"]))
         if i < cfg.first_k_dense_replace:
             for w in ("gate", "up", "down"):
@@ -234,8 +250,7 @@ def write_deepseek2_from_hf(
     specs.append(f32("output_norm.weight", sd["model.norm.weight"]))
     if not cfg.tie_word_embeddings:
         specs.append(weight("output.weight", sd["lm_head.weight"], dense_t))
-    md = deepseek2_metadata(cfg, file_type=_FILE_TYPE.get(expert_t, LlamaFileType.ALL_F32), mla=kv_b_split)
-    _write(path, "deepseek2", md, specs, cfg.vocab_size, tokenizer_md)
+    return specs
 
 
 def _expected_deepseek2(c: Any) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.errors import ModelFileError
+from moestream.models.attention import causal_mask
 from moestream.models.deepseek2 import DeepSeek2, DeepSeek2Config
 from moestream.models.routing import Routing, route_general
 from tests.hf_gguf import one_torch_thread, random_tokens, rel_error, rewrite_gguf
@@ -50,10 +51,11 @@ def test_absorbed_attention_equals_the_naive_form(v3):
         q_pe = torch.randn(T, cfg.n_heads, cfg.qk_rope, generator=g)
         lat = torch.randn(S, cfg.kv_lora_rank, generator=g)
         kpe = torch.randn(S, cfg.qk_rope, generator=g)
-        naive = attn.naive(q_nope, q_pe, lat, kpe, pos)
-        absorbed = attn.absorbed(q_nope, q_pe, lat, kpe, pos)
+        mask = causal_mask(T, S, pos)
+        naive = attn.naive(q_nope, q_pe, lat, kpe, mask)
+        absorbed = attn.absorbed(q_nope, q_pe, lat, kpe, mask)
         assert rel_error(absorbed, naive) < 1e-5
-        one = attn.absorbed(q_nope[-1:], q_pe[-1:], lat, kpe, S - 1)  # the decode step's own path
+        one = attn.absorbed(q_nope[-1:], q_pe[-1:], lat, kpe, None)  # the decode step's own path
         assert rel_error(one, naive[-1:]) < 1e-5
     finally:
         eng.close()
@@ -74,7 +76,7 @@ def test_native_decode_step_reads_bf16_weights_and_16_bit_caches(v3, cache):
         lat = torch.randn(S, cfg.kv_lora_rank, generator=g).to(cache)
         kpe = torch.randn(S, cfg.qk_rope, generator=g).to(cache)
         attn.k_b, attn.v_b = attn.k_b.bfloat16(), attn.v_b.bfloat16()
-        got = attn.absorbed(q_nope, q_pe, lat, kpe, S - 1)
+        got = attn.absorbed(q_nope, q_pe, lat, kpe, None)
         k_b, v_b, lf, kf = attn.k_b.float(), attn.v_b.float(), lat.float(), kpe.float()
         q_lat = torch.einsum("hn,hln->hl", q_nope[0], k_b)
         p = torch.softmax((q_lat @ lf.T + q_pe[0] @ kf.T) * cfg.kq_scale, dim=-1)

@@ -37,6 +37,7 @@ from tests.hf_gguf import (
 from tests.hf_gguf_deepseek import DEEPSEEK_V2, DEEPSEEK_V2_LITE, DEEPSEEK_V3
 from tests.hf_gguf_deepseek4 import DEEPSEEK_V4
 from tests.hf_gguf_dense import DENSE_CASES
+from tests.hf_gguf_dsa import DEEPSEEK_V32, GLM_DSA
 from tests.hf_gguf_glm import GLM4MOE, GLM45_AIR
 from tests.hf_gguf_gpt_oss import GPT_OSS
 from tests.hf_gguf_gqa import MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE
@@ -45,13 +46,14 @@ from tests.hf_gguf_minimax import MINIMAX_M2
 transformers = pytest.importorskip("transformers")
 
 ARCH_CASES = [QWEN3MOE, QWEN35MOE, DEEPSEEK_V2_LITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM4MOE, GLM45_AIR]
+ARCH_CASES += [GLM_DSA, DEEPSEEK_V32]
 ARCH_CASES += [MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE, GPT_OSS, DEEPSEEK_V4, MINIMAX_M2, *DENSE_CASES]
 MOE_CASES = [a for a in ARCH_CASES if not a.dense]  # what streams and routes
 # The default run takes the cases whose mixers and FFNs differ most (qwen3moe, qwen35moe, deepseek-v3, mixtral,
 # gpt-oss, llama-dense); `-m ""` (.ci/run) takes every case. The others differ from those by config fields or a
 # tensor layout, and their own test files (test_glm4moe.py, test_deepseek2.py, ...) cover what is theirs alone.
 SLOW_CASES = {"deepseek-v2-lite", "deepseek-v2", "glm-4.5", "glm-4.5-air", "mixtral-per-expert", "olmoe", "qwen2moe",
-              "qwen2", "qwen3", "minimax-m2"}  # fmt: skip
+              "qwen2", "qwen3", "minimax-m2", "deepseek-v3.2"}  # fmt: skip
 
 SLOW = pytest.mark.slow  # in .ci/run's full run only (see SLOW_CASES)
 
@@ -350,7 +352,8 @@ def _kind(name: str, ndim: int) -> str:
         return "f32"
     if is_routed_expert_tensor(name):
         return "expert"
-    if ndim == 1 or "norm" in name or "ffn_gate_inp" in name or name.endswith(("ssm_conv1d.weight", "ssm_a")):
+    f32_names = ("ssm_conv1d.weight", "ssm_a", "indexer.proj.weight")  # indexer.proj: the DSA indexer's weights
+    if ndim == 1 or "norm" in name or "ffn_gate_inp" in name or name.endswith(f32_names):
         return "f32"
     return "dense"
 

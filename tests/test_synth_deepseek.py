@@ -43,6 +43,11 @@ def _deepseek_table(s: DeepSeekShape, vocab: int) -> dict[str, tuple[int, ...]]:
                     p + "attn_q_b.weight": (nh * (nope + R), s.q_lora)}  # fmt: skip
         else:
             out[p + "attn_q.weight"] = (nh * (nope + R), H)
+        if s.indexed(i):  # glm-dsa / deepseek32: the indexer (llama.cpp's INDEXER_* tensors)
+            D, nx = s.index_dim, s.index_heads
+            x = p + "indexer."
+            out |= {x + "k_norm.weight": (D,), x + "k_norm.bias": (D,), x + "proj.weight": (nx, H),
+                    x + "attn_k.weight": (D, H), x + "attn_q_b.weight": (nx * D, s.q_lora)}  # fmt: skip
         if i < s.n_dense:
             out |= {p + "ffn_gate.weight": (s.dense_ffn, H), p + "ffn_up.weight": (s.dense_ffn, H),
                     p + "ffn_down.weight": (H, s.dense_ffn)}  # fmt: skip
@@ -101,7 +106,7 @@ def test_tensor_table_is_llama_cpps(name):
     assert len({t.name for t in specs}) == len(specs)
     assert {t.name: t.shape for t in specs} == _table(s, VOCAB)
     for t in specs:
-        small = len(t.shape) == 1 or "ffn_gate_inp" in t.name
+        small = len(t.shape) == 1 or "ffn_gate_inp" in t.name or "indexer.proj" in t.name
         assert t.ggml_type == (T.F32 if small else T.Q4_0), t.name
 
 
@@ -341,14 +346,14 @@ def test_llama_cpp_loads_the_glm_file(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", [n for n in NEW_SHAPES if isinstance(SHAPES[n], DeepSeekShape)])
 def test_full_size_headers_load_in_the_deepseek2_config(name):
     """The real shapes' headers and tensor tables (not written) are accepted as they are, with the latent
-    cache at 576 values a token a block for every full-size one."""
-    from moestream.models.deepseek2 import DeepSeek2, DeepSeek2Config
-
+    cache at 576 values a token a block for every full-size one (and the indexer's keys beside it)."""
     s = SHAPES[name]
+    model = ARCHITECTURES[s.arch]
     shapes = {t.name: t.shape for t in s.tensors(T.Q4_K, T.Q4_K, VOCAB, 0, k_m=True)}
-    cfg = DeepSeek2Config.from_metadata(s.metadata("x", 15, VOCAB), shapes)
+    cfg = model.Config.from_metadata(s.metadata("x", 15, VOCAB), shapes)
     assert (cfg.n_blocks, cfg.first_moe_block, cfg.n_layers) == (s.n_layers, s.n_dense, s.n_layers - s.n_dense)
     assert (cfg.n_experts, cfg.top_k, cfg.shared_ffn) == (s.n_experts, s.top_k, s.n_shared * s.expert_ffn)
     assert cfg.routing.n_group == s.n_group and cfg.routing.gating == ("sigmoid" if s.gating == 2 else "softmax")
     if not name.startswith("tiny"):
-        assert DeepSeek2.memory(cfg).kv_nbytes(1, exact=False) == s.n_layers * 576 * 2
+        index_keys = s.index_dim * sum(s.indexed(i) for i in range(s.n_layers))
+        assert model.memory(cfg).kv_nbytes(1, exact=False) == (s.n_layers * 576 + index_keys) * 2

@@ -60,7 +60,7 @@ def open_model(path: str, exact: bool | None = None, *, check_types: bool = True
         cfg = config_from_gguf(arch, f)
         if check_types:
             for line in getattr(arch, "load_notes", lambda _cfg, _exact: [])(cfg, exact):
-                print(line, file=sys.stderr)  # what the architecture says of this file (DeepSeek-V4's schedule)
+                print(f"note: {line}", file=sys.stderr)  # what the architecture says of this file
         # cfg.n_layers counts the layers with routed experts; an architecture with leading dense blocks
         # says where they start
         store = ExpertStore(f, cfg.n_layers, cfg.n_experts, exact, getattr(cfg, "first_moe_block", 0))

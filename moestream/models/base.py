@@ -17,6 +17,16 @@ from moestream.models.rope import RoPE
 from moestream.models.rows import linear_rows, norm_rows, spans_of
 
 
+class PlainResidual:
+    """One residual stream [N, hidden] from the embeddings to the final norm (hyper-connections widen it)."""
+
+    def widen(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def narrow(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        return x
+
+
 class MoEModel:
     """The resident part of a model plus its forward step; routed experts come from the provider a step is
     given.
@@ -30,6 +40,7 @@ class MoEModel:
     arch: str
     Config: Any  # the architecture's config dataclass, with from_metadata(md, shapes, source)
     ffn_norm = "ffn_norm"  # the tensor of each block's FFN input norm ("post_attention_norm" in some files)
+    residual: Any = PlainResidual()  # how the embeddings become the residual stream and back (DeepSeek-V4 widens it)
 
     def __init__(self, cfg: Any, w: Weights):
         self.cfg = cfg
@@ -80,13 +91,10 @@ class MoEModel:
     def before_layers(self, step: Step) -> None:
         """What may start once a step's tokens are known, before any layer runs (hash-routed experts' reads)."""
 
-    def residual_in(self, x: torch.Tensor) -> torch.Tensor:
-        """The residual stream from the embeddings [N, hidden] (hyper-connections widen it)."""
-        return x
-
-    def residual_out(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-        """The residual stream back to [N, hidden] for the final norm."""
-        return x
+    @staticmethod
+    def load_notes(cfg: Any, exact: bool = False) -> list[str]:
+        """What the file holds that this model does not run (said when the engine opens it)."""
+        return []
 
     def new_kv(self, ctx: int, dtype: torch.dtype | None = None) -> Any:
         return self.kv_cache(ctx, dtype or (torch.float32 if self.exact else torch.float16))
@@ -140,7 +148,7 @@ class MoEModel:
         for kv, p, n in zip(kvs, positions, lengths, strict=True):
             kv.begin_step(p, n)
         self.before_layers(step)
-        x = self.residual_in(self.embed(tokens))
+        x = self.residual.widen(self.embed(tokens))
         try:
             for i, layer in enumerate(self.layers):
                 x = layer(x, i, step, eps)
@@ -150,7 +158,7 @@ class MoEModel:
             raise
         for kv, p, n in zip(kvs, positions, lengths, strict=True):
             kv.end_step(p, n)
-        x = self.residual_out(x, spans)
+        x = self.residual.narrow(x, spans)
         with wide_torch():
             if all_logits:
                 return self.output(rms_norm(x, self.norm, eps))

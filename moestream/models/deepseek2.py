@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -65,11 +65,19 @@ class DeepSeek2Config:
     kq_scale: float = 0.0
     rms_eps: float = 1e-6
 
+    ARCH: ClassVar[str] = ARCH  # the metadata's key prefix (the files of DeepSeek's descendants use their own)
+    GATING_DEFAULT: ClassVar[int] = 1  # expert_gating_func where a file has none
+
     @classmethod
     def from_metadata(
         cls, md: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str = "model file"
     ) -> DeepSeek2Config:
-        m = ArchMetadata(md, ARCH, shapes, source)
+        return cls(**cls.fields(ArchMetadata(md, cls.ARCH, shapes, source)))
+
+    @classmethod
+    def fields(cls, m: ArchMetadata) -> dict[str, Any]:
+        """The config's fields from a file's metadata (m: its keys under the architecture's prefix)."""
+        md, shapes = m.md, m.shapes
         blocks = m.int("block_count")
         nextn = m.int("nextn_predict_layers", 0, low=0)
         n_blocks = blocks - nextn
@@ -79,7 +87,7 @@ class DeepSeek2Config:
         hidden, n_heads = m.int("embedding_length"), m.int("attention.head_count", per_layer=True)
         kv_lora, rope_dim = m.int("attention.kv_lora_rank"), m.int("rope.dimension_count")
         m.require(rope_dim % 2 == 0, "rope.dimension_count", f"is {rope_dim}; rotary embedding needs it even")
-        if f"{ARCH}.attention.key_length_mla" in md:  # the converter's MLA form: keys are [latent | rope]
+        if f"{m.arch}.attention.key_length_mla" in md:  # the converter's MLA form: keys are [latent | rope]
             qk, v = m.int("attention.key_length_mla"), m.int("attention.value_length_mla")
             key = m.int("attention.key_length", kv_lora + rope_dim)
             m.require(key == kv_lora + rope_dim, "attention.key_length",
@@ -93,7 +101,7 @@ class DeepSeek2Config:
         n_shared = m.int("expert_shared_count", 0, low=0)
         shared_ffn = m.tensor_shape(shexp)[0] if shexp in shapes else n_shared * expert_ffn
         dense_ffn = m.tensor_shape("blk.0.ffn_gate.weight")[0] if n_dense else 0
-        return cls(
+        return dict(
             n_layers=n_blocks - n_dense,
             n_blocks=n_blocks,
             first_moe_block=n_dense,
@@ -111,15 +119,15 @@ class DeepSeek2Config:
             dense_ffn=dense_ffn,
             vocab_size=m.tensor_shape("token_embd.weight")[0],
             context_length=m.int("context_length", 4096),
-            routing=_routing(m, n_experts, top_k),
+            routing=_routing(m, n_experts, top_k, cls.GATING_DEFAULT),
             rope_theta=m.float("rope.freq_base", 10_000.0),
             rms_eps=m.float("attention.layer_norm_rms_epsilon", 1e-6),
             **_rope_scaling(m, md, rope_dim, qk),
         )
 
 
-def _routing(m: ArchMetadata, n_experts: int, top_k: int) -> Routing:
-    func = m.int("expert_gating_func", 1)
+def _routing(m: ArchMetadata, n_experts: int, top_k: int, default: int = 1) -> Routing:
+    func = m.int("expert_gating_func", default)
     m.require(func in GATING, "expert_gating_func", f"is {func}; moestream runs 1 (softmax) and 2 (sigmoid)")
     n_group = m.int("expert_group_count", 1)
     topk_group = m.int("expert_group_used_count", n_group)
@@ -143,7 +151,7 @@ def _routing(m: ArchMetadata, n_experts: int, top_k: int) -> Routing:
 
 
 def _rope_scaling(m: ArchMetadata, md: Mapping[str, Any], rope_dim: int, qk: int) -> dict[str, Any]:
-    kind = md.get(f"{ARCH}.rope.scaling.type", "none")
+    kind = md.get(f"{m.arch}.rope.scaling.type", "none")
     factor = m.float("rope.scaling.factor", 1.0) if kind in ("yarn", "linear") else 1.0
     theta = m.float("rope.freq_base", 10_000.0)
     out: dict[str, Any] = {"kq_scale": 1.0 / math.sqrt(qk)}
@@ -155,7 +163,7 @@ def _rope_scaling(m: ArchMetadata, md: Mapping[str, Any], rope_dim: int, qk: int
     orig = m.int("rope.scaling.original_context_length", m.int("context_length", 4096))
     inv = yarn_inv_freq(rope_dim, theta, factor, orig, m.float("rope.scaling.yarn_beta_fast", 32.0),
                         m.float("rope.scaling.yarn_beta_slow", 1.0))  # fmt: skip
-    log_mul = md.get(f"{ARCH}.rope.scaling.yarn_log_multiplier", 0.0)
+    log_mul = md.get(f"{m.arch}.rope.scaling.yarn_log_multiplier", 0.0)
     if isinstance(log_mul, bool) or not isinstance(log_mul, (int, float)) or not math.isfinite(log_mul):
         raise m.error("rope.scaling.yarn_log_multiplier", f"is {log_mul!r}, not a finite number; the file is damaged")
     mscale_all_dim = log_mul / 0.1  # the converter stores 0.1 x mscale_all_dim

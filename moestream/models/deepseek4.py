@@ -239,6 +239,19 @@ def w_error(i: int, n_experts: int):
     return ModelFileError(f"blk.{i}.ffn_gate_tid2eid names an expert outside 0..{n_experts - 1}; the file is damaged")
 
 
+class HyperResidual:
+    """hc_mult copies of the embeddings in, the head's mix of the streams out."""
+
+    def __init__(self, hc_mult: int, head: HyperHead):
+        self.hc_mult, self.head = hc_mult, head
+
+    def widen(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+
+    def narrow(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        return blockwise(x, spans, lambda _bs, xr: per_row(self.head, xr), lambda _b, xb: self.head(xb))
+
+
 class DeepSeek4(MoEModel):
     arch = ARCH
     Config = DeepSeek4Config
@@ -247,6 +260,7 @@ class DeepSeek4(MoEModel):
         self.hc_spec = HyperSpec(cfg.hc_mult, cfg.hc_iters, cfg.hc_eps, cfg.rms_eps)
         super().__init__(cfg, w)
         self.hc_head = HyperHead(w, "output_hc", cfg.hidden, self.hc_spec)
+        self.residual = HyperResidual(cfg.hc_mult, self.hc_head)
 
     def _block(self, w: Weights, i: int) -> HyperDecoderLayer:
         H = self.cfg.hidden
@@ -285,12 +299,6 @@ class DeepSeek4(MoEModel):
             if isinstance(moe, V4MoE) and moe.tid2eid is not None:
                 prefetch(moe.expert_layer, moe.hash_ids(step.tokens))
 
-    def residual_in(self, x: torch.Tensor) -> torch.Tensor:
-        return x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-
-    def residual_out(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-        return blockwise(x, spans, lambda _bs, xr: per_row(self.hc_head, xr), lambda _b, xb: self.hc_head(xb))
-
     @staticmethod
     def memory(cfg: DeepSeek4Config) -> ModelMemory:
         """What one sequence's compressed cache and a prompt's compute hold (models/memory.py)."""
@@ -305,7 +313,7 @@ class DeepSeek4(MoEModel):
                                  [cfg.attention(i).specs() for i in range(cfg.n_layers)])  # fmt: skip
 
     @staticmethod
-    def load_notes(cfg: DeepSeek4Config, exact: bool) -> list[str]:
+    def load_notes(cfg: DeepSeek4Config, exact: bool = False) -> list[str]:
         """What the load summary says of a V4 file: the attention schedule, the KV bytes a token takes, the
         hash layers, and the MTP block left out."""
         per_token = DeepSeek4.memory(cfg).kv_nbytes(1 << 20, exact) / (1 << 20)

@@ -24,8 +24,8 @@ from moestream.models.attention import SINK_SCORES_BYTES
 from moestream.models.compressed_attention import CSA_RATE, CompressedKVCache
 from moestream.models.deltanet import CHUNK, N_CHECKPOINTS
 from moestream.models.kv_cache import QUERY_CHUNK
-from moestream.models.mla import MLACache
 from moestream.models.routed import summed_as_they_come
+from moestream.models.sparse_attention import INDEX_SCORES_BYTES, DSACache
 
 FLOAT = 4  # bytes of a float32 value
 RESIDUAL_VALUES = 6  # float32 values a token holds per hidden unit: the residual stream and its norm temporaries
@@ -57,7 +57,7 @@ class AttentionMemory:
     def kv_nbytes(self, ctx: int, exact: bool) -> int:
         return 2 * self.layers * ctx * self.kv_heads * self.head_dim * (4 if exact else 2)
 
-    def span_nbytes(self, tokens: int, ctx: int) -> int:
+    def span_nbytes(self, tokens: int, ctx: int, chunk: int | None = None) -> int:
         keys = 2 * ctx * self.kv_heads * self.head_dim * FLOAT
         if not self.sinks:
             return keys
@@ -78,7 +78,9 @@ class AttentionMemory:
 @dataclass(frozen=True)
 class LatentAttentionMemory:
     """Multi-head latent attention (DeepSeek): a cache of kv_lora_rank latents and qk_rope rotary keys a token
-    and layer; `q_lora_rank` 0 where the query is one projection."""
+    and layer; `q_lora_rank` 0 where the query is one projection. With a sparse attention's indexer
+    (sparse_attention.py): `index_layers` blocks that cache an indexer key of `index_dim` values a token, its
+    `index_heads` queries scored against every key, the `index_top_k` positions chosen for each query."""
 
     layers: int
     heads: int
@@ -87,20 +89,38 @@ class LatentAttentionMemory:
     qk_nope: int
     qk_rope: int
     v_head_dim: int
+    index_layers: int = 0
+    index_heads: int = 0
+    index_dim: int = 0
+    index_top_k: int = 0
 
     def kv_nbytes(self, ctx: int, exact: bool) -> int:
-        return MLACache.bytes_for(self.layers, self.kv_lora_rank, self.qk_rope, ctx, exact)
+        index_keys = self.index_layers * self.index_dim
+        return DSACache.bytes_for(self.layers, self.kv_lora_rank, self.qk_rope, ctx, exact, index_keys)
 
-    def span_nbytes(self, tokens: int, ctx: int) -> int:
-        return 2 * ctx * (self.kv_lora_rank + self.qk_rope) * FLOAT
+    def span_nbytes(self, tokens: int, ctx: int, chunk: int | None = None) -> int:
+        latents = 2 * ctx * (self.kv_lora_rank + self.qk_rope) * FLOAT
+        if not self.index_layers:
+            return latents
+        # the indexer keys in float, a piece of the scores' products, a query chunk's scores (float32) and its
+        # masks (bool), and the step's choices (int64) which the blocks pass on to the shared ones
+        products = min(INDEX_SCORES_BYTES + FLOAT * self.index_heads * ctx, FLOAT * tokens * self.index_heads * ctx)
+        scores = _rows(tokens, chunk) * ctx * (FLOAT + 3)
+        return latents + FLOAT * ctx * self.index_dim + products + scores + 8 * tokens * min(ctx, self.index_top_k)
 
     def peak_values(self, tokens: int, chunk: int | None, hidden: int) -> int:
         """Per query and head either the absorbed query, its [latent | rope] key-sized copy and the latent-sized
         output, or (the naive form, chosen only while it is no larger) the decompressed keys and values; the
-        query's LoRA, the latent and the rotary key besides."""
+        query's LoRA, the latent and the rotary key besides. An indexer adds its projections, each query's
+        choice."""
         L, R, nh = self.kv_lora_rank, self.qk_rope, self.heads
         per_query = 2 * nh * (self.qk_nope + R) + 2 * nh * (2 * L + R) + nh * self.v_head_dim
-        return _rows(tokens, chunk) * (per_query + self.q_lora_rank + L + R)
+        rows = _rows(tokens, chunk)
+        values = rows * (per_query + self.q_lora_rank + L + R)
+        if self.index_layers:  # the indexer's projections and rotated copies, a chunk's top_k (int64)
+            values += rows * (2 * self.index_heads * self.index_dim + 2 * self.index_dim + self.index_heads)
+            values += rows * 4 * self.index_top_k
+        return values
 
     @property
     def input_width(self) -> int:
@@ -122,7 +142,7 @@ class DeltaNetMemory:
     def kv_nbytes(self, ctx: int, exact: bool) -> int:
         return (1 + N_CHECKPOINTS) * self.state_nbytes
 
-    def span_nbytes(self, tokens: int, ctx: int) -> int:
+    def span_nbytes(self, tokens: int, ctx: int, chunk: int | None = None) -> int:
         return 0
 
     def peak_values(self, tokens: int, chunk: int | None, hidden: int) -> int:
@@ -155,9 +175,10 @@ class CompressedAttentionMemory:
     def kv_nbytes(self, ctx: int, exact: bool) -> int:
         return CompressedKVCache.bytes_for(self.ratios, self.head_dim, self.window, self.index_dim, ctx, exact)
 
-    def span_nbytes(self, tokens: int, ctx: int) -> int:
+    def span_nbytes(self, tokens: int, ctx: int, chunk: int | None = None) -> int:
         """The keys a chunk of queries reads in float32 (window, chunk and every compressed entry), the scores
-        over them for every head, and the indexer's scores."""
+        over them for every head, and the indexer's scores (V4's attention runs QUERY_CHUNK queries at a time
+        whatever the caller's chunk)."""
         rows = min(tokens, QUERY_CHUNK)
         keys = self.window + rows + ctx // CSA_RATE
         return FLOAT * (2 * keys * self.head_dim + 2 * self.heads * rows * keys)
@@ -228,7 +249,7 @@ class ModelMemory:
         """Peak transient memory of one forward call over `tokens` prompt tokens at up to `ctx` positions, its
         attention run `chunk` queries at a time and, `ordered`, its experts summed as they come."""
         H, ffn = self.hidden, self.ffn
-        span = max(m.span_nbytes(tokens, ctx) for m in self.mixers)
+        span = max(m.span_nbytes(tokens, ctx, chunk) for m in self.mixers)
         max_in = max(H, ffn.input_width, *(m.input_width for m in self.mixers))
         scratch = linear.kernel_scratch_bytes(tokens, ffn.top_k, H, ffn.expert_ffn, max_in)
         widest = max(ffn.peak_values(tokens, H, ordered), *(m.peak_values(tokens, chunk, H) for m in self.mixers))

@@ -15,6 +15,7 @@ halves before the NeoX-style rotation, in queries and keys alike, which leaves e
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from moestream.models.ops import wide_torch
 from moestream.models.rope import RoPE
 from moestream.models.rows import Ops
 
+MaskOf = Callable[[int, int, int], "torch.Tensor | None"]  # (first query, last + 1, keys) -> [queries, keys]
 NATIVE_DTYPES = tuple(kernels.KV_TYPES)  # cache dtypes the native decode step reads
 # the per-head up-projections, held as dense arrays: bf16 unless exact (float32)
 UP_PROJECTIONS = ("attn_k_b.weight", "attn_v_b.weight", "attn_kv_b.weight")
@@ -85,18 +87,21 @@ class MLAttention(SplitMixer):
     """One layer's attention. cfg: n_heads, q_lora_rank (0: one plain attn_q), kv_lora_rank, qk_nope, qk_rope,
     v_head_dim, hidden, rms_eps, kq_scale."""
 
-    def __init__(self, w: Weights, i: int, cfg: Any):
+    def __init__(self, w: Weights, i: int, cfg: Any, extra: Sequence[tuple[str, int, int]] = ()):
+        """extra: more projections of the block's input (name, rows, cols), fused into the first matmul and
+        returned after the compression by `self.a` (the sparse attention's indexer)."""
         p = f"blk.{i}."
         H, nh, L, R = cfg.hidden, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope
         nope, v, qk = cfg.qk_nope, cfg.v_head_dim, cfg.qk_nope + cfg.qk_rope
         self.cfg = cfg
         # the query's first projection and the kv compression read the same input: one matmul
         if cfg.q_lora_rank:
-            self.a = w.fused([(p + "attn_q_a.weight", cfg.q_lora_rank, H), (p + "attn_kv_a_mqa.weight", L + R, H)])
+            self.a = w.fused([(p + "attn_q_a.weight", cfg.q_lora_rank, H), (p + "attn_kv_a_mqa.weight", L + R, H),
+                              *extra])  # fmt: skip
             self.q_a_norm = w.vector(p + "attn_q_a_norm.weight", cfg.q_lora_rank)
             self.q_b = w.linear(p + "attn_q_b.weight", nh * qk, cfg.q_lora_rank)
         else:
-            self.a = w.fused([(p + "attn_q.weight", nh * qk, H), (p + "attn_kv_a_mqa.weight", L + R, H)])
+            self.a = w.fused([(p + "attn_q.weight", nh * qk, H), (p + "attn_kv_a_mqa.weight", L + R, H), *extra])
         self.kv_a_norm = w.vector(p + "attn_kv_a_norm.weight", L)
         # k_b [H, L, nope] (W_UK_h transposed) and v_b [H, v, L] (W_UV_h): newer converters store them split,
         # older ones as one attn_kv_b [H * (nope + v), L]. Held in bf16 unless exact: a decode step reads all
@@ -127,31 +132,47 @@ class MLAttention(SplitMixer):
 
     def core(self, parts: tuple[torch.Tensor, ...], layer: int, cache: MLACache, pos: int, rope: RoPE) -> torch.Tensor:
         """RoPE at pos.., the cache update and attention: [T, H * v_head_dim]."""
+        q_nope, q_pe, latents, keys = self.rotate_and_store(parts, layer, cache, pos, rope)
+        return self.attend(q_nope, q_pe, latents, keys, pos, cache.query_chunk)
+
+    def rotate_and_store(
+        self, parts: tuple[torch.Tensor, ...], layer: int, cache: MLACache, pos: int, rope: RoPE
+    ) -> tuple[torch.Tensor, ...]:
+        """(q_nope [T, H, nope], q_pe [T, H, rope] rotated, every position's latents and rotary keys) with
+        this span's stored."""
         cfg = self.cfg
-        q, kv, c = parts
+        q, kv, c = parts[:3]
         T, L = q.shape[0], cfg.kv_lora_rank
         q = q.reshape(T, cfg.n_heads, cfg.qk_nope + cfg.qk_rope)
         q_pe = rope(q[..., cfg.qk_nope :][..., self.perm], pos)
         k_pe = rope(kv[:, None, L:][..., self.perm], pos)[:, 0]
-        q_nope = q[..., : cfg.qk_nope]
         latents, keys = cache.update(layer, pos, c, k_pe)
-        S, L = latents.shape[0], cfg.kv_lora_rank
+        return q[..., : cfg.qk_nope], q_pe, latents, keys
+
+    def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor, pos: int,
+               query_chunk: int, mask_of: MaskOf | None = None) -> torch.Tensor:  # fmt: skip
+        """Attention of T queries at pos.. over the positions' latents and rotary keys: [T, H * v_head_dim].
+        mask_of(a, b, end): the [b - a, end] keys queries a..b-1 may see (None: the causal mask)."""
+        cfg = self.cfg
+        T, S, L = q_nope.shape[0], latents.shape[0], cfg.kv_lora_rank
         # a long span attends `query_chunk` queries at a time, each chunk over the positions up to its own
         # last one and in the form its micro-batch would take: buffers stay chunk-sized
         out = torch.empty(T, cfg.n_heads, cfg.v_head_dim)
-        if T > cache.query_chunk:  # in float once for every chunk (each form's .float() is then a no-op)
+        if T > query_chunk:  # in float once for every chunk (each form's .float() is then a no-op)
             latents, keys = latents.float(), keys.float()
-        for a, b in query_chunks(T, cache.query_chunk):
+        for a, b in query_chunks(T, query_chunk):
             n, end = b - a, S - T + b
+            mask = mask_of(a, b, end) if mask_of is not None else causal_mask(n, end, pos + a)
             if n > 1 and end * (cfg.qk_nope + cfg.qk_rope + cfg.v_head_dim) <= n * (2 * L + cfg.qk_rope):
-                out[a:b] = self.naive(q_nope[a:b], q_pe[a:b], latents[:end], keys[:end], pos + a)
+                out[a:b] = self.naive(q_nope[a:b], q_pe[a:b], latents[:end], keys[:end], mask)
             else:
-                out[a:b] = self.absorbed(q_nope[a:b], q_pe[a:b], latents[:end], keys[:end], pos + a)
+                out[a:b] = self.absorbed(q_nope[a:b], q_pe[a:b], latents[:end], keys[:end], mask)
         return out.reshape(T, cfg.n_heads * cfg.v_head_dim)
 
     def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor,
-                 pos: int) -> torch.Tensor:  # fmt: skip
-        """Attention over the cached latents without decompressing them; returns [T, H, v]."""
+                 mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """Attention over the cached latents without decompressing them (one query: over every one of them;
+        mask: the [T, S] keys each query sees); returns [T, H, v]."""
         scale = self.cfg.kq_scale
         T = q_nope.shape[0]
         if T == 1 and kernels.available() and latents.dtype == keys.dtype in NATIVE_DTYPES:
@@ -170,14 +191,14 @@ class MLAttention(SplitMixer):
         k = torch.cat([lat, kpe], dim=-1)[None, None]
         with wide_torch():
             o_lat = F.scaled_dot_product_attention(
-                q, k, lat[None, None], attn_mask=causal_mask(T, lat.shape[0], pos), scale=scale, enable_gqa=True
+                q, k, lat[None, None], attn_mask=mask, scale=scale, enable_gqa=True
             )[0]  # [H, T, L]
             return torch.bmm(o_lat, v_b.transpose(1, 2)).transpose(0, 1)
 
     def naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor,
-              pos: int) -> torch.Tensor:  # fmt: skip
+              mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         """Attention with the span's keys and values decompressed from the latents; returns [T, H, v]."""
-        T, H = q_nope.shape[0], q_nope.shape[1]
+        H = q_nope.shape[1]
         lat, kpe = latents.float(), keys.float()
         S = lat.shape[0]
         with wide_torch():
@@ -185,6 +206,5 @@ class MLAttention(SplitMixer):
             v = torch.matmul(lat[None], self.v_b.float().transpose(1, 2))  # [H, S, v]
             k = torch.cat([k_nope, kpe[None].expand(H, S, -1)], dim=-1)[None]
             q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)[None]
-            mask = causal_mask(T, S, pos)
             out = F.scaled_dot_product_attention(q, k, v[None], attn_mask=mask, scale=self.cfg.kq_scale)
         return out[0].transpose(0, 1)

@@ -57,7 +57,11 @@ class DeepSeekShape:
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     mscale_all_dim: float = 0.0
-    arch: str = "deepseek2"
+    arch: str = "deepseek2"  # deepseek32 / glm-dsa: with a sparse attention's indexer (index_heads)
+    index_heads: int = 0  # 0: no indexer
+    index_dim: int = 128
+    index_topk: int = 2048
+    index_full: tuple[bool, ...] = ()  # which blocks run their indexer (glm-dsa's types); empty: every one
 
     def metadata(self, name: str, file_type: int, vocab: int) -> dict[str, Any]:
         """The general.* and deepseek2.* keys DeepseekV2Model.set_gguf_parameters (and its base) writes."""
@@ -96,6 +100,12 @@ class DeepSeekShape:
             md[a + "attention.q_lora_rank"] = self.q_lora
         if self.weights_norm:  # the converter writes the key only when the config sets it true
             md[a + "expert_weights_norm"] = True
+        if self.index_heads:
+            ix = a + "attention.indexer."
+            md |= {ix + "head_count": self.index_heads, ix + "key_length": self.index_dim}
+            md[ix + "top_k"] = self.index_topk
+            if self.arch == "glm-dsa":
+                md[a + "attention.indexer.types"] = [self.indexed(i) for i in range(self.n_layers)]
         if self.yarn_factor:
             md |= {
                 a + "rope.scaling.type": "yarn",
@@ -131,6 +141,7 @@ class DeepSeekShape:
                 q.dense(p + "attn_k_b.weight", (nh, L, self.qk_nope), 1.0 / math.sqrt(L)),
                 q.dense(p + "attn_v_b.weight", (nh, self.v_head_dim, L), 1.0 / math.sqrt(L)),
                 q.dense(p + "attn_output.weight", (H, nh * self.v_head_dim), W_OUT),
+                *self.indexer(q, p, i, seed),
                 norm_spec(p + "ffn_norm.weight", H, seed),
             ]
             if i < self.n_dense:
@@ -139,6 +150,24 @@ class DeepSeekShape:
                 specs += q.moe(p, H, self.n_experts, self.expert_ffn, self.n_shared, bias=self.gating == 2)
         specs += [norm_spec("output_norm.weight", H, seed), q.dense("output.weight", (vocab, H), 2.0 * w_in)]
         return specs
+
+
+    def indexed(self, i: int) -> bool:
+        return self.index_heads > 0 and (not self.index_full or self.index_full[i])
+
+    def indexer(self, q: _Typer, p: str, i: int, seed: int) -> list[TensorSpec]:
+        """Block i's indexer as the converter writes it (INDEXER_PROJ in F32), or none."""
+        if not self.indexed(i):
+            return []
+        H, D, nh = self.hidden, self.index_dim, self.index_heads
+        x = p + "indexer."
+        return [
+            norm_spec(x + "k_norm.weight", D, seed),
+            uniform_spec(x + "k_norm.bias", D, -0.1, 0.1, seed),
+            spec(x + "proj.weight", T.F32, (nh, H), 1.0 / math.sqrt(H), seed),
+            q.dense(x + "attn_k.weight", (D, H), 1.0 / math.sqrt(H)),
+            q.dense(x + "attn_q_b.weight", (nh * D, self.q_lora), 1.0 / math.sqrt(self.q_lora)),
+        ]
 
 
 @dataclass(frozen=True)
@@ -311,6 +340,18 @@ ARCH_SHAPES: dict[str, DeepSeekShape | GlmShape] = {
         weights_norm=True, weights_scale=2.827, context_length=262144, rope_theta=50_000.0, yarn_factor=64.0,
         yarn_beta_fast=1.0, yarn_beta_slow=1.0, mscale_all_dim=1.0,
     ),
+    # GLM-5 / 5.1 (transformers' GlmMoeDsaConfig defaults: every block's indexer full) and DeepSeek-V3.2
+    "glm-5": DeepSeekShape(
+        n_layers=78, hidden=6144, n_heads=64, q_lora=2048, kv_lora=512, qk_nope=192, qk_rope=64, v_head_dim=256,
+        n_experts=256, top_k=8, expert_ffn=2048, n_shared=1, n_dense=3, dense_ffn=12288, gating=2,
+        weights_norm=True, weights_scale=2.5, context_length=202752, rms_eps=1e-5, arch="glm-dsa", index_heads=32,
+    ),
+    "deepseek-v3.2": DeepSeekShape(
+        n_layers=61, hidden=7168, n_heads=128, q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head_dim=128,
+        n_experts=256, top_k=8, expert_ffn=2048, n_shared=1, n_dense=3, dense_ffn=18432, gating=2,
+        weights_norm=True, weights_scale=2.5, n_group=8, topk_group=4, yarn_factor=40.0, mscale_all_dim=1.0,
+        arch="deepseek32", index_heads=64,
+    ),
     "glm-4.5-air": GlmShape(
         n_layers=46, hidden=4096, n_heads=96, n_kv_heads=8, head_dim=128, n_experts=128, top_k=8,
         expert_ffn=1408, n_shared=1, n_dense=1, dense_ffn=10944, qk_norm=False, weights_scale=1.0,
@@ -335,6 +376,12 @@ ARCH_SHAPES: dict[str, DeepSeekShape | GlmShape] = {
         n_experts=16, top_k=4, expert_ffn=256, n_shared=1, n_dense=1, dense_ffn=512, gating=2,
         weights_norm=True, weights_scale=2.5, n_group=4, topk_group=2, context_length=4096, yarn_factor=4.0,
         yarn_orig_ctx=1024, mscale_all_dim=1.0,
+    ),
+    "tiny-glm-dsa": DeepSeekShape(
+        n_layers=4, hidden=256, n_heads=4, q_lora=128, kv_lora=128, qk_nope=64, qk_rope=32, v_head_dim=64,
+        n_experts=16, top_k=4, expert_ffn=256, n_shared=1, n_dense=1, dense_ffn=512, gating=2, weights_norm=True,
+        weights_scale=2.5, context_length=4096, rms_eps=1e-5, arch="glm-dsa", index_heads=8, index_dim=64,
+        index_topk=16, index_full=(True, True, False, True),
     ),
     "tiny-glm4moe": GlmShape(
         n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=16, top_k=4, expert_ffn=256,
