@@ -26,7 +26,9 @@ LOCAL_SLOTS = 12  # of the tiny model's 64 experts: the local cache streams
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("ray_experts")
-    return {q: write_synth("tiny", q, str(d / f"tiny-{q}.gguf"), progress=False) for q in ("Q4_0", "F32")}
+    out = {q: write_synth("tiny", q, str(d / f"tiny-{q}.gguf"), progress=False) for q in ("Q4_0", "F32")}
+    out["gpt-oss"] = write_synth("tiny-gpt-oss", "Q4_0", str(d / "tiny-gpt-oss.gguf"), progress=False)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +107,13 @@ def test_bad_ray_options_are_one_line(models, capsys, extra, needle):
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+
+
+def test_experts_with_their_own_activation_are_refused(models, capsys):
+    argv = ["run", "-m", models["gpt-oss"], "-p", "hi", "-n", "1", "--ray", "local", "--expert-workers", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "does not take experts with their own activation" in err and "Traceback" not in err, err
 
 
 def test_without_ray_installed_the_option_says_how_to_get_it(models, capsys, monkeypatch):
