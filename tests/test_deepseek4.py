@@ -150,6 +150,19 @@ def test_compressed_cache_is_what_the_budget_counts_and_grows_by_the_entries(tin
     assert kv.nbytes == mem.kv_nbytes(ctx, False)
 
 
+def test_the_budget_check_counts_the_hash_tables_as_indices(tiny):
+    """The resident estimate (run's budget check) takes the I32 tid2eid tables as int64 indices, not weights."""
+    from moestream.engine.model_file import dense_estimate
+    from moestream.formats.gguf_model import GGUFModel
+
+    f = GGUFModel(tiny[1])
+    try:
+        tables = [t for t in f.tensors.values() if t.ggml_type == 26]
+        assert tables and dense_estimate(f, False) > sum(t.nbytes for t in tables)
+    finally:
+        f.close()
+
+
 def _cfg(path: str):
     f = GGUFFile(path)
     try:

@@ -126,6 +126,8 @@ def dense_estimate(f: GGUFModel, exact: bool, n_blocks: int | None = None) -> in
             continue
         if t.name.endswith(UP_PROJECTIONS):
             total += _numel(t.shape) * (4 if exact else 2)
+        elif t.ggml_type in INDEX_TYPES:
+            total += _numel(t.shape) * 8  # integer tables held as int64 indices
         elif len(t.shape) != 2 or "ffn_gate_inp" in t.name:
             total += _numel(t.shape) * 4  # norms, routers: float32
         elif t.name == "token_embd.weight":
