@@ -130,7 +130,9 @@ def _perturb_dsa(model: Any) -> None:
     indexer's head weights spread and positive, so that its scores are seldom close at the top-k cut and a
     key all of whose heads ReLU drops (score exactly 0) ranks last instead of tying others mid-row."""
     for name, p in model.named_parameters():
-        if p.ndim == 1:
+        if name.endswith("indexer.k_norm.bias"):  # a large shared offset would make the heads' signs agree
+            p.uniform_(-0.2, 0.2)
+        elif p.ndim == 1:
             p.uniform_(0.5, 1.5)
         elif name.endswith("mlp.gate.weight"):
             p.normal_(0.0, 0.3)
