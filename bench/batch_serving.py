@@ -22,6 +22,10 @@ run the N values in alternating order. Conditions:
              its decoded tokens fall in topic i's part of the trace (the clients' times to first token
              are then not comparable with a lone client's)
   routes-shared  the same with every stream's part drawn from one topic: streams that share hot experts
+  real       pressure with real routes (--real-routes: imported samples, those flagged for repetition
+             skipped): serve --route-trace gives each request the next sample, so the warm-up takes the
+             first and each client its own; the union of experts per step is set against the streams'
+             demand (N x top-k a layer)
 
 Per run: each stream's time to first token and own decode rate; the aggregate rate = tokens generated from
 the moment every stream has its first token to the end of the last, over that time; from the trace, the
@@ -58,9 +62,11 @@ from serve_runs import (
 )
 from skewed_routes import draw_routes, topic_popularity, write_route_trace
 
+from moestream.analysis.route_files import RouteSet, read_routes, write_routes
 from moestream.formats.gguf_model import model_nbytes
 
-CONDITIONS = ("pagecache", "pressure", "routes", "routes-shared")
+CONDITIONS = ("pagecache", "pressure", "routes", "routes-shared", "real")
+UNDER_BALLOON = ("pressure", "real")
 LLAMA_BATCHED = os.path.join(BENCH_DIR, "llamacpp_batched.py")
 
 
@@ -89,17 +95,35 @@ def make_route_trace(args: argparse.Namespace, path: str, shared: bool) -> None:
     write_route_trace(path, parts, layers, sizes.n_experts, sizes.top_k)
 
 
+def real_route_file(args: argparse.Namespace, path: str) -> str:
+    """The first 1 + max(streams) samples of --real-routes long enough for a prompt and its tokens (those
+    flagged for repetition skipped): the warm-up request takes the first, each client the next."""
+    if not args.real_routes:
+        raise SystemExit("error: the real condition needs --real-routes FILE")
+    rs = read_routes(args.real_routes)
+    flagged: set[int] = set()
+    side = os.path.splitext(args.real_routes)[0] + ".json"
+    if args.real_routes.endswith(".npz") and os.path.exists(side):
+        with open(side, encoding="utf-8") as f:
+            flagged = {i for i, e in enumerate(json.load(f)) if e.get("has_repetition")}
+    need = args.prompt_tokens + args.tokens
+    ok = [s for i, s in enumerate(rs.samples) if i not in flagged and len(s.decode) >= need] or rs.samples
+    keep = [ok[i % len(ok)] for i in range(1 + max(args.streams))]
+    write_routes(RouteSet(keep, rs.n_layers, rs.n_experts, rs.top_k, rs.expert_bytes, rs.meta), path)
+    return path
+
+
 def server_flags(args: argparse.Namespace, condition: str, trace: str) -> list[str]:
-    budget = args.pressure_budget_mb if condition == "pressure" else args.budget_mb
+    budget = args.pressure_budget_mb if condition in UNDER_BALLOON else args.budget_mb
     flags = ["--threads", str(args.threads), "--ram-budget-mb", str(budget), "--ctx", str(args.ctx),
              "--max-batch", str(max(args.streams)), "--trace", trace, *args.serve_flags.split()]  # fmt: skip
-    if condition.startswith("routes"):
+    if condition.startswith("routes") or condition == "real":
         flags += ["--route-trace", args.route_traces[condition]]
     return flags
 
 
 def one_run(args: argparse.Namespace, condition: str, n: int, repeat: int, balloon: Any) -> dict[str, Any]:
-    setup = prepare("pressure" if condition == "pressure" else "asis", args.model, balloon)
+    setup = prepare("pressure" if condition in UNDER_BALLOON else "asis", args.model, balloon)
     fd, trace = tempfile.mkstemp(prefix="batch-trace-", suffix=".csv")
     os.close(fd)
     run: dict[str, Any] = {"condition": condition, "streams": n, "repeat": repeat, "setup": setup}
@@ -110,7 +134,7 @@ def one_run(args: argparse.Namespace, condition: str, n: int, repeat: int, ballo
         return run | {"status": "failed", "error": str(exc)}
     try:
         run["server_start_s"] = server.started_s
-        warm = args.warm_tokens if condition != "pressure" else 8
+        warm = args.warm_tokens if condition not in UNDER_BALLOON else 8
         complete(server.url, prompt_ids(args.sizes.vocab, warm, 999), 1, stream=False, timeout_s=args.timeout_s)
         before = server.metrics()
         prompts = [
@@ -135,6 +159,10 @@ def one_run(args: argparse.Namespace, condition: str, n: int, repeat: int, ballo
     try:
         run["union"] = union_stats(trace, args.sizes)
         run["bound_speedup"] = bound_speedup(n, run["union"])
+        if run["union"].get("steps"):  # each stream asks top-k distinct experts a layer
+            run["union"]["demand_per_layer"] = n * args.sizes.top_k
+            run["union"]["union_over_demand"] = run["union"]["distinct_per_layer_mean"] / (n * args.sizes.top_k)
+            run["union"]["disk_experts_per_step"] = run["union"]["disk_rows"] / run["union"]["steps"]
     except Exception as exc:  # a server killed before it flushed its trace
         run["union"] = {"error": str(exc)}
     os.unlink(trace)
@@ -168,7 +196,7 @@ def llama_run(args: argparse.Namespace, n: int, repeat: int, balloon: Any) -> di
 def run_condition(args: argparse.Namespace, condition: str) -> dict[str, Any]:
     doc: dict[str, Any] = {"condition": condition, "runs": [], "llama": []}
     try:
-        with condition_context(condition, args.leave_gb) as balloon:
+        with condition_context("pressure" if condition in UNDER_BALLOON else condition, args.leave_gb) as balloon:
             if balloon is not None:
                 doc["balloon"] = balloon.record()
             for rep in range(args.repeat):
@@ -297,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama", action="store_true", help="pressure: also llama.cpp with N parallel sequences")
     ap.add_argument("--llama-streams", type=int_list, default=[1, 4])
     ap.add_argument("--serve-flags", default="", help="more flags for moestream serve")
+    ap.add_argument("--real-routes", default=None, help="real: the real routes (.npz + .json, route_trace CSV)")
     ap.add_argument("--timeout-s", type=float, default=3600)
     add_results_args(ap, None, "results file name (default batch-serving-<model>)")
     args = ap.parse_args(argv)
@@ -322,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         args.route_traces = {c: os.path.join(tmp, f"{c}.trace.csv") for c in conditions if c.startswith("routes")}
         for c, path in args.route_traces.items():
             make_route_trace(args, path, shared=c == "routes-shared")
+        if "real" in conditions:
+            args.route_traces["real"] = real_route_file(args, os.path.join(tmp, "real.routes.csv"))
         docs = [run_condition(args, c) for c in conditions]
     sizes = args.sizes
     del args.sizes

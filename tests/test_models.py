@@ -35,23 +35,25 @@ from tests.hf_gguf import (
     tiny_vocab_size,
 )
 from tests.hf_gguf_deepseek import DEEPSEEK_V2, DEEPSEEK_V2_LITE, DEEPSEEK_V3
+from tests.hf_gguf_deepseek4 import DEEPSEEK_V4
 from tests.hf_gguf_dense import DENSE_CASES
 from tests.hf_gguf_dsa import DEEPSEEK_V32, GLM_DSA
 from tests.hf_gguf_glm import GLM4MOE, GLM45_AIR
 from tests.hf_gguf_gpt_oss import GPT_OSS
 from tests.hf_gguf_gqa import MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE
+from tests.hf_gguf_minimax import MINIMAX_M2
 
 transformers = pytest.importorskip("transformers")
 
 ARCH_CASES = [QWEN3MOE, QWEN35MOE, DEEPSEEK_V2_LITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM4MOE, GLM45_AIR]
 ARCH_CASES += [GLM_DSA, DEEPSEEK_V32]
-ARCH_CASES += [MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE, GPT_OSS, *DENSE_CASES]
+ARCH_CASES += [MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE, GPT_OSS, DEEPSEEK_V4, MINIMAX_M2, *DENSE_CASES]
 MOE_CASES = [a for a in ARCH_CASES if not a.dense]  # what streams and routes
 # The default run takes the cases whose mixers and FFNs differ most (qwen3moe, qwen35moe, deepseek-v3, mixtral,
 # gpt-oss, llama-dense); `-m ""` (.ci/run) takes every case. The others differ from those by config fields or a
 # tensor layout, and their own test files (test_glm4moe.py, test_deepseek2.py, ...) cover what is theirs alone.
 SLOW_CASES = {"deepseek-v2-lite", "deepseek-v2", "glm-4.5", "glm-4.5-air", "mixtral-per-expert", "olmoe", "qwen2moe",
-              "qwen2", "qwen3", "deepseek-v3.2"}  # fmt: skip
+              "qwen2", "qwen3", "minimax-m2", "deepseek-v3.2"}  # fmt: skip
 
 SLOW = pytest.mark.slow  # in .ci/run's full run only (see SLOW_CASES)
 
@@ -344,6 +346,10 @@ def _kind(name: str, ndim: int) -> str:
     """Which type the converter gives a tensor: the routed experts', the dense one, or F32."""
     if name.endswith(".bias"):  # the converter keeps every bias F32 (GPT-OSS's experts' are 2-D)
         return "f32"
+    if name.endswith("tid2eid.weight"):  # DeepSeek-V4's hash table
+        return "i32"
+    if "hc_" in name or name.endswith("_ape.weight"):  # V4's float32 checkpoint tensors stay F32
+        return "f32"
     if is_routed_expert_tensor(name):
         return "expert"
     f32_names = ("ssm_conv1d.weight", "ssm_a", "indexer.proj.weight")  # indexer.proj: the DSA indexer's weights
@@ -360,8 +366,9 @@ def test_f32_file_reads_back_exactly(tiny):
     assert f.arch == arch.name and set(f.tensors) == set(by_name)
     for name, info in f.tensors.items():
         t = by_name[name]
-        assert info.ggml_type == T.F32 and tuple(reversed(t.shape.tolist())) == info.shape, name
-        got = f.read(name).view(np.float32).reshape(info.shape)
+        kind = np.int32 if info.ggml_type == T.I32 else np.float32  # I32: DeepSeek-V4's tid2eid tables
+        assert info.ggml_type in (T.F32, T.I32) and tuple(reversed(t.shape.tolist())) == info.shape, name
+        got = f.read(name).view(kind).reshape(info.shape)
         np.testing.assert_array_equal(got, np.asarray(t.data).reshape(info.shape), err_msg=name)
     f.close()
 
@@ -385,7 +392,9 @@ def test_quantized_types(tmp_path, arch, dense, expert, tol):
     for t in GGUFReader(path).tensors:
         w = exact[t.name]
         kind = _kind(t.name, len(t.shape))
-        assert t.tensor_type == {"dense": dense, "expert": expert, "f32": T.F32}[kind], t.name
+        assert t.tensor_type == {"dense": dense, "expert": expert, "f32": T.F32, "i32": T.I32}[kind], t.name
+        if kind == "i32":
+            continue
         got = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(w.shape)
         rel = np.linalg.norm(got - w) / np.linalg.norm(w)
         assert rel < (tol if kind != "f32" else 1e-7), (t.name, rel)

@@ -264,15 +264,16 @@ if lib.ms_lane_supported():
         biases = [one("p", ptr(b)) for b in (bg, bu, bd)]
         moe = [1, (ctypes.c_int * 1)(12), one("p", ptr(gu)), (ctypes.c_int * 1)(t), one("p", ptr(dn)), h, f,
                one("p", ptr(xs)), one("m", 2), one("p", ptr(out))]
-        call(lib.ms_moe_ffn_clamped, *moe, *biases, 1.702, 7.0)
+        call(lib.ms_moe_ffn_clamped, *moe, *biases, 1.702, 7.0, 1.0)
         assert (out[2 * h:] == 7).all() and all((b[n:] == 7).all() for b, n in ((bg, f), (bu, f), (bd, h)))
-        call(lib.ms_moe_ffn_clamped, *moe[:3], (ctypes.c_int * 1)(12), *moe[4:], *biases, 1.702, 7.0,
+        call(lib.ms_moe_ffn_clamped, *moe[:3], (ctypes.c_int * 1)(12), *moe[4:], *biases, 1.702, 7.0, 1.0,
              want=native.BAD_SHAPE)  # Q4_K rows of 352
-        call(lib.ms_moe_ffn_clamped, *moe, biases[0], one("p", None), biases[2], 1.702, 7.0, want=native.BAD_PTR)
-        call(lib.ms_moe_ffn_clamped, *moe, *biases[:2], None, 1.702, 7.0, want=native.BAD_PTR)
-        call(lib.ms_moe_ffn_clamped, *moe, *biases, 1.702, -1.0, want=native.BAD_SHAPE)
-        call(lib.ms_moe_ffn_clamped, *moe, *biases, float("nan"), 7.0, want=native.BAD_SHAPE)
-        call(lib.ms_moe_ffn_clamped, 0, *moe[1:], *biases, 1.702, 7.0, want=native.BAD_SHAPE)
+        call(lib.ms_moe_ffn_clamped, *moe, biases[0], one("p", None), biases[2], 1.702, 7.0, 1.0, want=native.BAD_PTR)
+        call(lib.ms_moe_ffn_clamped, *moe, *biases[:2], None, 1.702, 7.0, 1.0, want=native.BAD_PTR)
+        call(lib.ms_moe_ffn_clamped, *moe, *biases, 1.702, -1.0, 1.0, want=native.BAD_SHAPE)
+        call(lib.ms_moe_ffn_clamped, *moe, *biases, float("nan"), 7.0, 1.0, want=native.BAD_SHAPE)
+        call(lib.ms_moe_ffn_clamped, 0, *moe[1:], *biases, 1.702, 7.0, 1.0, want=native.BAD_SHAPE)
+        call(lib.ms_moe_ffn_clamped, *moe, *biases, 1.702, 7.0, float("inf"), want=native.BAD_SHAPE)
 
     # several segments at once, and bad counts
     segs = [(t, 3, 512, garbage(t, 3 * 512)) for t in LANE]

@@ -1,5 +1,6 @@
-"""DeepSeek V3/R1/V3.1, Kimi-K2 and GLM-4.5: their real chat templates render conversations with tools,
-tool results and thinking; their answers split into reasoning_content, content and tool_calls, streamed
+"""DeepSeek V3/R1/V3.1, Kimi-K2, GLM-4.5 and MiniMax-M2: their chat templates (real ones; MiniMax-M2's
+rewritten from what is known of it, see templates/README.md) render conversations with tools, tool results
+and thinking; their answers split into reasoning_content, content and tool_calls, streamed
 or whole, through the real server and the official `openai` client.
 
 The expected prompts below were written out by reading each template, not by running our renderer.
@@ -19,8 +20,10 @@ from moestream.formats.tokenizer import CONTROL, USER_DEFINED, Tokenizer, build_
 from moestream.serving.app import create_app
 from moestream.serving.chat_formats import (
     DEEPSEEK,
+    DEEPSEEK_V4,
     GLM,
     KIMI_K2,
+    MINIMAX_M2,
     QWEN,
     OutputParser,
     chat_format,
@@ -174,12 +177,68 @@ def test_kimi_k2_thinking_keeps_ids_and_recent_reasoning() -> None:
     )
 
 
+def test_minimax_m2_keeps_the_reasoning_of_the_current_turn_only() -> None:
+    """Interleaved thinking: the reasoning of assistant turns after the last user message (the tool-calling
+    loop of this turn) is written back, that of earlier turns dropped; the prompt opens <think>."""
+    msgs = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Need the tool.", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22C"},
+    ]
+    out = render_chat(template("minimax-m2"), msgs, tools=TOOLS)
+    tool_json = json.dumps(TOOLS[0]["function"], ensure_ascii=False)
+    assert out == (
+        "]~!b[]~b]system\nYou are a helpful assistant. Your name is MiniMax-M2 and is built by MiniMax.\n\n"
+        "# Tools\nYou may call one or more tools to assist with the user query.\nHere are the tools available in "
+        f"JSONSchema format:\n\n<tools>\n<tool>{tool_json}</tool>\n</tools>\n\nWhen making tool calls, use XML "
+        'format to invoke tools and pass parameters:\n\n<minimax:tool_call>\n<invoke name="tool-name-1">\n'
+        '<parameter name="param-key-1">param-value-1</parameter>\n<parameter name="param-key-2">param-value-2'
+        "</parameter>\n...\n</invoke>\n</minimax:tool_call>[e~[\n]~b]user\nWeather in Paris?[e~[\n]~b]ai\n"
+        '<think>\nNeed the tool.\n</think>\n\n\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+        '<parameter name="city">Paris</parameter>\n</invoke>\n</minimax:tool_call>[e~[\n]~b]tool\n'
+        "<response>22C</response>[e~[\n]~b]ai\n<think>\n"
+    )
+    msgs = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "<think>\nr\n</think>\n\nb"},  # as `chat` keeps an answer
+        {"role": "user", "content": "c"},
+    ]
+    assert render_chat(template("minimax-m2"), msgs).endswith(
+        "]~b]user\na[e~[\n]~b]ai\nb[e~[\n]~b]user\nc[e~[\n]~b]ai\n<think>\n"
+    )
+    assert starts_thinking(MINIMAX_M2, out)
+
+
 def test_family_is_read_off_the_template() -> None:
     for name in ("deepseek-v3", "deepseek-r1", "deepseek-v3-0324", "deepseek-v3.1"):
         assert chat_format(template(name)) is DEEPSEEK
     assert chat_format(template("glm-4.5")) is GLM
+    assert chat_format(template("deepseek-v4")) is DEEPSEEK_V4
+    assert chat_format(template("minimax-m2")) is MINIMAX_M2
     assert chat_format(template("kimi-k2")) is KIMI_K2 and chat_format(template("kimi-k2-thinking")) is KIMI_K2
     assert chat_format(None) is QWEN and chat_format("{{ messages }}") is QWEN
+
+
+def test_deepseek_v4_renders_tools_calls_results_and_the_thinking_switch() -> None:
+    """V4's template (llama.cpp's, written into V4 GGUFs by its converter): the tools in the system prompt
+    with the DSML call format, a call written back in DSML (its arguments given as a JSON string too), the
+    result as <tool_result> in a user turn, and the generation prompt closing (no thinking) or opening
+    (thinking) the <think> block."""
+    t = template("deepseek-v4")
+    string_args = dict(CALL, function={"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'})
+    msgs = [*TOOL_TURN[:2], {"role": "assistant", "content": None, "tool_calls": [string_args]}, TOOL_TURN[3]]
+    out = render_chat(t, msgs, tools=TOOLS, add_generation_prompt=True, bos_token="<｜begin▁of▁sentence｜>")
+    assert out.startswith("<｜begin▁of▁sentence｜>Be brief.\n\n## Tools\n")
+    assert json.dumps(TOOLS[0]["function"], ensure_ascii=False) in out
+    assert out.endswith(
+        "<｜User｜>Weather in Paris?<｜Assistant｜></think>\n\n<｜DSML｜tool_calls>\n"
+        '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+        "<｜end▁of▁sentence｜><｜User｜><tool_result>22C</tool_result><｜Assistant｜></think>"
+    )
+    thinking = render_chat(t, TOOL_TURN[:2], add_generation_prompt=True, enable_thinking=True, bos_token="")
+    assert thinking == "Be brief.<｜User｜>Weather in Paris?<｜Assistant｜><think>"
+    assert starts_thinking(DEEPSEEK_V4, thinking)
 
 
 # ------------------------------------------------------------------------------------------- parsing
@@ -204,12 +263,25 @@ KIMI_TEXT = (
     '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|><|tool_call_begin|>'
     "functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"
 )
+V4_TEXT = (
+    'The user asks.\nCall it.</think>Sure.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+    '<｜DSML｜invoke name="get_time">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+)
+MINIMAX_TEXT = (  # the prompt opened <think>
+    'The user asks.\nCall it.\n</think>\n\nSure.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+    '<parameter name="city">Paris</parameter>\n<parameter name="days">2</parameter>\n</invoke>\n'
+    '<invoke name="get_time">\n</invoke>\n</minimax:tool_call>'
+)
 WEATHER_AND_TIME = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]
 CASES = {
     "r1": (DEEPSEEK, True, R1_TEXT, "Okay, the user wants weather.\nI will call the tool.", "Checking."),
     "v3.1": (DEEPSEEK, True, V31_TEXT, "plan", "ok"),
     "glm": (GLM, False, GLM_TEXT, "The user asks.\nCall it.", "Sure."),
     "kimi": (KIMI_K2, False, KIMI_TEXT, "Let me see.", "Checking."),
+    "v4": (DEEPSEEK_V4, True, V4_TEXT, "The user asks.\nCall it.", "Sure."),
+    "minimax-m2": (MINIMAX_M2, True, MINIMAX_TEXT, "The user asks.\nCall it.", "Sure."),
 }
 
 
@@ -265,6 +337,10 @@ def test_edge_cases() -> None:
     glm = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>\n<arg_key>days</arg_key>"
     glm += "\n<arg_value>3</arg_value>\n<arg_key>note</arg_key>\n<arg_value>a b</arg_value>\n</tool_call>"
     assert split(GLM, glm)[2] == [("get_weather", {"city": "42", "days": 3, "note": "a b"})]
+    # MiniMax-M2: the same typing; an invoke the generation ended inside is dropped, the whole ones count
+    mm = '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">42</parameter>\n'
+    mm += '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="get_time">\n<param'
+    assert split(MINIMAX_M2, mm) == ("", "", [("get_weather", {"city": "42", "days": 3})])
     # without tools in the request, calls stay in the content; reasoning is still split off
     r, c, calls = split_answer(OutputParser(GLM, use_tools=False), GLM_TEXT)
     assert r == "The user asks.\nCall it." and c.startswith("Sure.\n<tool_call>get_weather") and not calls
@@ -275,14 +351,15 @@ def test_edge_cases() -> None:
 # ------------------------------------------------------------------------------ through the server
 
 
-def family_tokenizer(name: str, special: list[str], eos: str) -> Tokenizer:
+def family_tokenizer(name: str, special: list[str], eos: str, think_special: bool = False) -> Tokenizer:
     """The tiny test vocabulary plus a family's marker tokens (control tokens, as in the real GGUFs where
-    llama.cpp's converter marks them special) and its real chat template."""
+    llama.cpp's converter marks them special; <think> and </think> too with think_special) and its real chat
+    template."""
     md = build_tiny_bpe_metadata()
     tokens, types = list(md["tokenizer.ggml.tokens"]), list(md["tokenizer.ggml.token_type"])
     for t in special:
         tokens.append(t)
-        types.append(CONTROL if t != "<think>" and t != "</think>" else USER_DEFINED)
+        types.append(CONTROL if think_special or t not in ("<think>", "</think>") else USER_DEFINED)
     merges = md["tokenizer.ggml.merges"]
     return Tokenizer(
         tokens,
@@ -297,6 +374,7 @@ def family_tokenizer(name: str, special: list[str], eos: str) -> Tokenizer:
 DS_SPECIAL = ["<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", *DEEPSEEK.tool_markers, "<think>", "</think>"]
 GLM_SPECIAL = ["<|user|>", "<|assistant|>", "<|observation|>", "[gMASK]", "<sop>", *GLM.tool_markers]
 GLM_SPECIAL += ["<think>", "</think>"]
+MINIMAX_SPECIAL = ["]~!b[", "]~b]", "[e~[", *MINIMAX_M2.tool_markers, "<think>", "</think>"]
 
 
 def _stream(c: openai.OpenAI, **kw: Any) -> tuple[str, str, str | None, list[tuple[str, Any]]]:
@@ -318,6 +396,7 @@ def _stream(c: openai.OpenAI, **kw: Any) -> tuple[str, str, str | None, list[tup
     [
         ("deepseek-r1", DS_SPECIAL, "<｜end▁of▁sentence｜>", R1_TEXT, CASES["r1"][3], "Checking."),
         ("glm-4.5", GLM_SPECIAL, "<|user|>", GLM_TEXT, CASES["glm"][3], "Sure."),
+        ("minimax-m2", MINIMAX_SPECIAL, "[e~[", MINIMAX_TEXT, CASES["minimax-m2"][3], "Sure."),
     ],
 )
 def test_server_reasoning_and_tool_calls(
@@ -373,3 +452,20 @@ def test_deepseek_prompt_carries_the_tools() -> None:
         assert text.startswith("Be brief.\n\n## Tools\nYou have access to the following tools:\n\n### get_weather\n")
         assert call in text and parser.use_tools
         assert parser.state == ("reasoning" if name == "deepseek-r1" else "start")
+
+
+def test_chat_keeps_a_thinking_answer_as_its_template_splits_it() -> None:
+    """`moestream chat` keeps a MiniMax-M2 answer with its </think> (a special token here), so the next
+    prompt drops that turn's reasoning as the template does for earlier turns."""
+    from moestream.engine.sampling import Sampler
+    from moestream.serving.chat import ChatSession
+
+    tok = family_tokenizer("minimax-m2", MINIMAX_SPECIAL, "[e~[", think_special=True)
+    assert tok.is_special(tok.encode("</think>")[0])
+    engine = ScriptedEngine(tok, "Say hi.\n</think>\n\nHi there.", ctx=4096)
+    session = ChatSession(engine, Sampler())
+    shown: list[str] = []
+    assert session.ask("Hi", shown.append, lambda: False) == "Say hi.\n</think>\n\nHi there."
+    session.messages.append({"role": "user", "content": "Again"})
+    text = tok.decode(session._prompt())
+    assert text.endswith("]~b]user\nHi[e~[\n]~b]ai\nHi there.[e~[\n]~b]user\nAgain[e~[\n]~b]ai\n<think>\n")

@@ -28,8 +28,8 @@ from tests.hf_gguf import one_torch_thread, rel_error
 from tests.test_synth_deepseek import _llama_run, plain_llama_cpp
 
 one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
-TINY = ["tiny-gpt-oss", "tiny-mixtral", "tiny-olmoe", "tiny-qwen2moe"]
-REAL = ["gpt-oss-20b", "gpt-oss-120b", "mixtral-8x7b", "olmoe-1b-7b", "qwen2-57b-a14b"]
+TINY = ["tiny-gpt-oss", "tiny-mixtral", "tiny-olmoe", "tiny-qwen2moe", "tiny-minimax-m2"]
+REAL = ["gpt-oss-20b", "gpt-oss-120b", "mixtral-8x7b", "olmoe-1b-7b", "qwen2-57b-a14b", "minimax-m2"]
 PROMPT = list(range(20, 60))  # longer than tiny-gpt-oss's window of 24
 
 
@@ -56,8 +56,10 @@ def _table(s: GqaShape, vocab: int) -> dict[str, tuple[int, ...]]:
             out |= {p + "attn_output.bias": (H,), p + "attn_sinks.weight": (s.n_heads,), p + "ffn_gate_inp.bias": (E,),
                     p + "ffn_gate_exps.bias": (E, F), p + "ffn_up_exps.bias": (E, F),
                     p + "ffn_down_exps.bias": (E, H)}  # fmt: skip
-        if s.arch == "olmoe":
+        if s.arch in ("olmoe", "minimax-m2"):
             out |= {p + "attn_q_norm.weight": (q,), p + "attn_k_norm.weight": (kv,)}
+        if s.arch == "minimax-m2":
+            out[p + "exp_probs_b.bias"] = (E,)
         if s.arch == "qwen2moe":
             Fs = s.shared_ffn
             out |= {p + "ffn_gate_inp_shexp.weight": (1, H), p + "ffn_gate_shexp.weight": (Fs, H),
@@ -104,6 +106,15 @@ def test_real_dimensions_keys_and_sizes():
     # experts dominate: 46.7B of Mixtral's parameters at ~4.5-6.6 bits, 6.9B of OLMoE's
     assert 25 < synth_nbytes("mixtral-8x7b", "Q4_0") / 1e9 < 27
     assert 3.5 < synth_nbytes("olmoe-1b-7b", "Q4_0") / 1e9 < 4.0
+    md = SHAPES["minimax-m2"].metadata("x", 15, 1000)
+    a = "minimax-m2."
+    assert (md[a + "block_count"], md[a + "expert_count"], md[a + "expert_used_count"]) == (62, 256, 8)
+    assert (md[a + "attention.head_count"], md[a + "attention.head_count_kv"], md[a + "attention.key_length"]) == (
+        48, 8, 128)  # fmt: skip
+    assert (md[a + "rope.dimension_count"], md[a + "expert_gating_func"], md[a + "rope.freq_base"]) == (64, 2, 5e6)
+    # MiniMax-M2's 227B parameters less its 200K-token vocabulary (224.6B of them in experts) at Q4_K_M's
+    # 4.5 bits a weight (Q4_K), more on the use_more_bits layers' ffn_down (Q6_K)
+    assert 4.5 < synth_nbytes("minimax-m2", "Q4_K_M") * 8 / 227.3e9 < 5.0
 
 
 def test_q4_k_m_and_mxfp4_mixes_are_llama_quantizes():
@@ -171,6 +182,7 @@ def _hf_twin(name: str, vocab: int):
     """A transformers model of the tiny shape's dims, and the test converter (tests/hf_gguf_*) that writes it."""
     from tests.hf_gguf_gpt_oss import GPT_OSS
     from tests.hf_gguf_gqa import MIXTRAL, OLMOE, QWEN2MOE
+    from tests.hf_gguf_minimax import MINIMAX_M2
 
     s = SHAPES[name]
     common = dict(vocab_size=vocab, hidden_size=s.hidden, num_hidden_layers=s.n_layers, num_experts_per_tok=s.top_k,
@@ -183,6 +195,10 @@ def _hf_twin(name: str, vocab: int):
         return MIXTRAL, MIXTRAL.hf_model(**common, **dims, **rope)
     if s.arch == "olmoe":
         return OLMOE, OLMOE.hf_model(**common, intermediate_size=s.expert_ffn, num_experts=s.n_experts, **rope)
+    if s.arch == "minimax-m2":
+        rope["rope_parameters"]["partial_rotary_factor"] = s.rot_dim / s.head_dim
+        dims = dict(intermediate_size=s.expert_ffn, num_local_experts=s.n_experts, head_dim=s.head_dim)
+        return MINIMAX_M2, MINIMAX_M2.hf_model(**common, **dims, **rope, max_position_embeddings=s.context_length)
     dims = dict(intermediate_size=s.dense_ffn, moe_intermediate_size=s.expert_ffn, num_experts=s.n_experts,
                 shared_expert_intermediate_size=s.shared_ffn)  # fmt: skip
     return QWEN2MOE, QWEN2MOE.hf_model(**common, **dims, **rope)

@@ -24,6 +24,32 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_memory_args(p)
     _add_read_args(p)
     _add_cache_policy_args(p)
+    _add_ray_args(p)
+
+
+def _add_ray_args(p: argparse.ArgumentParser) -> None:
+    """The remote expert tier: routed experts held and computed in Ray actors' RAM (docs/ray.md)."""
+    p.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="the Ray cluster (HOST:PORT of `ray start --head`, or `local` to start Ray here) whose actors hold "
+        "routed experts in their RAM and compute them (with --expert-workers); the output stays bit-identical",
+    )
+    p.add_argument(
+        "--expert-workers",
+        type=values.whole(1, 256),
+        default=None,
+        metavar="N",
+        help="Ray actors that hold the routed experts, spread over the cluster's machines (with --ray)",
+    )
+    p.add_argument(
+        "--expert-worker-mb",
+        type=values.megabytes,
+        default=None,
+        help="MiB of experts each worker holds (default: all experts, split between the workers); the experts "
+        "no worker holds stream from this machine's disk",
+    )
 
 
 def _add_memory_args(p: argparse.ArgumentParser) -> None:
@@ -195,6 +221,9 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         prompt_cache_mb=getattr(args, "prompt_cache_mb", 0),  # run and the analyses keep none
         max_batch=getattr(args, "max_batch", 1),  # only serve decodes several sequences together
         progress=True,
+        ray_address=args.ray,
+        expert_workers=args.expert_workers,
+        expert_worker_mb=args.expert_worker_mb,
     )
 
 
@@ -223,8 +252,6 @@ def say_caps(args: argparse.Namespace, engine: Engine) -> None:
     """A value the engine lowered to what the model allows is said, not silently used."""
     if args.ctx is not None and engine.ctx < args.ctx:
         print(f"note: --ctx {args.ctx} is more than the model's context; capped at {engine.ctx}", file=sys.stderr)
-    for note in type(engine.model).load_notes(engine.cfg):
-        print(f"note: {note}", file=sys.stderr)
 
 
 def sampler(args: argparse.Namespace) -> Sampler:

@@ -64,6 +64,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"{engine.max_batch} requests at once, {engine.snapshot().n_slots} expert slots)",
             flush=True,
         )
+        if not args.no_webui:
+            print(f"moestream: chat page at http://{args.host}:{port}/, engine view at /engine", flush=True)
         stopped_by = serve(
             engine,
             name,
@@ -74,6 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             admission=Admission(max_queue=args.max_queue, gather_s=args.batch_window_ms / 1000),
             sock=sock,
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            webui=not args.no_webui,
         )
     finally:
         engine.close()
@@ -154,6 +157,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"every /v1 request must send 'Authorization: Bearer KEY' (else 401); default: ${API_KEY_ENV}, which "
         "keeps the key out of the process list",
+    )
+    p.add_argument(
+        "--no-webui",
+        action="store_true",
+        help="no chat page at / nor engine view at /engine (/v1/engine/events, its feed, stays for scripts)",
     )
     p.add_argument("--model-name", type=values.text, default=None, help="model id clients use (default: the file name)")
     p.add_argument(

@@ -97,6 +97,7 @@ class ClampedAct:
     biases: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (gate, up, down) of each expert
     alpha: float
     limit: float
+    up_shift: float = 1.0  # added to the clamped up: GPT-OSS's 1; DeepSeek-V4's clipped SwiGLU 0 (alpha 1)
 
 
 class PreparedRows:
@@ -165,11 +166,11 @@ def lane_swiglu(
             ffn,
         )
         counted = ((ctypes.c_int64 * c)(*counts[i:j]), (ctypes.c_void_p * c)(*(o.data_ptr() for o in outs[i:j])))
-        bias = (None, None, None, 0.0, 0.0)
+        bias = (None, None, None, 0.0, 0.0, 0.0)
         if act is not None:
             part = act.biases[i:j]
             ptrs = tuple((ctypes.c_void_p * c)(*(b[p].data_ptr() for b in part)) for p in range(3))
-            bias = (*ptrs, act.alpha, act.limit)
+            bias = (*ptrs, act.alpha, act.limit, act.up_shift)
         if gather:
             idx = np.ascontiguousarray(np.concatenate(xs.rows[i:j]), dtype=np.int64)
             lib.ms_moe_ffn_gather(*weights, xs.prep.addr, xs.prep.n, idx.ctypes.data, *counted, *bias)

@@ -69,6 +69,13 @@ class Engine:
             kv.query_chunk = self.ubatch
         self.reader = open_reader(self.file, self.cfg, o, read_ahead)
         self.cache, self.trace = open_cache(self.file, self.reader, self.cfg, o, n_slots, read_ahead, model_path)
+        # what the model's steps ask for experts: the cache, or the cache behind the workers' remote tier
+        self.experts, self.remote = self.cache, None
+        if o.expert_workers is not None:
+            from moestream.distributed.remote_experts import open_remote
+
+            self.experts = open_remote(self.file, self.cache, o, model_path, self.model)
+            self.remote = self.experts.remote
         # router choices replayed from a trace (--route-trace), handed to every forward step
         self.route_hook = None
         if o.route_trace is not None:
@@ -249,7 +256,7 @@ class Engine:
         heap = self.heap.prompt_step() if prompt and total > 1 and self.heap is not None else nullcontext()
         with heap:
             return self.model.step(
-                blocks, kvs, positions, self.cache, route_hook=self.route_hook, all_logits=all_logits
+                blocks, kvs, positions, self.experts, route_hook=self.route_hook, all_logits=all_logits
             )
 
     def close(self) -> None:
@@ -260,6 +267,8 @@ class Engine:
             self.trace.close()
             self.trace = None
         self.lock_report.unlock()
+        if self.remote is not None:
+            self.remote.close()
         self.cache.close()
         self.reader.close()
         self.gguf.close()

@@ -58,6 +58,9 @@ def open_model(path: str, exact: bool | None = None, *, check_types: bool = True
             if note := slow_path_note(f, exact):
                 print(note, file=sys.stderr)
         cfg = config_from_gguf(arch, f)
+        if check_types:
+            for line in getattr(arch, "load_notes", lambda _cfg, _exact: [])(cfg, exact):
+                print(f"note: {line}", file=sys.stderr)  # what the architecture says of this file
         # cfg.n_layers counts the layers with routed experts; an architecture with leading dense blocks
         # says where they start
         store = ExpertStore(f, cfg.n_layers, cfg.n_experts, exact, getattr(cfg, "first_moe_block", 0))
@@ -71,9 +74,12 @@ def is_float_model(f: GGUFModel) -> bool:
     return all(t.ggml_type in FLOAT_TYPES for t in f.tensors.values() if len(t.shape) >= 2)
 
 
+INDEX_TYPES = frozenset({26})  # I32: integer tables (DeepSeek-V4's tid2eid), read as indices, never as weights
+
+
 def _check_types(f: GGUFModel) -> None:
     for t in f.tensors.values():
-        if t.ggml_type not in quants.SUPPORTED_TYPES:
+        if t.ggml_type not in quants.SUPPORTED_TYPES and t.ggml_type not in INDEX_TYPES:
             supported = ", ".join(quants.type_name(x) for x in sorted(quants.SUPPORTED_TYPES))
             raise ModelFileError(
                 f"{f.path}: tensor {t.name} has weight type {t.type_name}, which moestream does not support yet "

@@ -66,6 +66,12 @@ class EngineOptions:
     trace_path: str | None = None
     route_trace: str | None = None
     progress: bool = False
+    # the remote expert tier (moestream.distributed): Ray actors on the cluster at ray_address ('local': one
+    # started here) holding routed experts in their RAM, up to expert_worker_mb each (None: every expert)
+    ray_address: str | None = None
+    expert_workers: int | None = None
+    expert_worker_mb: int | None = None
+    expert_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         """Bad values end here, before any model is loaded, naming the option that set them."""
@@ -79,5 +85,17 @@ class EngineOptions:
                 raise MoestreamError(f"{_POSITIVE[name]} must be at most {most}, got {value}")
         if self.prompt_cache_mb is not None and self.prompt_cache_mb < 0:
             raise MoestreamError(f"--prompt-cache-mb must be 0 or more, got {self.prompt_cache_mb}")
+        if (self.ray_address is None) != (self.expert_workers is None):
+            raise MoestreamError("--ray and --expert-workers go together: give both (or neither)")
+        if self.ray_address is not None and self.ray_address != "local":
+            from moestream.distributed.cluster import parse_address
+
+            parse_address(self.ray_address)
+        if self.expert_timeout_s <= 0:
+            raise MoestreamError(f"the expert workers' timeout must be positive, got {self.expert_timeout_s}")
+        if self.expert_workers is not None and not 1 <= self.expert_workers <= 256:
+            raise MoestreamError(f"--expert-workers must be from 1 to 256, got {self.expert_workers}")
+        if self.expert_worker_mb is not None and (self.expert_worker_mb <= 0 or self.expert_workers is None):
+            raise MoestreamError("--expert-worker-mb must be positive, and goes with --ray and --expert-workers")
         if self.min_hits < 0:
             raise MoestreamError(f"--admit-min-hits must be 0 or more, got {self.min_hits}")

@@ -95,6 +95,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.decode_batch_sizes: Counter[int] = Counter()  # decode steps by the rows they ran
+        # running totals for live views (serving/webui.py samples them): tokens stepped, and the last step's rows
+        self.prompt_tokens_run = self.decode_tokens_run = self.last_rows = 0
 
     @property
     def capacity(self) -> int:
@@ -264,8 +266,12 @@ class Scheduler:
                 s.decode_started = now
                 s.stats.prompt_s = now - s.started
                 self._fork(s, now)
-        if any(decoding):
-            self.decode_batch_sizes[sum(decoding)] += 1
+        rows = sum(decoding)
+        if rows:
+            self.decode_batch_sizes[rows] += 1
+        self.decode_tokens_run += rows
+        self.prompt_tokens_run += sum(len(b) for (_, b), d in zip(blocks, decoding, strict=True) if not d)
+        self.last_rows = len(blocks)
 
     def _sample(self) -> list[TokenEvent]:
         events = []

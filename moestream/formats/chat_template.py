@@ -73,6 +73,13 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _from_json(text: Any) -> Any:
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        raise _TemplateRaised(f"a tool call's arguments are not JSON: {str(text)[:80]!r}") from None
+
+
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
@@ -85,6 +92,7 @@ def _dict(*args: Any, **kwargs: Any) -> dict[Any, Any]:
 def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters["from_json"] = _from_json  # DeepSeek-V4's template parses a call's arguments given as a string
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _Namespace

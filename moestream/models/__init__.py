@@ -5,20 +5,24 @@ interface, a step's context), rows.py (row-wise ops of a step of several sequenc
 router, routed and shared experts), routed.py (the one executor of routed experts), routing.py (routers),
 attention.py and kv_cache.py (attention over a cache, the KV cache), rope.py, ops.py (norms and small ops),
 mla.py (latent attention and its cache), sparse_attention.py (DeepSeek Sparse Attention: the lightning indexer
-and latent attention over its choice), deltanet.py (Gated DeltaNet and the hybrid cache), gqa.py (the plain
-grouped-query decoder Mixtral, OLMoE and Qwen2-MoE share), dense.py (the dense models: Llama, Qwen2,
-Qwen3), memory.py (the bytes a model's KV cache and prompt steps take), loader.py (weights and metadata as the
-model names them, checked), common.py (the expert provider, embedding, fused projections, resident tensors)."""
+and latent attention over its choice), compressed_attention.py (DeepSeek-V4's sliding and compressed attention, its
+lightning indexer, the compressed cache), hyper.py (hyper-connected residual streams), deltanet.py (Gated DeltaNet and
+the hybrid cache), gqa.py (the plain grouped-query decoder Mixtral, OLMoE, Qwen2-MoE and MiniMax-M2 share), dense.py
+(the dense models: Llama, Qwen2, Qwen3), memory.py (the bytes a model's KV cache and prompt steps take), loader.py
+(weights and metadata as the model names them, checked), common.py (the expert provider, embedding, fused projections,
+resident tensors)."""
 
 from collections.abc import Mapping
 from typing import Any
 
 from moestream.models.deepseek2 import DeepSeek2
+from moestream.models.deepseek4 import DeepSeek4
 from moestream.models.deepseek32 import DeepSeek32
 from moestream.models.dense import Llama, Qwen2, Qwen3
 from moestream.models.glm4moe import Glm4Moe
 from moestream.models.glm_dsa import GlmDsa
 from moestream.models.gpt_oss import GptOss
+from moestream.models.minimax_m2 import MiniMaxM2
 from moestream.models.mixtral import Mixtral
 from moestream.models.olmoe import Olmoe
 from moestream.models.qwen2moe import Qwen2Moe
@@ -27,10 +31,12 @@ from moestream.models.qwen35moe import Qwen35Moe
 
 ARCHITECTURES = {
     "deepseek2": DeepSeek2,
+    "deepseek4": DeepSeek4,
     "deepseek32": DeepSeek32,
     "glm-dsa": GlmDsa,
     "glm4moe": Glm4Moe,
     "gpt-oss": GptOss,
+    "minimax-m2": MiniMaxM2,
     "qwen3moe": Qwen3Moe,
     "qwen35moe": Qwen35Moe,
     "llama": Mixtral,  # with experts; without them, Llama (model_class)

@@ -14,7 +14,17 @@ from moestream.models.layer import DecoderLayer, Mixer, Step
 from moestream.models.loader import Weights
 from moestream.models.ops import rms_norm, wide_torch
 from moestream.models.rope import RoPE
-from moestream.models.rows import linear_rows, norm_blocks, norm_rows, spans_of
+from moestream.models.rows import linear_rows, norm_rows, spans_of
+
+
+class PlainResidual:
+    """One residual stream [N, hidden] from the embeddings to the final norm (hyper-connections widen it)."""
+
+    def widen(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def narrow(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        return x
 
 
 class MoEModel:
@@ -30,6 +40,7 @@ class MoEModel:
     arch: str
     Config: Any  # the architecture's config dataclass, with from_metadata(md, shapes, source)
     ffn_norm = "ffn_norm"  # the tensor of each block's FFN input norm ("post_attention_norm" in some files)
+    residual: Any = PlainResidual()  # how the embeddings become the residual stream and back (DeepSeek-V4 widens it)
 
     def __init__(self, cfg: Any, w: Weights):
         self.cfg = cfg
@@ -77,8 +88,11 @@ class MoEModel:
         """What one sequence's cache and a prompt's compute take (models/memory.py's ModelMemory)."""
         raise NotImplementedError
 
+    def before_layers(self, step: Step) -> None:
+        """What may start once a step's tokens are known, before any layer runs (hash-routed experts' reads)."""
+
     @staticmethod
-    def load_notes(cfg: Any) -> list[str]:
+    def load_notes(cfg: Any, exact: bool = False) -> list[str]:
         """What the file holds that this model does not run (said when the engine opens it)."""
         return []
 
@@ -129,20 +143,22 @@ class MoEModel:
         if all_logits and B != 1:
             raise ValueError("all_logits is for a step of one sequence")
         eps, spans = self.cfg.rms_eps, spans_of(lengths)
-        step = Step(spans, kvs, positions, self.rope, experts, route_hook)
+        tokens = [t for block in blocks for t in block]
+        step = Step(spans, kvs, positions, self.rope, experts, route_hook, tokens)
         for kv, p, n in zip(kvs, positions, lengths, strict=True):
             kv.begin_step(p, n)
-        x = self.embed([t for block in blocks for t in block])
+        self.before_layers(step)
+        x = self.residual.widen(self.embed(tokens))
         try:
             for i, layer in enumerate(self.layers):
-                x = x + layer.mix(x, i, step, eps)
-                x = x + layer.ffn(norm_blocks(x, spans, layer.ffn_norm, eps), step)
+                x = layer(x, i, step, eps)
         except BaseException:
             for kv, p in zip(kvs, positions, strict=True):
                 kv.abort_step(p)
             raise
         for kv, p, n in zip(kvs, positions, lengths, strict=True):
             kv.end_step(p, n)
+        x = self.residual.narrow(x, spans)
         with wide_torch():
             if all_logits:
                 return self.output(rms_norm(x, self.norm, eps))

@@ -73,7 +73,7 @@ class DeepSeek32(DeepSeek2):
         return DSACache(c.n_blocks, c.kv_lora_rank, c.qk_rope, ctx, dtype, c.indexer)
 
     @staticmethod
-    def load_notes(cfg: DeepSeek32Config) -> list[str]:
+    def load_notes(cfg: DeepSeek32Config, exact: bool = False) -> list[str]:
         if not cfg.nextn:
             return []
         n = cfg.nextn

@@ -47,16 +47,24 @@ class GQAMoEConfig:
     norm_topk_prob: bool = False
     shared_ffn: int = 0  # > 0: one always-on shared expert per layer
     shared_gate: bool = False  # the shared expert scaled by sigmoid(x . ffn_gate_inp_shexp)
+    rope_dim: int = 0  # the rotated dims at the start of each head (0: the whole head)
 
 
-def attention_fields(m: ArchMetadata, default_theta: float = 10_000.0, *, experts: bool = True) -> dict[str, Any]:
+def attention_fields(
+    m: ArchMetadata, default_theta: float = 10_000.0, *, experts: bool = True, partial_rope: bool = False
+) -> dict[str, Any]:
     """The fields every architecture of the family reads the same way (attention, experts, vocabulary, RoPE
     base, norm epsilon), checked; the expert sizes and routing flags are each file's own. experts=False: a
-    dense file's (models/dense.py), which has no expert keys."""
+    dense file's (models/dense.py), which has no expert keys. partial_rope: the architecture rotates the
+    first rope.dimension_count dims of each head (rope_dim), not necessarily all of them."""
     hidden, n_heads, n_kv_heads, head_dim = m.attention()
     m.require(head_dim % 2 == 0, "attention.key_length", f"is {head_dim}; rotary embedding needs it even")
     rot = m.int("rope.dimension_count", head_dim)
-    m.require(rot == head_dim, "rope.dimension_count", f"is {rot}; moestream rotates whole heads ({head_dim})")
+    if partial_rope:
+        m.require(rot % 2 == 0 and rot <= head_dim, "rope.dimension_count",
+                  f"is {rot}; it must be even and at most the head size {head_dim}")  # fmt: skip
+    else:
+        m.require(rot == head_dim, "rope.dimension_count", f"is {rot}; moestream rotates whole heads ({head_dim})")
     scaling = m.md.get(f"{m.arch}.rope.scaling.type", "none")
     factor = m.md.get(f"{m.arch}.rope.scaling.factor", 1.0)
     m.require(scaling in ("none", None) or factor == 1.0, "rope.scaling.type",
@@ -65,6 +73,8 @@ def attention_fields(m: ArchMetadata, default_theta: float = 10_000.0, *, expert
         raise m.error("rope.freq_base", "comes with per-frequency factors (rope_freqs), which moestream does not run")
     fields = dict(n_layers=m.int("block_count"), hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv_heads)
     fields["head_dim"] = head_dim
+    if partial_rope:
+        fields["rope_dim"] = rot
     if experts:
         fields["n_experts"], fields["top_k"] = m.experts()
     return fields | dict(
@@ -158,7 +168,7 @@ class GQAMoEModel(MoEModel):
                    norm_topk=cfg.norm_topk_prob, shared_ffn=cfg.shared_ffn, shared_gate=cfg.shared_gate)  # fmt: skip
 
     def rotary(self, cfg: GQAMoEConfig) -> RoPE:
-        return RoPE(cfg.head_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 4096))
+        return RoPE(cfg.head_dim, cfg.rope_theta, cfg.rope_dim or None, max_pos=min(cfg.context_length, 4096))
 
     @staticmethod
     def memory(cfg: GQAMoEConfig) -> ModelMemory:

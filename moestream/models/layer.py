@@ -16,7 +16,7 @@ import torch
 from moestream.models.attention import by_query_chunks
 from moestream.models.common import ExpertProvider, RouteHook
 from moestream.models.ops import rms_norm
-from moestream.models.rows import ALONE, ROWS, Ops, Spans, blockwise, norm_rows
+from moestream.models.rows import ALONE, ROWS, Ops, Spans, blockwise, norm_blocks, norm_rows
 
 
 @dataclass(eq=False)
@@ -31,6 +31,7 @@ class Step:
     rope: Any
     experts: ExpertProvider
     route_hook: RouteHook | None = None
+    tokens: list[int] | None = None  # the step's token ids in row order (hash routers read them)
 
     def forced(self, moe_layer: int) -> list[torch.Tensor | None]:
         """Each block's recorded expert ids [T_b, k] for MoE layer `moe_layer`, or None."""
@@ -89,12 +90,19 @@ class SplitMixer(Mixer):
 
 @dataclass(eq=False)
 class DecoderLayer:
-    """One block: x += mixer(mixer_norm(x)); x += ffn(ffn_norm(x)). The FFN is called as ffn(h, step)."""
+    """One block: x += mixer(mixer_norm(x)); x += ffn(ffn_norm(x)). The FFN is called as ffn(h, step).
+    An architecture whose residual is not one stream (hyper-connections) subclasses it and overrides
+    __call__."""
 
     mixer_norm: torch.Tensor
     mixer: Mixer
     ffn_norm: torch.Tensor
     ffn: Any  # moe.MoE or moe.DenseFFN
+
+    def __call__(self, x: torch.Tensor, layer: int, step: Step, eps: float) -> torch.Tensor:
+        """The block on a step's x: the residual stream after it."""
+        x = x + self.mix(x, layer, step, eps)
+        return x + self.ffn(norm_blocks(x, step.spans, self.ffn_norm, eps), step)
 
     def mix(self, x: torch.Tensor, layer: int, step: Step, eps: float) -> torch.Tensor:
         """The mixer's output (before the residual) for a step's blocks of x: the one-token blocks together

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from moestream.compute import linear
 from moestream.compute.linear import QLinear
@@ -20,6 +21,7 @@ from moestream.errors import ModelFileError
 from moestream.formats import quants
 from moestream.formats.gguf_file import TensorInfo
 from moestream.formats.gguf_model import GGUFModel
+from moestream.formats.quants import as_bytes
 from moestream.models.common import Embedding, Fused
 
 Shape = tuple[int, ...]
@@ -50,6 +52,14 @@ class Weights(Protocol):
 
     def linear_rows(self, name: str, out_features: int, in_features: int, order: Sequence[int]) -> QLinear:
         """As linear, its output rows reordered: row i is the file's row order[i] (llama's q/k rotary layout)."""
+        ...
+
+    def linear_groups(self, name: str, groups: int, out_features: int, in_features: int) -> list[QLinear]:
+        """The weight's rows as `groups` consecutive projections."""
+        ...
+
+    def indices(self, name: str, shape: Shape) -> torch.Tensor:
+        """An integer table as int64."""
         ...
 
     def fused(self, parts: Sequence[tuple[str, int, int]]) -> Fused:
@@ -140,6 +150,32 @@ class GGUFWeights:
 
     def fused(self, parts: Sequence[tuple[str, int, int]]) -> Fused:
         return Fused([self.linear(*p) for p in parts])
+
+    def linear_groups(self, name: str, groups: int, out_features: int, in_features: int) -> list[QLinear]:
+        """A [out, in] weight's rows as `groups` consecutive projections of out / groups rows each (a grouped
+        projection: group g reads its own slice of the input)."""
+        info = self._checked(name, (out_features, in_features))
+        if out_features % groups:
+            raise ModelFileError(f"{self.f.path}: {name} has {out_features} rows, not a multiple of {groups} groups")
+        rows = out_features // groups
+        raw = self.f.read(name).reshape(out_features, -1)
+        out = []
+        for g in range(groups):
+            part = np.ascontiguousarray(raw[g * rows : (g + 1) * rows]).reshape(-1)
+            lin = linear.from_gguf(part, info.ggml_type, rows, in_features, self.exact)
+            self.nbytes += lin.nbytes
+            self.linears.append(lin)
+            out.append(lin)
+        return out
+
+    def indices(self, name: str, shape: Shape) -> torch.Tensor:
+        """An I32 table (DeepSeek-V4's tid2eid) as int64."""
+        info = self._checked(name, shape)
+        if info.ggml_type != GGMLQuantizationType.I32:
+            raise ModelFileError(f"{self.f.path}: {name} should be an I32 table; the file was converted wrongly")
+        t = torch.from_numpy(np.frombuffer(as_bytes(self.f.read(name)), dtype=np.int32).copy()).long()
+        self.nbytes += t.numel() * 4
+        return t.reshape(shape)
 
     def embedding(self, name: str, vocab: int, hidden: int) -> Embedding:
         info = self._checked(name, (vocab, hidden))

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 from moestream.compute import linear
 from moestream.models.attention import SINK_SCORES_BYTES
+from moestream.models.compressed_attention import CSA_RATE, CompressedKVCache
 from moestream.models.deltanet import CHUNK, N_CHECKPOINTS
+from moestream.models.kv_cache import QUERY_CHUNK
 from moestream.models.routed import summed_as_they_come
 from moestream.models.sparse_attention import INDEX_SCORES_BYTES, DSACache
 
@@ -156,7 +158,43 @@ class DeltaNetMemory:
         return self.v_heads * self.v_head_dim
 
 
-Mixer = AttentionMemory | LatentAttentionMemory | DeltaNetMemory
+@dataclass(frozen=True)
+class CompressedAttentionMemory:
+    """DeepSeek-V4's attention (compressed_attention.py): per layer a ring of raw entries, and by its compress
+    rate the compressors' projection rings and ctx / rate compressed entries; one shared key/value head.
+    `hc`: the hyper-connection streams every token carries through the step."""
+
+    ratios: tuple[int, ...]
+    head_dim: int
+    window: int
+    index_dim: int
+    heads: int
+    q_lora_rank: int
+    hc: int
+
+    def kv_nbytes(self, ctx: int, exact: bool) -> int:
+        return CompressedKVCache.bytes_for(self.ratios, self.head_dim, self.window, self.index_dim, ctx, exact)
+
+    def span_nbytes(self, tokens: int, ctx: int, chunk: int | None = None) -> int:
+        """The keys a chunk of queries reads in float32 (window, chunk and every compressed entry), the scores
+        over them for every head, and the indexer's scores (V4's attention runs QUERY_CHUNK queries at a time
+        whatever the caller's chunk)."""
+        rows = min(tokens, QUERY_CHUNK)
+        keys = self.window + rows + ctx // CSA_RATE
+        return FLOAT * (2 * keys * self.head_dim + 2 * self.heads * rows * keys)
+
+    def peak_values(self, tokens: int, chunk: int | None, hidden: int) -> int:
+        """q with its normed and rotated copies, the output and its rotation, the q LoRA; the streams and
+        their mixed copies for every token."""
+        per_query = 5 * self.heads * self.head_dim + 2 * self.q_lora_rank + 8 * self.index_dim
+        return _rows(tokens, chunk) * per_query + tokens * 4 * self.hc * hidden
+
+    @property
+    def input_width(self) -> int:
+        return self.heads * self.head_dim
+
+
+Mixer = AttentionMemory | LatentAttentionMemory | DeltaNetMemory | CompressedAttentionMemory
 
 
 @dataclass(frozen=True)

@@ -123,8 +123,11 @@ class MoE:
             logits[:, : self.n_experts] += self.router_bias
         return logits
 
-    def route(self, logits: torch.Tensor, forced: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, ids) [T, k] from the router's logits."""
+    def route(
+        self, logits: torch.Tensor, forced: torch.Tensor | None, tokens: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids) [T, k] from the router's logits (`tokens`: the block's token ids, for routers that
+        choose by them)."""
         E = self.n_experts
         if self.routing is None:
             return route(logits[:, :E], self.top_k, self.norm_topk, forced, self.layer)
@@ -136,7 +139,9 @@ class MoE:
         E, spans = self.n_experts, step.spans
         logits = self.router_blocks(x, spans)
         forced = step.forced(self.expert_layer)
-        routes = [self.route(logits[b], forced[b]) for b in range(len(spans))]
+        tokens = step.tokens
+        routes = [self.route(logits[b], forced[b], None if tokens is None else tokens[a:e])
+                  for b, (a, e) in enumerate(spans)]  # fmt: skip
         mixed = run_routed(x, spans, routes, self.expert_layer, step.experts, self.ffn)
         if self.shared is None:
             return mixed[0] if len(spans) == 1 else torch.cat(mixed)

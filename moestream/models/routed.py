@@ -45,27 +45,63 @@ def run_routed(
 ) -> list[torch.Tensor]:
     """Each block's sum_k w_k * expert_k(x_t) [T_b, hidden] for a step's x [N, hidden] (block b: rows spans[b],
     routes[b] its (weights, ids) [T_b, k]). `ffn` replaces the plain SwiGLU (GPT-OSS's ClampedSwiGLU)."""
+    remote = getattr(experts, "remote", None) if ffn is None else None
     if len(spans) == 1 and x.shape[0] == 1:
-        return [_one_token(x, *routes[0], layer, experts, ffn)]
+        return [_one_token(x, *routes[0], layer, experts, ffn, remote)]
     step = _RoutedStep(x, spans, routes, ffn)
-    for group in experts.fetch_groups(layer, step.fetch_order, ordered=step.ordered):
-        step.run(group)
+    far = remote.held(layer, step.fetch_order) if remote is not None else set()
+    # the remote experts' rows go out first, the local experts run while the workers compute theirs
+    pending = None
+    if far:
+        pending = remote.submit(layer, x, {e: [src for _, src, _ in step.runs[e]] for e in sorted(far)}, False)
+    step.run_local(experts, layer, [e for e in step.fetch_order if e not in far])
+    if pending is not None:
+        lost = []
+        for e, ys in remote.collect(layer, pending):
+            if ys is None:
+                lost.append(e)
+                continue
+            for (b, _src, dst), y in zip(step.runs[e], ys, strict=True):
+                step._deliver(b, e, dst, y)
+        step.run_local(experts, layer, lost)  # a lost worker's experts: from the disk
     return step.results()
 
 
 def _one_token(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, layer: int, experts: ExpertProvider, ffn
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, layer: int, experts: ExpertProvider, ffn, remote=None
 ) -> torch.Tensor:
     """A decode step of one sequence: each expert's output written straight into its row (by expert id),
-    one fixed-order product once all are in."""
+    one fixed-order product once all are in. `remote`: the workers' tier (RemoteExperts), asked first."""
     id_list, w_list = ids[0].tolist(), weights[0].tolist()
     by_id = sorted(range(len(id_list)), key=id_list.__getitem__)
     order = {id_list[p]: r for r, p in enumerate(by_id)}
     w_sorted = torch.tensor([w_list[p] for p in by_id], dtype=x.dtype)
     outs = torch.empty(len(id_list), x.shape[1])
     xc = x.contiguous()
-    for group in experts.fetch_groups(layer, id_list):
-        if all(w.lane for _, w in group):
+    far = remote.held(layer, id_list) if remote is not None else set()
+    one = [np.zeros(1, dtype=np.int64)]
+    pending = remote.submit(layer, xc, {e: one for e in sorted(far)}, True) if far else None
+    _local_experts(xc, [e for e in id_list if e not in far], layer, experts, ffn, outs, order)
+    if pending is not None:
+        lost = []
+        for e, ys in remote.collect(layer, pending):
+            if ys is None:
+                lost.append(e)
+            else:
+                outs[order[e]] = ys[0][0]
+        _local_experts(xc, lost, layer, experts, ffn, outs, order)  # a lost worker's: from disk
+    return (w_sorted @ outs)[None]
+
+
+def _local_experts(
+    xc: torch.Tensor, ids: list[int], layer: int, experts: ExpertProvider, ffn, outs: torch.Tensor, order: dict
+) -> None:
+    """One token's experts `ids` fetched from the provider and computed here, each into its row of outs."""
+    x = xc
+    if not ids:
+        return
+    for group in experts.fetch_groups(layer, ids):
+        if all(w.lane for _, w in group) and lane_takes(ffn):
             lane_swiglu(
                 [w for _, w in group], [xc] * len(group), [outs[order[e] : order[e] + 1] for e, _ in group],
                 lane_act(ffn, [e for e, _ in group]),
@@ -74,7 +110,12 @@ def _one_token(
         for e, expert in group:
             xe = x.to(expert.dtype)
             outs[order[e]] = ffn(e, expert, xe)[0] if ffn is not None else expert.swiglu(xe)[0].float()
-    return (w_sorted @ outs)[None]
+
+
+def lane_takes(ffn) -> bool:
+    """Whether the lane kernel computes this activation: the plain SwiGLU, or an ffn with a `lane` form (an
+    activation without one, DeepSeek-V4's clipped SwiGLU, runs per expert in torch)."""
+    return ffn is None or hasattr(ffn, "lane")
 
 
 def lane_act(ffn, ids: list[int]) -> ClampedAct | None:
@@ -143,8 +184,14 @@ class _RoutedStep:
             self.runs.setdefault(ex, []).append((b, src[starts[ex] : starts[ex] + count[ex]], []))
         return summed_as_they_come(rows.shape[0])
 
+    def run_local(self, experts: ExpertProvider, layer: int, ids: list[int]) -> None:
+        """Experts `ids` (in the fetch order) from the provider, computed here."""
+        if ids:
+            for group in experts.fetch_groups(layer, ids, ordered=self.ordered):
+                self.run(group)
+
     def run(self, group: list) -> None:
-        lane = all(w.lane for _, w in group)
+        lane = all(w.lane for _, w in group) and lane_takes(self.ffn)
         for part in row_batches(group, self.rows_of):
             if lane:
                 self._lane(part)

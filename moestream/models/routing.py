@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from moestream.compute import kernels, native
 from moestream.errors import ComputeError, ModelFileError
@@ -45,8 +46,8 @@ MIN_WEIGHT_SUM = 6.103515625e-5
 class Routing:
     """How a router turns its logits into (weights, experts); the default is the plain softmax top-k."""
 
-    # "softmax" over all experts, an independent "sigmoid" per expert, or "softmax_topk": the top-k logits
-    # chosen first and the softmax taken over those k only (GPT-OSS)
+    # "softmax" over all experts, an independent "sigmoid" or "sqrtsoftplus" (DeepSeek-V4: sqrt(softplus)) per
+    # expert, or "softmax_topk": the top-k logits chosen first and the softmax taken over those k only (GPT-OSS)
     gating: str = "softmax"
     norm: bool = True  # renormalise the k chosen weights to sum to 1
     scale: float = 1.0  # then multiply them by this (routed_scaling_factor)
@@ -83,7 +84,7 @@ def route_general(
         ids = logits.topk(k, dim=-1).indices if forced is None else forced
         weights = torch.softmax(logits.gather(-1, ids), dim=-1)
         return (weights * r.scale if r.scale != 1.0 else weights), ids
-    probs = torch.sigmoid(logits) if r.gating == "sigmoid" else torch.softmax(logits, dim=-1)
+    probs = _scores(logits, r.gating)
     if forced is None:
         select = probs if bias is None else probs + bias
         if r.n_group > 1:
@@ -104,6 +105,14 @@ def route_general(
     if r.scale != 1.0:
         weights = weights * r.scale
     return weights, ids
+
+
+def _scores(logits: torch.Tensor, gating: str) -> torch.Tensor:
+    if gating == "sigmoid":
+        return torch.sigmoid(logits)
+    if gating == "sqrtsoftplus":  # DeepSeek-V4
+        return F.softplus(logits).sqrt()
+    return torch.softmax(logits, dim=-1)
 
 
 def route(

@@ -49,6 +49,7 @@ from moestream.serving.schemas import (
 )
 from moestream.serving.structured import request_grammar
 from moestream.serving.text import TextStream, special_token_ids
+from moestream.serving.webui import add_webui
 from moestream.serving.worker import (
     Admission,
     DoneEvent,
@@ -65,21 +66,9 @@ DEFAULT_MAX_TOKENS = 2048  # a request that gives no max_tokens generates at mos
 
 # Variables render_chat sets itself (its parameters, the `documents` it passes, the helpers it installs):
 # a request's chat_template_kwargs may not replace them.
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "template",
-        "messages",
-        "tools",
-        "documents",
-        "add_generation_prompt",
-        "bos_token",
-        "eos_token",
-        "raise_exception",
-        "strftime_now",
-        "namespace",
-        "dict",
-    }
-)
+RESERVED_TEMPLATE_KWARGS = frozenset({"template", "messages", "tools", "documents", "add_generation_prompt",
+                                      "bos_token", "eos_token", "raise_exception", "strftime_now", "namespace",
+                                      "dict"})  # fmt: skip
 
 
 @dataclass
@@ -363,10 +352,13 @@ def create_app(
     on_fatal: Callable[[str], None] | None = None,
     admission: Admission = Admission(),
     api_key: str | None = None,
+    webui: bool = True,
+    host: str = "127.0.0.1",
 ) -> FastAPI:
     """The ASGI app. Its lifespan starts the engine worker and stops it (cancelling what is left).
     on_fatal(reason) is called from the worker when the server cannot answer any more (the model file
-    changed under it). api_key: what every /v1 request's Authorization: Bearer must carry."""
+    changed under it). api_key: what every /v1 request's Authorization: Bearer must carry. webui: the page at /
+    (webui.py; its events endpoint is there either way); host: the address the server listens on."""
     svc = Service(engine, model_name, defaults or Defaults(), max_body_bytes, on_fatal, admission)
 
     @asynccontextmanager
@@ -381,6 +373,7 @@ def create_app(
         app.add_middleware(APIKeyCheck, key=api_key)
     app.post("/v1/chat/completions")(svc.chat_completions)
     app.post("/v1/completions")(svc.completions)
+    add_webui(app, engine, svc.worker, model_name, page=webui, host=host)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -472,6 +465,7 @@ def serve(
     admission: Admission = Admission(),
     sock: socket.socket | None = None,
     api_key: str | None = None,
+    webui: bool = True,
 ) -> str | None:
     """Serve `engine` over HTTP until a signal ends it (the caller opens and closes the engine). Returns
     why the server stopped on its own (the model file changed), or None after a signal. `sock`: a socket
@@ -484,7 +478,8 @@ def serve(
         if server is not None:
             server.should_exit = True
 
-    app = create_app(engine, name, defaults=defaults, on_fatal=on_fatal, admission=admission, api_key=api_key)
+    app = create_app(engine, name, defaults=defaults, on_fatal=on_fatal, admission=admission, api_key=api_key,
+                     webui=webui, host=host)  # fmt: skip
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
 
@@ -492,6 +487,7 @@ def serve(
         # end the generations now (uvicorn waits for open connections); stop as uvicorn's handler does, but
         # without recording the signal it raises again once stopped, before the caller closes the engine
         app.state.service.worker.cancel_all()
+        app.state.engine_events.closing = True
         server.force_exit, server.should_exit = server.should_exit and sig == signal.SIGINT, True
 
     server.handle_exit = on_signal  # type: ignore[method-assign]

@@ -8,7 +8,9 @@ the answer stops iterating the generation at the next token); Ctrl-D or /exit qu
 GPT-OSS (harmony) answers are split by the server's parser (chat_formats.HarmonyParser): the analysis
 channel is shown as reasoning (dimmed on a terminal, after a "thinking:" label), a call addressed to a
 function as such, and only the final channel's text (with the calls) is kept as the assistant's message,
-as gpt-oss's template expects of earlier turns. Other families' answers are shown and kept as written.
+as gpt-oss's template expects of earlier turns. Other families' answers are shown and kept as written, a
+thinking block's markers included where they are special tokens (MiniMax-M2's and GLM-4.5's templates split
+a kept answer at </think> and drop the reasoning of earlier turns).
 """
 
 from __future__ import annotations
@@ -115,9 +117,12 @@ class ChatSession:
         self.max_tokens = max_tokens
         self.template_kwargs = template_kwargs or {}
         self.dim = dim
-        self.harmony = chat_format(self.tok.chat_template) is HARMONY
-        # harmony's message markers are special tokens: written as text so that the parser sees them
-        self.keep = special_token_ids(self.tok, HARMONY.markers(use_tools=True)) if self.harmony else frozenset()
+        fmt = chat_format(self.tok.chat_template)
+        self.harmony = fmt is HARMONY
+        # harmony's message markers are special tokens: written as text so that the parser sees them; a
+        # thinking family's </think> likewise, so that the kept answer is what its template splits on
+        markers = HARMONY.markers(use_tools=True) if self.harmony else fmt.think_markers
+        self.keep = special_token_ids(self.tok, markers)
         self.messages: list[dict[str, Any]] = []
         self.last: Any = None  # GenerationStats of the last answer
         self.dropped = 0  # turns dropped so far to fit the context

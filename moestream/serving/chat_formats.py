@@ -6,10 +6,16 @@ The family is read off the chat template (the markers it writes), never set by t
 - DeepSeek V3/R1: `<think>...</think>` (R1's template opens it in the prompt, so the answer starts inside
   it), calls `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{..}\\n```
   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`; V3.1 writes `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{..}`.
+- DeepSeek V4: `<think>...</think>` (opened by the prompt when thinking), calls in DSML:
+  `<｜DSML｜tool_calls>` then per call `<｜DSML｜invoke name="NAME">` with one `<｜DSML｜parameter name="K"
+  string="true|false">V</｜DSML｜parameter>` per argument (string="true": V as text, else JSON).
 - Kimi-K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>
   {..}<|tool_call_end|>...<|tool_calls_section_end|>`.
 - GLM-4.5/4.6: `<think>...</think>`, calls `<tool_call>NAME\\n<arg_key>k</arg_key>\\n<arg_value>v
   </arg_value>\\n</tool_call>` with each value as text (JSON for non-string parameters).
+- MiniMax-M2: `<think>...</think>` (its template opens it in the prompt and keeps the reasoning of the turns
+  after the last user message: interleaved thinking), calls `<minimax:tool_call>\n<invoke name="NAME">\n
+  <parameter name="k">v</parameter>\n...</invoke>\n</minimax:tool_call>`, each value as GLM's.
 - GPT-OSS (harmony): messages `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final
   <|message|>...`; the analysis channel is reasoning, final (and commentary without a recipient) content,
   and a message addressed `to=functions.NAME` (in its role or its channel part) a call with JSON arguments.
@@ -33,6 +39,23 @@ from moestream.serving.text import (
     hermes_call,
     partial_suffix,
     split_pieces,
+)
+from moestream.serving.tool_call_formats import (
+    DS_CALL_BEGIN,
+    DS_CALL_END,
+    DS_SEP,
+    DSML,
+    KIMI_ARGS,
+    KIMI_CALL_BEGIN,
+    KIMI_CALL_END,
+    MINIMAX_CLOSE,
+    MINIMAX_OPEN,
+    deepseek_calls,
+    dsml_calls,
+    glm_call,
+    json_object,
+    kimi_calls,
+    minimax_calls,
 )
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -61,81 +84,6 @@ class ChatFormat:
 
 # ---------------------------------------------------------------------------------------- call bodies
 
-DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-_DS_FENCED = re.compile(r"([^\n]+)\n```(?:json)?\n(.*?)\n?```\s*$", re.DOTALL)
-
-
-def _json_object(text: str) -> str | None:
-    """`text` as compact-as-written JSON object text, or None when it is not one."""
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return None
-    return json.dumps(obj, ensure_ascii=False) if isinstance(obj, dict) else None
-
-
-def deepseek_calls(body: str, tools: dict[str, dict[str, Any]]) -> list[ParsedCall] | None:
-    """The calls between <｜tool▁calls▁begin｜> and <｜tool▁calls▁end｜>: R1/V3's `function<｜tool▁sep｜>NAME`
-    + fenced JSON, or V3.1's `NAME<｜tool▁sep｜>JSON`."""
-    calls: list[ParsedCall] = []
-    for part in body.split(DS_CALL_BEGIN)[1:]:
-        part = part.split(DS_CALL_END, 1)[0]
-        head, sep, rest = part.partition(DS_SEP)
-        if not sep:
-            return None
-        fenced = _DS_FENCED.match(rest) if head.strip() == "function" else None
-        name, args = (fenced.group(1), fenced.group(2)) if fenced else (head, rest)
-        args_json = _json_object(args.strip())
-        if not name.strip() or args_json is None:
-            return None
-        calls.append((name.strip(), args_json, None))
-    return calls or None
-
-
-KIMI_CALL_BEGIN, KIMI_ARGS, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
-_KIMI_ID = re.compile(r"^(?:functions\.)?(.+?)(?::\d+)?$")
-
-
-def kimi_calls(body: str, tools: dict[str, dict[str, Any]]) -> list[ParsedCall] | None:
-    """The calls in a Kimi-K2 section; the id it writes (`functions.NAME:0`) is kept as the call's id,
-    since Kimi's template writes it back with the tool's result."""
-    calls: list[ParsedCall] = []
-    for part in body.split(KIMI_CALL_BEGIN)[1:]:
-        part = part.split(KIMI_CALL_END, 1)[0]
-        call_id, sep, args = part.partition(KIMI_ARGS)
-        m = _KIMI_ID.match(call_id.strip())
-        args_json = _json_object(args.strip())
-        if not sep or m is None or args_json is None:
-            return None
-        calls.append((m.group(1), args_json, call_id.strip()))
-    return calls or None
-
-
-_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
-
-
-def glm_call(body: str, tools: dict[str, dict[str, Any]]) -> list[ParsedCall] | None:
-    """One GLM-4.5 block: the name, then key/value pairs. A value is text as written where the tool's
-    schema says the parameter is a string, else JSON if it parses (numbers, lists, ...), else text."""
-    name = body.split("<arg_key>", 1)[0].strip()
-    if not name or "\n" in name:
-        return None
-    props = (tools.get(name) or {}).get("parameters", {}).get("properties", {})
-    args: dict[str, Any] = {}
-    for key, value in _GLM_ARG.findall(body):
-        key = key.strip()
-        if (props.get(key) or {}).get("type") == "string":
-            args[key] = value
-            continue
-        try:
-            args[key] = json.loads(value)
-        except ValueError:
-            args[key] = value
-    return [(name, json.dumps(args, ensure_ascii=False), None)]
-
-
-# ------------------------------------------------------------------------------------------ families
-
 QWEN = ChatFormat("qwen", False, "<tool_call>", "</tool_call>", lambda b, t: hermes_call(b), False, ())
 DEEPSEEK = ChatFormat(
     "deepseek",
@@ -145,6 +93,15 @@ DEEPSEEK = ChatFormat(
     deepseek_calls,
     True,
     ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", DS_CALL_BEGIN, DS_SEP, DS_CALL_END),
+)
+DEEPSEEK_V4 = ChatFormat(
+    "deepseek-v4",
+    True,
+    f"<{DSML}tool_calls>",
+    f"</{DSML}tool_calls>",
+    dsml_calls,
+    True,
+    (f"<{DSML}tool_calls>", f"</{DSML}tool_calls>"),
 )
 KIMI_K2 = ChatFormat(
     "kimi-k2",
@@ -163,6 +120,9 @@ GLM = ChatFormat(
     glm_call,
     True,
     ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+)
+MINIMAX_M2 = ChatFormat(
+    "minimax-m2", True, MINIMAX_OPEN, MINIMAX_CLOSE, minimax_calls, True, (MINIMAX_OPEN, MINIMAX_CLOSE)
 )
 
 H_START, H_CHANNEL, H_MESSAGE, H_END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
@@ -184,12 +144,16 @@ def chat_format(template: str | None) -> ChatFormat:
     t = template or ""
     if "<|channel|>" in t and "<|message|>" in t:
         return HARMONY
+    if DSML in t:  # V4's template also writes <｜Assistant｜>
+        return DEEPSEEK_V4
     if "<｜tool▁calls▁begin｜>" in t or "<｜Assistant｜>" in t:
         return DEEPSEEK
     if "<|tool_calls_section_begin|>" in t or "<|im_assistant|>" in t:
         return KIMI_K2
     if "<arg_key>" in t or "[gMASK]<sop>" in t:
         return GLM
+    if MINIMAX_OPEN in t or "]~b]ai" in t:
+        return MINIMAX_M2
     return QWEN
 
 
@@ -202,7 +166,8 @@ def render_prompt(tok: Any, messages: list[dict[str, Any]], **template_kwargs: A
 
 
 def starts_thinking(fmt: ChatFormat, prompt: str) -> bool:
-    """Whether the prompt leaves the model inside a thinking block (R1's and V3.1's templates open it)."""
+    """Whether the prompt leaves the model inside a thinking block (R1's, V3.1's and MiniMax-M2's templates
+    open it)."""
     return fmt.thinks and prompt.rstrip().endswith(THINK_OPEN)
 
 
@@ -416,7 +381,7 @@ class HarmonyParser:
         if self.kind == "call":
             if not last:
                 return
-            args = _json_object(text.strip())
+            args = json_object(text.strip())
             if args is not None:
                 call = ToolCall(len(self.calls), self.name, args)
                 self.calls.append(call)

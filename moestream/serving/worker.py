@@ -189,6 +189,10 @@ class _Request:
         usage = usage_of(self.seqs[0].stats)
         usage["completion_tokens"] = sum(s.stats.decode_tokens for s in self.seqs)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        st, decode_s = self.seqs[0].stats, max(s.stats.decode_s for s in self.seqs)  # llama.cpp's names
+        usage["timings"] = {"prompt_n": st.prompt_tokens - st.reused_tokens,
+                            "prompt_ms": round(st.prompt_s * 1000, 3), "predicted_n": usage["completion_tokens"],
+                            "predicted_ms": round(decode_s * 1000, 3)}  # fmt: skip
         return usage
 
     def log_line(self, outcome: str) -> str:

@@ -129,6 +129,16 @@ class ExpertCache:
         admit=False: what is read is used once and not kept; ordered: in the order of ids (Fetch)."""
         return Fetch(self, layer, ids, admit, ordered).groups()
 
+    def prefetch(self, layer: int, ids: list[int]) -> int:
+        """Read these experts of `layer` into the cache now, before the layer runs: experts known ahead of the
+        compute (DeepSeek-V4's hash-routed layers, from the token ids). Skipped where they would take more than
+        a quarter of the cache (they would push out what the step needs first). Returns how many were asked."""
+        if not ids or 4 * len(ids) > self.capacity:
+            return 0
+        for _group in self.fetch_groups(layer, ids):
+            pass
+        return len(ids)
+
     # -- the profile part ------------------------------------------------------------------------------
 
     def pin(self, keys: list[tuple[int, int]], progress: bool = False) -> int:

@@ -1,9 +1,10 @@
-"""Synthetic gpt-oss (gpt-oss-20b/120b), llama-with-experts (Mixtral 8x7B), olmoe (OLMoE-1B-7B) and qwen2moe
-(Qwen2-57B-A14B) models at real shapes.
+"""Synthetic gpt-oss (gpt-oss-20b/120b), llama-with-experts (Mixtral 8x7B), olmoe (OLMoE-1B-7B), qwen2moe
+(Qwen2-57B-A14B) and minimax-m2 (MiniMax-M2) models at real shapes.
 
 Tensors, shapes and metadata keys are those llama.cpp's convert_hf_to_gguf.py writes (GptOssModel,
-LlamaModel, OlmoeModel, Qwen2MoeModel), with random weights as synth.py makes them. Every 1-D tensor, every
-bias, the routers and Qwen2-MoE's shared-expert gate stay F32, as the converter keeps them. The vocabulary is
+LlamaModel, OlmoeModel, Qwen2MoeModel, MiniMaxM2Model), with random weights as synth.py makes them. Every 1-D
+tensor, every bias, the routers, MiniMax-M2's correction bias and Qwen2-MoE's shared-expert gate stay F32, as
+the converter keeps them. The vocabulary is
 synth's tiny BPE one; gpt-oss shapes add harmony's control tokens and a compact harmony chat template, so
 their answers split into channels as a real gpt-oss file's do.
 
@@ -102,7 +103,7 @@ def harmony_tokenizer_metadata() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class GqaShape:
-    arch: str  # "gpt-oss", "llama" (Mixtral), "olmoe" or "qwen2moe"
+    arch: str  # "gpt-oss", "llama" (Mixtral), "olmoe", "qwen2moe" or "minimax-m2"
     n_layers: int
     hidden: int
     n_heads: int
@@ -119,6 +120,7 @@ class GqaShape:
     sliding_window: int = 0  # gpt-oss: the even layers' window
     yarn_factor: float = 0.0  # gpt-oss: rope scaling (always yarn)
     yarn_orig_ctx: int = 4096
+    rot_dim: int = 0  # minimax-m2: the rotated dims at the start of each head (its rotary_dim)
 
     def tokenizer_metadata(self) -> dict[str, Any]:
         return harmony_tokenizer_metadata() if self.arch == "gpt-oss" else build_tiny_bpe_metadata()
@@ -159,6 +161,14 @@ class GqaShape:
                 a + "rope.scaling.factor": float(self.yarn_factor),
                 a + "rope.scaling.original_context_length": self.yarn_orig_ctx,
             }
+        elif self.arch == "minimax-m2":  # head_dim and scoring_func "sigmoid" are in its config.json
+            md |= {
+                a + "expert_gating_func": 2,
+                a + "attention.key_length": self.head_dim,
+                a + "attention.value_length": self.head_dim,
+                a + "expert_feed_forward_length": self.expert_ffn,
+                a + "rope.dimension_count": self.rot_dim,
+            }
         return md
 
     def tensors(self, expert_type: T, dense_type: T, vocab: int, seed: int, k_m: bool = False) -> list[TensorSpec]:
@@ -183,7 +193,7 @@ class GqaShape:
                 q.dense(p + "attn_output.weight", (H, q_dim), W_OUT),
                 *q.bias(p + "attn_output.bias", H, oss, W_OUT),
             ]
-            if self.arch == "olmoe":  # one norm over the whole projection, not per head
+            if self.arch in ("olmoe", "minimax-m2"):  # one norm over the whole projection, not per head
                 specs += [
                     norm_spec(p + "attn_q_norm.weight", q_dim, seed),
                     norm_spec(p + "attn_k_norm.weight", kv_dim, seed),
@@ -195,6 +205,8 @@ class GqaShape:
                 # router logits with std ~2: top-k sets differ between tokens, softmax is not one-hot
                 spec(p + "ffn_gate_inp.weight", T.F32, (E, H), 2.0 * w_in, seed),
                 *q.bias(p + "ffn_gate_inp.bias", E, oss),
+                # the correction bias (within +-0.1 of the sigmoid scores): it moves close choices
+                *q.bias(p + "exp_probs_b.bias", E, self.arch == "minimax-m2"),
                 q.expert(p + "ffn_gate_exps.weight", (E, F, H), w_in),
                 *q.bias2(p + "ffn_gate_exps.bias", (E, F), oss, 0.1),
                 q.expert(p + "ffn_up_exps.weight", (E, F, H), w_in),
@@ -289,6 +301,10 @@ GQA_SHAPES: dict[str, GqaShape] = {
     ),
     # YaRN over a short original context with a theta that puts the ramp's ends on whole dims, where
     # llama.cpp's rounding of them and GPT-OSS's unrounded ramp agree; the window is shorter than a prompt
+    "minimax-m2": GqaShape(
+        "minimax-m2", n_layers=62, hidden=3072, n_heads=48, n_kv_heads=8, head_dim=128, n_experts=256, top_k=8,
+        expert_ffn=1536, dense_ffn=1536, context_length=196608, rope_theta=5_000_000.0, rms_eps=1e-6, rot_dim=64,
+    ),
     "tiny-gpt-oss": GqaShape(
         "gpt-oss", n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8, top_k=2,
         expert_ffn=256, dense_ffn=256, context_length=256, rope_theta=238_000.0, sliding_window=24,
@@ -301,6 +317,10 @@ GQA_SHAPES: dict[str, GqaShape] = {
     "tiny-olmoe": GqaShape(
         "olmoe", n_layers=3, hidden=256, n_heads=4, n_kv_heads=4, head_dim=64, n_experts=16, top_k=4,
         expert_ffn=256, dense_ffn=256,
+    ),
+    "tiny-minimax-m2": GqaShape(
+        "minimax-m2", n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=16, top_k=4,
+        expert_ffn=256, dense_ffn=256, rope_theta=5_000_000.0, rms_eps=1e-6, rot_dim=32,
     ),
     "tiny-qwen2moe": GqaShape(
         "qwen2moe", n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=16, top_k=4,

@@ -1,6 +1,6 @@
 """Synthetic GGUF models at real shapes with random weights: qwen3moe and qwen35moe here, deepseek2
-(DeepSeek-V2/V3, Kimi-K2) and glm4moe (GLM-4.5/4.6) in arches.py, gpt-oss, Mixtral, OLMoE and
-Qwen2-MoE in gqa_arches.py.
+(DeepSeek-V2/V3, Kimi-K2) and glm4moe (GLM-4.5/4.6) in arches.py, gpt-oss, Mixtral, OLMoE, Qwen2-MoE and
+MiniMax-M2 in gqa_arches.py, deepseek4 (DeepSeek-V4 Flash and Pro) in v4_arches.py.
 
 They exercise the engine (and llama.cpp, for baselines) at full size without downloading anything:
 same tensor names, shapes, types and expert layout as a converted GGUF of that model.
@@ -28,6 +28,7 @@ from moestream.formats.tokenizer import build_tiny_bpe_metadata
 from moestream.synth.arches import ARCH_SHAPES, DeepSeekShape, GlmShape, llama_cpp_loads
 from moestream.synth.blocks import header_table, norm_spec, random_blocks, spec, uniform_spec, use_more_bits
 from moestream.synth.gqa_arches import GQA_SHAPES, GqaShape
+from moestream.synth.v4_arches import V4_SHAPES, DeepSeek4Shape
 
 __all__ = ["SHAPES", "QUANTS", "SynthShape", "header_table", "llama_cpp_loads", "q4_k_m_type", "random_blocks",
            "shape_metadata", "synth_nbytes", "synth_tensors", "use_more_bits", "write_synth",
@@ -65,7 +66,7 @@ class SynthShape:
         return self.arch == "qwen35moe" and (layer + 1) % self.full_attention_interval != 0
 
 
-SHAPES: dict[str, SynthShape | DeepSeekShape | GlmShape | GqaShape] = {
+SHAPES: dict[str, SynthShape | DeepSeekShape | GlmShape | GqaShape | DeepSeek4Shape] = {
     "tiny": SynthShape(
         n_layers=4,
         hidden=256,
@@ -125,7 +126,8 @@ SHAPES: dict[str, SynthShape | DeepSeekShape | GlmShape | GqaShape] = {
         rot_dim=64,
     ),
     **ARCH_SHAPES,  # deepseek2 and glm4moe
-    **GQA_SHAPES,  # gpt-oss, llama (Mixtral), olmoe, qwen2moe
+    **GQA_SHAPES,  # gpt-oss, llama (Mixtral), olmoe, qwen2moe, minimax-m2
+    **V4_SHAPES,  # deepseek4 (DeepSeek-V4 Flash and Pro)
 }
 
 QUANTS: dict[str, T] = {
@@ -137,7 +139,7 @@ QUANTS: dict[str, T] = {
     "F16": T.F16,
     "BF16": T.BF16,
     "F32": T.F32,
-    "MXFP4": T.MXFP4,  # llama-quantize's MXFP4_MOE: experts MXFP4, the rest Q8_0 (gqa shapes only)
+    "MXFP4": T.MXFP4,  # llama-quantize's MXFP4_MOE: experts MXFP4, the rest Q8_0 (gqa and deepseek4 shapes)
 }
 _FILE_TYPE = {
     T.Q4_0: LlamaFileType.MOSTLY_Q4_0,
@@ -282,7 +284,7 @@ def _quant_type(name: str) -> T:
         raise ValueError(f"unknown quant {name!r}; choose one of {', '.join(QUANTS)}") from None
 
 
-AnyShape = SynthShape | DeepSeekShape | GlmShape | GqaShape
+AnyShape = SynthShape | DeepSeekShape | GlmShape | GqaShape | DeepSeek4Shape
 
 
 def _resolve(shape: str, layers: int | None, quant: str | None = None, top_k: int | None = None) -> AnyShape:
@@ -293,8 +295,8 @@ def _resolve(shape: str, layers: int | None, quant: str | None = None, top_k: in
         if not 1 <= top_k <= s.n_experts:
             raise ValueError(f"top-k must be between 1 and {s.n_experts} for {shape}, got {top_k}")
         s = replace(s, top_k=top_k)
-    if quant is not None and quant.upper() == "MXFP4" and not isinstance(s, GqaShape):
-        gqa = ", ".join(n for n in GQA_SHAPES if not n.startswith("tiny"))
+    if quant is not None and quant.upper() == "MXFP4" and not isinstance(s, (GqaShape, DeepSeek4Shape)):
+        gqa = ", ".join(n for n in [*GQA_SHAPES, *V4_SHAPES] if not n.startswith("tiny"))
         raise ValueError(f"MXFP4 is offered for the shapes {gqa} (and their tiny ones), not {shape}")
     if layers is None:
         return s

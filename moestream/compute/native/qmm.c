@@ -266,10 +266,11 @@ int ms_qmm(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int
 #endif
 }
 
-/* GPT-OSS's clamped SwiGLU: per-expert biases and the activation's constants */
+/* A clamped SwiGLU: per-expert biases and the activation's constants; GPT-OSS's adds 1 to the clamped up
+ * (up_shift 1), DeepSeek-V4's does not (up_shift 0, alpha 1, zero biases: silu(min(g, L)) * clamp(u, -L, L)) */
 typedef struct {
     const float *const *b_gate, *const *b_up, *const *b_down;
-    float alpha, limit;
+    float alpha, limit, up_shift;
 } clamp_act;
 
 /* SwiGLU experts: for each expert e, out_e[m_e, h] = down_e(silu(gate_e(x_e)) * up_e(x_e)), where gate_up_e
@@ -296,14 +297,14 @@ static void swiglu_task(void *vctx, int64_t t) {
         int e = 0;
         while (c->row0[e + 1] <= t) e++;
         const float *bg = k->b_gate[e], *bu = k->b_up[e];
-        const float lim = k->limit, alpha = k->alpha;
+        const float lim = k->limit, alpha = k->alpha, shift = k->up_shift;
         for (int64_t i = 0; i < c->f; i++) {
             /* written as comparisons so that NaN passes through, as torch's clamp lets it */
             float g = a[i] + bg[i], u = a[c->f + i] + bu[i];
             g = g > lim ? lim : g;
             u = u > lim ? lim : u < -lim ? -lim : u;
             float s = 1.0f / (1.0f + expf(-(g * alpha)));
-            a[i] = g * s * (u + 1.0f);
+            a[i] = g * s * (u + shift);
         }
     }
     const xprep *p = c->xp;
@@ -435,22 +436,22 @@ int ms_moe_ffn(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const 
 }
 
 static int clamp_ok(const float *const *b_gate, const float *const *b_up, const float *const *b_down, float alpha,
-                    float limit) {
+                    float limit, float up_shift) {
     if (!b_gate || !b_up || !b_down) return MS_BAD_PTR;
-    if (!isfinite(alpha) || !isfinite(limit) || limit < 0) return MS_BAD_SHAPE;
+    if (!isfinite(alpha) || !isfinite(limit) || limit < 0 || !isfinite(up_shift)) return MS_BAD_SHAPE;
     return MS_OK;
 }
 
 /* GPT-OSS's experts: as ms_moe_ffn, with per-expert biases (b_gate[e], b_up[e]: f floats; b_down[e]: h)
  * and the clamped activation: g = min(gate + b_gate, limit), u = clamp(up + b_up, -limit, limit),
- * out = down(g * sigmoid(alpha * g) * (u + 1)) + b_down. */
+ * out = down(g * sigmoid(alpha * g) * (u + up_shift)) + b_down (up_shift 1: GPT-OSS; 0: DeepSeek-V4). */
 int ms_moe_ffn_clamped(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const int *type_d,
                        const uint8_t *const *w_d, int64_t h, int64_t f, const float *const *x, const int64_t *m,
                        float *const *out, const float *const *b_gate, const float *const *b_up,
-                       const float *const *b_down, float alpha, float limit) {
-    const int rc = clamp_ok(b_gate, b_up, b_down, alpha, limit);
+                       const float *const *b_down, float alpha, float limit, float up_shift) {
+    const int rc = clamp_ok(b_gate, b_up, b_down, alpha, limit, up_shift);
     if (rc != MS_OK) return rc;
-    clamp_act clamp = {b_gate, b_up, b_down, alpha, limit};
+    clamp_act clamp = {b_gate, b_up, b_down, alpha, limit, up_shift};
     const moe_rows in = {x, NULL, NULL, 0};
     return moe_ffn_run(n_exp, type_gu, w_gu, type_d, w_d, h, f, &in, m, out, &clamp);
 }
@@ -478,15 +479,16 @@ int ms_prep_rows(const float *x, int64_t m, int64_t k, void *prep) {
 int ms_moe_ffn_gather(int n_exp, const int *type_gu, const uint8_t *const *w_gu, const int *type_d,
                       const uint8_t *const *w_d, int64_t h, int64_t f, const void *prep, int64_t nx,
                       const int64_t *idx, const int64_t *m, float *const *out, const float *const *b_gate,
-                      const float *const *b_up, const float *const *b_down, float alpha, float limit) {
+                      const float *const *b_up, const float *const *b_down, float alpha, float limit,
+                      float up_shift) {
     if (!prep || !idx || (uintptr_t)prep % 64) return MS_BAD_PTR;
     if (!count_ok(nx) || !dim_ok(h) || h % 32 || !prod_ok(nx, h)) return MS_BAD_SHAPE;
     xprep xp;
     xprep_bind(&xp, (void *)prep, nx, h);
     const moe_rows in = {NULL, &xp, idx, nx};
     if (!b_gate) return moe_ffn_run(n_exp, type_gu, w_gu, type_d, w_d, h, f, &in, m, out, NULL);
-    const int rc = clamp_ok(b_gate, b_up, b_down, alpha, limit);
+    const int rc = clamp_ok(b_gate, b_up, b_down, alpha, limit, up_shift);
     if (rc != MS_OK) return rc;
-    clamp_act clamp = {b_gate, b_up, b_down, alpha, limit};
+    clamp_act clamp = {b_gate, b_up, b_down, alpha, limit, up_shift};
     return moe_ffn_run(n_exp, type_gu, w_gu, type_d, w_d, h, f, &in, m, out, &clamp);
 }
