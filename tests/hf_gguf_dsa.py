@@ -127,14 +127,17 @@ def write_dsa_from_hf(
 
 def _perturb_dsa(model: Any) -> None:
     """Distinct norms; routers and correction biases large enough that the choice is never a near-tie; the
-    indexer's head weights spread so that its scores are seldom close at the top-k cut."""
+    indexer's head weights spread and positive, so that its scores are seldom close at the top-k cut and a
+    key all of whose heads ReLU drops (score exactly 0) ranks last instead of tying others mid-row."""
     for name, p in model.named_parameters():
-        if p.ndim == 1:
+        if name.endswith("indexer.k_norm.bias"):  # a large shared offset would make the heads' signs agree
+            p.uniform_(-0.2, 0.2)
+        elif p.ndim == 1:
             p.uniform_(0.5, 1.5)
         elif name.endswith("mlp.gate.weight"):
             p.normal_(0.0, 0.3)
         elif name.endswith("indexer.weights_proj.weight"):
-            p.normal_(0.0, 1.0)
+            p.normal_(0.0, 1.0).abs_()
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             b.uniform_(-0.2, 0.2)
