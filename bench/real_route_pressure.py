@@ -144,6 +144,7 @@ def run_one(args: argparse.Namespace, arm: str, rep: int, balloon: Balloon, tmp:
     setup["loadavg"] = list(os.getloadavg())
     if arm == "llama.cpp":
         m, stats = run_llamacpp(args.model, args.prompt, args.tokens, args.threads, False, args.timeout_s)
+        log(f"llama.cpp #{rep}: {m.status} decode {stats.get('decode_tps', 0):.2f} tok/s")
         return {"result": to_result("llama.cpp", "repack off", "pressure", rep, m, stats, setup)}
     trace = os.path.join(tmp, f"{arm}-{rep}.trace.csv")
     extra = ["--trace", trace, "--io-threads", str(args.io_threads), *args.moestream_args.split()]
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rs, picked = pick_samples(args.routes, args.repeat, need=64 + args.tokens)
     runs: list[dict[str, Any]] = []
+    path = results_path(args.results_dir, args.name)
     with tempfile.TemporaryDirectory(prefix="real-route-") as tmp, Balloon(leave_gb=args.leave_gb) as balloon:
         args.sample_files = [sample_file(rs, i, os.path.join(tmp, f"sample-{i}.csv")) for i in picked]
         args.probe_path = os.path.join(tmp, "probe.json")
@@ -233,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
             k = rep % len(arms)
             for arm in arms[k:] + arms[:k]:
                 runs.append(run_one(args, arm, rep, balloon, tmp))
+                save(args, rs, picked, runs, path)  # after every run: a run cut short keeps what it measured
+    print(json.dumps(save(args, rs, picked, runs, path)["report"], indent=1))
+    log(f"wrote {path}")
+    return 0
+
+
+def save(args: argparse.Namespace, rs: RouteSet, picked: list[int], runs: list[dict[str, Any]], path: str) -> dict:
     doc = {
         "what": "decode under pressure on real routes vs the uniform floor, the disk floor, Belady, llama.cpp",
         "meta": run_meta(args, samples=picked, routes_shape=rs.shape, disk=args.disk),
@@ -240,11 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         "report": report(runs),
         "runs": [{**x, "result": vars(x["result"])} for x in runs],
     }
-    path = results_path(args.results_dir, args.name)
     write_json(path, doc)
-    print(json.dumps(doc["report"], indent=1))
-    log(f"wrote {path}")
-    return 0
+    return doc
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ def test_read_stats(tmp_path):
     path.write_text(json.dumps({"decode_tokens": 11, "decode_s": 2.0, "decode_read_wait_s": 1.5}))
     got = fc.read_stats(str(path))
     assert got["decode_tps"] == 5 and got["compute_ms"] == pytest.approx(50)
+    assert got["read_bytes_per_pass"] == 0
     path.write_text(json.dumps({"stats": {"decode_tps": 3.0}}))
     assert fc.read_stats(str(path)) == {"decode_tps": 3.0}
     path.write_text("[]")
@@ -79,6 +80,23 @@ def test_read_stats(tmp_path):
         fc.read_stats(str(path))
     with pytest.raises(MoestreamError, match="cannot read"):
         fc.read_stats(str(tmp_path / "none.json"))
+
+
+def test_compute_from_a_run_that_read_experts_counts_packing_once(tmp_path):
+    """A streamed run's decode time minus its read waits holds the packing of what it read; forecasting that
+    same run's misses must give back its own speed when its reads were hidden, not that packing twice."""
+    geom = fc.Geometry(n_layers=4, top_k=4, expert_bytes=3 * SEG)
+    pack_ms, compute_cached = 5.0, 40.0
+    misses = 8  # per pass, 2 a layer, all reads hidden under compute (no waits)
+    decode_s = (compute_cached + misses * pack_ms) / 1e3 * 10
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"decode_tokens": 11, "decode_s": decode_s, "decode_read_wait_s": 0.0,
+                                "decode_bytes_read": 10 * misses * geom.expert_bytes}))  # fmt: skip
+    got = fc.read_stats(str(path))
+    assert fc.cached_compute_ms(got, geom, pack_ms) == pytest.approx(compute_cached)
+    f = fc.forecast(_probe(), geom, fc.cached_compute_ms(got, geom, pack_ms), miss_hist=[0, 0, 10], pack_ms=pack_ms)
+    assert f.tok_s == pytest.approx(got["decode_tps"], rel=0.02)
+    assert fc.cached_compute_ms({"compute_ms": 1.0, "read_bytes_per_pass": 9e9}, geom, pack_ms) == 0.0
 
 
 @pytest.fixture(scope="module")

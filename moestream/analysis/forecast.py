@@ -229,6 +229,14 @@ def forecast(
     )
 
 
+def cached_compute_ms(stats: dict[str, float], geom: Geometry, pack_ms: float) -> float:
+    """Compute per forward pass with every expert cached, from a run's stats (read_stats): its decode time
+    minus its read waits still holds the packing of each expert it read, which the forecast adds per miss
+    on its own; left in, a run that read experts would have its packing counted twice."""
+    misses = stats.get("read_bytes_per_pass", 0.0) / geom.expert_bytes if geom.expert_bytes else 0.0
+    return max(0.0, stats["compute_ms"] - misses * pack_ms)
+
+
 def read_stats(path_or_value: str) -> dict[str, float]:
     """A measured run: a number (decode tok/s) or a JSON file with the engine's GenerationStats fields
     (decode_tokens, decode_s, decode_read_wait_s) or a decode_tps key, possibly under "stats"; rates are per
@@ -258,6 +266,7 @@ def read_stats(path_or_value: str) -> dict[str, float]:
         out["decode_tps"] = passes / float(doc["decode_s"])
         wait = float(doc.get("decode_read_wait_s", 0.0))
         out["compute_ms"] = 1e3 * (float(doc["decode_s"]) - wait) / passes
+        out["read_bytes_per_pass"] = float(doc.get("decode_bytes_read", 0)) / passes
     elif "decode_tps" in doc:
         out["decode_tps"] = float(doc["decode_tps"])
     else:

@@ -243,14 +243,14 @@ def _forecast_probe(args: argparse.Namespace) -> pr.ProbeResult:
     return pr.probe_file(args.model, sizes=None, reads_per_row=32, seconds_per_row=1.0, progress=sys.stderr.isatty())
 
 
-def _decode_compute_ms(args: argparse.Namespace) -> float:
+def _decode_compute_ms(args: argparse.Namespace, geom: fc.Geometry, pack_ms: float) -> float:
     if args.compute_ms is not None:
         compute_ms = args.compute_ms
     elif args.compute_from:
         got = fc.read_stats(args.compute_from)
         if "compute_ms" not in got:
             raise MoestreamError(f"{args.compute_from} has no decode_s and decode_read_wait_s to use")
-        compute_ms = got["compute_ms"]
+        compute_ms = fc.cached_compute_ms(got, geom, pack_ms)
     elif args.measure_compute:
         if not args.model:
             raise MoestreamError("--measure-compute needs --model")
@@ -271,13 +271,13 @@ def cmd_forecast(args: argparse.Namespace) -> int:
     geom = _forecast_geometry(args, meta)
     probe = _forecast_probe(args)
     measured = fc.read_stats(args.measured) if args.measured else {}
-    compute_ms = _decode_compute_ms(args)
     direct = False if args.buffered else (True if args.direct else None)
     pack_ms = args.pack_ms
     if pack_ms is None:
         pack_ms = measure_pack_ms(args.model) if args.model else fc.DEFAULT_PACK_MS
     if not (math.isfinite(pack_ms) and pack_ms >= 0):
         raise MoestreamError(f"the pack time must be a finite number >= 0, got {pack_ms}")
+    compute_ms = _decode_compute_ms(args, geom, pack_ms)
     kw = dict(io_threads=args.io_threads, direct=direct, pack_ms=pack_ms)
     cases: list[tuple[str, fc.Forecast]] = [
         ("no cache hits", fc.forecast(probe, geom, compute_ms, hit_rate=0.0, **kw)),
