@@ -342,8 +342,8 @@ def test_llama_cpp_reads_the_same_model(tiny):
 # ---- the test converter --------------------------------------------------------------------------
 
 
-def _kind(name: str, ndim: int) -> str:
-    """Which type the converter gives a tensor: the routed experts', the dense one, or F32."""
+def _kind(name: str, ndim: int, arch: str) -> str:
+    """Which type the converter gives a tensor of `arch` (GGUF name): the routed experts', the dense one, or F32."""
     if name.endswith(".bias"):  # the converter keeps every bias F32 (GPT-OSS's experts' are 2-D)
         return "f32"
     if name.endswith("tid2eid.weight"):  # DeepSeek-V4's hash table
@@ -352,7 +352,9 @@ def _kind(name: str, ndim: int) -> str:
         return "f32"
     if is_routed_expert_tensor(name):
         return "expert"
-    f32_names = ("ssm_conv1d.weight", "ssm_a", "indexer.proj.weight")  # indexer.proj: the DSA indexer's weights
+    f32_names = ("ssm_conv1d.weight", "ssm_a")
+    if arch != "deepseek4":  # the DSA indexer's head weights stay F32; V4's indexer.proj is quantized as the rest
+        f32_names += ("indexer.proj.weight",)
     if ndim == 1 or "norm" in name or "ffn_gate_inp" in name or name.endswith(f32_names):
         return "f32"
     return "dense"
@@ -389,9 +391,12 @@ def test_quantized_types(tmp_path, arch, dense, expert, tol):
     arch.write(model, f32_path)
     arch.write(model, path, dense_type=dense, expert_type=expert)
     exact = {t.name: np.asarray(t.data, dtype=np.float32) for t in GGUFReader(f32_path).tensors}
+    f = GGUFFile(path)
+    gguf_arch = f.arch
+    f.close()
     for t in GGUFReader(path).tensors:
         w = exact[t.name]
-        kind = _kind(t.name, len(t.shape))
+        kind = _kind(t.name, len(t.shape), gguf_arch)
         assert t.tensor_type == {"dense": dense, "expert": expert, "f32": T.F32, "i32": T.I32}[kind], t.name
         if kind == "i32":
             continue
