@@ -151,3 +151,19 @@ def test_the_real_converter_writes_what_the_writer_writes(tmp_path):
             assert (eng.forward(toks, 0, all_logits=True) - ref).abs().max() < 1e-3
     finally:
         eng.close()
+
+
+def test_a_long_prompt_in_spans_under_a_budget_equals_transformers(tiny):
+    """A 700-token prompt (spans of 256, attention in query chunks, 3 expert slots: most experts read from
+    disk) in exact mode: every position's logits within 1e-3 of transformers'."""
+    model, path = tiny
+    prompt = random_tokens(700, model.config.vocab_size, seed=8)
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0]
+    eng = Engine(path, EngineOptions(n_slots=3, exact=True, ubatch=64, prefill_span=256))
+    try:
+        with torch.inference_mode():
+            ours = torch.cat([eng.forward(prompt[s : s + 256], s, all_logits=True) for s in range(0, 700, 256)])
+        assert (ours - ref).abs().max() < 1e-3
+    finally:
+        eng.close()
