@@ -278,6 +278,8 @@ def test_the_page_asks_for_the_key_once(browser: Any, keyed_server: str, tmp_pat
     page.fill("#key-input", KEY)
     page.keyboard.press("Enter")
     page.wait_for_function("window.moestreamEngine.states >= 1", timeout=30_000)
+    # the name comes from its own request (the models list), which may answer after the first state
+    page.wait_for_function("document.querySelector('#model-name').textContent !== ''", timeout=30_000)
     assert page.inner_text("#model-name") == "tiny"
     page.reload()  # the key is kept: no second question
     page.wait_for_function("window.moestreamEngine.states >= 1", timeout=30_000)
