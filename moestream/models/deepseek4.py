@@ -34,14 +34,14 @@ from moestream.models.compressed_attention import (
     CompressedKVCache,
     Rotary,
 )
-from moestream.models.hyper import HyperConnection, HyperDecoderLayer, HyperHead, HyperSpec
+from moestream.models.hyper import HyperConnection, HyperDecoderLayer, HyperHead, HyperResidual, HyperSpec
 from moestream.models.layer import Step
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.memory import CompressedAttentionMemory, ModelMemory, MoEMemory
 from moestream.models.moe import MoE
 from moestream.models.rope import yarn_inv_freq
 from moestream.models.routing import Routing, route_general
-from moestream.models.rows import blockwise, fused_rows, linear_rows, per_row
+from moestream.models.rows import fused_rows, linear_rows, per_row
 
 ARCH = "deepseek4"
 SQRT_SOFTPLUS = 4  # llama.cpp's expert_gating_func value
@@ -237,19 +237,6 @@ def w_error(i: int, n_experts: int):
     from moestream.errors import ModelFileError
 
     return ModelFileError(f"blk.{i}.ffn_gate_tid2eid names an expert outside 0..{n_experts - 1}; the file is damaged")
-
-
-class HyperResidual:
-    """hc_mult copies of the embeddings in, the head's mix of the streams out."""
-
-    def __init__(self, hc_mult: int, head: HyperHead):
-        self.hc_mult, self.head = hc_mult, head
-
-    def widen(self, x: torch.Tensor) -> torch.Tensor:
-        return x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
-
-    def narrow(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-        return blockwise(x, spans, lambda _bs, xr: per_row(self.head, xr), lambda _b, xb: self.head(xb))
 
 
 class DeepSeek4(MoEModel):

@@ -89,10 +89,23 @@ class HyperHead:
         return (pre.unsqueeze(-1) * x).sum(dim=1)
 
 
-def _by_rows(step: Step, x: torch.Tensor, fn) -> Any:
+def by_rows(spans: list[tuple[int, int]], x: torch.Tensor, fn) -> Any:
     """fn over a step's blocks of streams x, each one-token block alone (torch's matmuls pick kernels by
     shape, so a row's bits would otherwise depend on what shares the step)."""
-    return blockwise(x, step.spans, lambda _bs, xr: per_row(fn, xr), lambda _b, xb: fn(xb))
+    return blockwise(x, spans, lambda _bs, xr: per_row(fn, xr), lambda _b, xb: fn(xb))
+
+
+class HyperResidual:
+    """The model's residual as hc_mult streams: copies of the embeddings in, the head's mix of them out."""
+
+    def __init__(self, hc_mult: int, head: HyperHead):
+        self.hc_mult, self.head = hc_mult, head
+
+    def widen(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+
+    def narrow(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        return by_rows(spans, x, self.head)
 
 
 @dataclass(eq=False)
@@ -111,10 +124,10 @@ class HyperDecoderLayer(DecoderLayer):
 
     def _site(self, x: torch.Tensor, step: Step, hc: HyperConnection, block) -> torch.Tensor:
         T, n, D = x.shape
-        packed = _by_rows(step, x, lambda xs: _pack(*hc.collapse(xs)))
+        packed = by_rows(step.spans, x, lambda xs: _pack(*hc.collapse(xs)))
         h, post, comb = _unpack(packed, n, D)
         y = block(h)
-        return _by_rows(step, torch.cat([x.flatten(1), y, post, comb.flatten(1)], dim=1),
+        return by_rows(step.spans, torch.cat([x.flatten(1), y, post, comb.flatten(1)], dim=1),
                         lambda r: expand(*_split_expand(r, n, D)).flatten(1)).view(T, n, D)  # fmt: skip
 
 
