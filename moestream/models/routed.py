@@ -56,14 +56,7 @@ def run_routed(
         pending = remote.submit(layer, x, {e: [src for _, src, _ in step.runs[e]] for e in sorted(far)}, False)
     step.run_local(experts, layer, [e for e in step.fetch_order if e not in far])
     if pending is not None:
-        lost = []
-        for e, ys in remote.collect(layer, pending):
-            if ys is None:
-                lost.append(e)
-                continue
-            for (b, _src, dst), y in zip(step.runs[e], ys, strict=True):
-                step._deliver(b, e, dst, y)
-        step.run_local(experts, layer, lost)  # a lost worker's experts: from the disk
+        step.run_local(experts, layer, _take_remote(remote, layer, pending, step.deliver_remote))
     return step.results()
 
 
@@ -83,21 +76,27 @@ def _one_token(
     pending = remote.submit(layer, xc, {e: one for e in sorted(far)}, True) if far else None
     _local_experts(xc, [e for e in id_list if e not in far], layer, experts, ffn, outs, order)
     if pending is not None:
-        lost = []
-        for e, ys in remote.collect(layer, pending):
-            if ys is None:
-                lost.append(e)
-            else:
-                outs[order[e]] = ys[0][0]
-        _local_experts(xc, lost, layer, experts, ffn, outs, order)  # a lost worker's: from disk
+        lost = _take_remote(remote, layer, pending, lambda e, ys: outs.__setitem__(order[e], ys[0][0]))
+        _local_experts(xc, lost, layer, experts, ffn, outs, order)
     return (w_sorted @ outs)[None]
+
+
+def _take_remote(remote, layer: int, pending, deliver) -> list[int]:
+    """Each remote expert's outputs handed to deliver(e, ys); the experts whose worker was lost are returned,
+    to be computed here from the disk."""
+    lost = []
+    for e, ys in remote.collect(layer, pending):
+        if ys is None:
+            lost.append(e)
+        else:
+            deliver(e, ys)
+    return lost
 
 
 def _local_experts(
     xc: torch.Tensor, ids: list[int], layer: int, experts: ExpertProvider, ffn, outs: torch.Tensor, order: dict
 ) -> None:
     """One token's experts `ids` fetched from the provider and computed here, each into its row of outs."""
-    x = xc
     if not ids:
         return
     for group in experts.fetch_groups(layer, ids):
@@ -108,7 +107,7 @@ def _local_experts(
             )  # fmt: skip
             continue
         for e, expert in group:
-            xe = x.to(expert.dtype)
+            xe = xc.to(expert.dtype)
             outs[order[e]] = ffn(e, expert, xe)[0] if ffn is not None else expert.swiglu(xe)[0].float()
 
 
@@ -225,6 +224,11 @@ class _RoutedStep:
                 at += 1
                 y = self.ffn(ex, expert, xe) if self.ffn is not None else expert.swiglu(xe).float()
                 self._deliver(b, ex, dst, y)
+
+    def deliver_remote(self, ex: int, ys: list[torch.Tensor]) -> None:
+        """A worker's outputs of expert ex, one per run of its rows (in runs[ex]'s order)."""
+        for (b, _src, dst), y in zip(self.runs[ex], ys, strict=True):
+            self._deliver(b, ex, dst, y)
 
     def _deliver(self, b: int, ex: int, dst: list[int], y: torch.Tensor) -> None:
         blk = self.blocks[b]
