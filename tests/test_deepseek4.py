@@ -6,7 +6,6 @@ cache's bytes, the load notes and the skipped MTP block; and the real converter'
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -28,6 +27,7 @@ from moestream.streaming.expert_cache import ExpertCache
 from moestream.synth.shapes import synth_nbytes, write_synth
 from tests.hf_gguf import one_torch_thread, random_tokens, rewrite_gguf
 from tests.hf_gguf_deepseek4 import DEEPSEEK_V4, snap_experts_to_mxfp4, write_deepseek_checkpoint
+from tests.llama_cpp_converter import converter_source
 from tests.test_synth_deepseek import plain_llama_cpp
 
 pytest.importorskip("transformers")
@@ -197,7 +197,6 @@ def test_load_notes_name_the_schedule_the_kv_bytes_and_the_skipped_mtp(tiny, tmp
 
 # ---- the real converter --------------------------------------------------------------------------
 
-LLAMA_CPP = os.environ.get("MOESTREAM_LLAMA_CPP_SRC", "/work/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp")
 # llama.cpp's converter, its vocabulary step left out (a tiny checkpoint has no DeepSeek tokenizer to read)
 RUN_CONVERTER = """
 import runpy, sys
@@ -222,13 +221,14 @@ def test_the_real_converter_writes_what_our_writer_writes(tmp_path):
     reads) through the converter of the llama-cpp-python 0.3.36 sdist: its file has our writer's tensors
     (names, shapes, values; the experts as MXFP4 holding the same values) and keys, and moestream runs it
     as transformers does."""
-    if not os.path.isfile(os.path.join(LLAMA_CPP, "convert_hf_to_gguf.py")):
-        pytest.skip(f"no llama.cpp source at {LLAMA_CPP} (set MOESTREAM_LLAMA_CPP_SRC)")
+    src = converter_source()
+    if src is None:
+        pytest.skip("the llama-cpp-python sdist (its converter) could not be had: no network and no LLAMA_CPP_SRC")
     model = DEEPSEEK_V4.hf_model(seed=4)
     snap_experts_to_mxfp4(model)
     folder, theirs, ours = tmp_path / "ckpt", str(tmp_path / "theirs.gguf"), str(tmp_path / "ours.gguf")
     write_deepseek_checkpoint(model, folder)
-    run = subprocess.run([sys.executable, "-c", RUN_CONVERTER, LLAMA_CPP, str(folder), theirs],
+    run = subprocess.run([sys.executable, "-c", RUN_CONVERTER, str(src), str(folder), theirs],
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     DEEPSEEK_V4.write(model, ours, tokenizer_md={})

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +28,7 @@ from moestream.models.loader import tensor_shapes
 from moestream.models.sparse_attention import index_scores
 from tests.hf_gguf import one_torch_thread, random_tokens, rewrite_gguf
 from tests.hf_gguf_dsa import DEEPSEEK_V32, GLM_DSA, INDEX_TOP_K, reference_cut_gaps
+from tests.llama_cpp_converter import converter_source
 from tests.test_batch import Stepper
 
 transformers = pytest.importorskip("transformers")
@@ -226,28 +226,6 @@ def test_skipped_mtp_blocks_are_said():
 
 # ---- llama.cpp's own converter -------------------------------------------------------------------------
 
-LLAMA_CPP_PYTHON = "0.3.36"
-
-
-def _converter_dir(tmp_root: Path) -> Path:
-    """vendor/llama.cpp of the llama-cpp-python sdist: $MOESTREAM_LLAMA_CPP_SRC, or downloaded with pip once
-    into the user's cache."""
-    if env := os.environ.get("MOESTREAM_LLAMA_CPP_SRC"):
-        return Path(env)
-    cache = Path(os.environ.get("MOESTREAM_HOME", Path.home() / ".cache" / "moestream")) / "llama-cpp-sdist"
-    src = cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-    if not (src / "convert_hf_to_gguf.py").exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        rc = subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
-                             "--no-deps", "--no-binary", ":all:", "-d", str(cache)], capture_output=True)  # fmt: skip
-        tars = list(cache.glob("llama_cpp_python-*.tar.gz"))
-        if rc.returncode or not tars:
-            pytest.skip("the llama-cpp-python sdist (its converter) could not be downloaded")
-        with tarfile.open(tars[0]) as t:
-            t.extractall(cache, filter="data")
-    return src
-
-
 # The converter runs as it is, but for the tokenizer, which the comparison leaves out: the tiny BPE vocabulary
 # has neither a pre-tokenizer hash the converter knows nor GLM's special tokens, and transformers 5 does not
 # set add_bos_token from tokenizer_config.json beside a tokenizer.json (DeepSeek-V3.2's converter asserts it).
@@ -279,7 +257,9 @@ def test_the_real_converter_writes_what_hf_gguf_dsa_writes(tmp_path, arch):
     needs config.json's scoring_func (which transformers does not write) to read its router."""
     from tests.hf_checkpoint import write_tokenizer
 
-    src = _converter_dir(tmp_path)
+    src = converter_source()
+    if src is None:
+        pytest.skip("the llama-cpp-python sdist (its converter) could not be had: no network and no LLAMA_CPP_SRC")
     model = arch.hf_model(seed=1)
     ckpt = tmp_path / "ckpt"
     model.save_pretrained(ckpt)
