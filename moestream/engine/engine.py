@@ -23,7 +23,7 @@ from moestream.engine.stats import EngineSnapshot, Generation, GenerationStats, 
 from moestream.engine.threads import StepThreads
 from moestream.errors import ContextError
 from moestream.formats.tokenizer import Tokenizer
-from moestream.streaming.budget import MB, BudgetPlan, peak_rss_bytes
+from moestream.streaming.budget import MB, BudgetPlan, peak_rss_bytes, reset_peak_rss
 from moestream.streaming.elastic import ElasticWatcher
 from moestream.streaming.heap import FreedHeap
 
@@ -32,6 +32,7 @@ class Engine:
     def __init__(self, model_path: str, options: EngineOptions | None = None, tokenizer: Tokenizer | None = None):
         """tokenizer: one already built from this file's metadata (run builds it to count its prompt first)."""
         o = self.options = options or EngineOptions()
+        reset_peak_rss()
         self.threads = StepThreads(o.threads)
         self.file = open_model(model_path, o.exact)
         self.gguf, self.store, self.exact, self.model_path = (

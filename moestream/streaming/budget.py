@@ -36,6 +36,18 @@ def rss_bytes() -> int:
     return psutil.Process(os.getpid()).memory_info().rss
 
 
+def reset_peak_rss() -> None:
+    """Start the peak resident set over from the current one, so that peak_rss_bytes measures what came after
+    (an engine's promise covers its own run, not what the process did before it, such as writing the demo's
+    model or earlier tests in one pytest process). Where /proc does not allow it, the peak stays the
+    process's lifetime peak, which can only overstate."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set. VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a
     process started from a large parent (a test runner) would report the parent's size as its own peak."""
