@@ -4,7 +4,8 @@ checkpoint, to check a test writer (tests/hf_gguf_*.py) against what it mirrors.
 The source: $LLAMA_CPP_SRC (a llama.cpp tree), else the sdist unpacked under MOESTREAM_HOME, fetched once with
 pip (`pip download --no-binary`). The converter recognises a BPE tokenizer by hashing how it splits a test
 text, and the tiny test vocabulary is in none of its lists; it splits as Qwen2's does, so its pre-tokenizer is
-named "qwen2" (`get_vocab_base_pre`, patched in the converter's process, nothing else).
+named "qwen2" (`get_vocab_base_pre`, patched in the converter's process), and GLM's vocabulary step (which
+looks up GLM's special tokens, absent from it) is the plain GPT-2 one.
 
 Run as a script: python tests/llama_cpp_converter.py SRC CHECKPOINT_DIR [converter options...]
 """
@@ -58,6 +59,7 @@ def _main() -> None:
     import conversion.base as base  # type: ignore[import-not-found]
 
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+    base.TextModel._set_vocab_glm = base.TextModel._set_vocab_gpt2
     sys.argv = [str(src / "convert_hf_to_gguf.py"), *sys.argv[2:]]
     runpy.run_path(sys.argv[0], run_name="__main__")
 

@@ -21,8 +21,9 @@ from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
 from moestream.formats.gguf_file import GGUFFile
-from moestream.models.deepseek4 import ClippedSwiGLU, DeepSeek4
+from moestream.models.deepseek4 import DeepSeek4
 from moestream.models.loader import config_from_gguf
+from moestream.models.moe import ClippedSwiGLU
 from moestream.streaming.expert_cache import ExpertCache
 from moestream.synth.shapes import synth_nbytes, write_synth
 from tests.hf_gguf import one_torch_thread, random_tokens, rewrite_gguf

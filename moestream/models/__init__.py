@@ -7,7 +7,8 @@ attention.py and kv_cache.py (attention over a cache, the KV cache), rope.py, op
 mla.py (latent attention and its cache), sparse_attention.py (DeepSeek Sparse Attention: the lightning indexer
 and latent attention over its choice), compressed_attention.py (DeepSeek-V4's sliding and compressed attention, its
 lightning indexer, the compressed cache), hyper.py (hyper-connected residual streams), deltanet.py (Gated DeltaNet and
-the hybrid cache), gqa.py (the plain grouped-query decoder Mixtral, OLMoE, Qwen2-MoE and MiniMax-M2 share), dense.py
+the hybrid cache), kda.py (Kimi Delta Attention),
+gqa.py (the plain grouped-query decoder Mixtral, OLMoE, Qwen2-MoE and MiniMax-M2 share), dense.py
 (the dense models: Llama, Qwen2, Qwen3), memory.py (the bytes a model's KV cache and prompt steps take), loader.py
 (weights and metadata as the model names them, checked), common.py (the expert provider, embedding, fused projections,
 resident tensors)."""
@@ -20,6 +21,7 @@ from moestream.models.deepseek4 import DeepSeek4
 from moestream.models.deepseek32 import DeepSeek32
 from moestream.models.dense import Llama, Qwen2, Qwen3
 from moestream.models.glm4moe import Glm4Moe
+from moestream.models.glm5_next import Glm5Next
 from moestream.models.glm_dsa import GlmDsa
 from moestream.models.gpt_oss import GptOss
 from moestream.models.minimax_m2 import MiniMaxM2
@@ -34,6 +36,7 @@ ARCHITECTURES = {
     "deepseek4": DeepSeek4,
     "deepseek32": DeepSeek32,
     "glm-dsa": GlmDsa,
+    "glm5-next": Glm5Next,
     "glm4moe": Glm4Moe,
     "gpt-oss": GptOss,
     "minimax-m2": MiniMaxM2,

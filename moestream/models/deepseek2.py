@@ -67,6 +67,7 @@ class DeepSeek2Config:
 
     ARCH: ClassVar[str] = ARCH  # the metadata's key prefix (the files of DeepSeek's descendants use their own)
     GATING_DEFAULT: ClassVar[int] = 1  # expert_gating_func where a file has none
+    MIN_ROPE: ClassVar[int] = 1  # the fewest rotary dims a file may have (GLM-5.3-Flash's attention has none)
 
     @classmethod
     def from_metadata(
@@ -85,7 +86,7 @@ class DeepSeek2Config:
         m.require(n_dense < n_blocks, "leading_dense_block_count",
                   f"is {n_dense} of {n_blocks} blocks; there would be no MoE layer")  # fmt: skip
         hidden, n_heads = m.int("embedding_length"), m.int("attention.head_count", per_layer=True)
-        kv_lora, rope_dim = m.int("attention.kv_lora_rank"), m.int("rope.dimension_count")
+        kv_lora, rope_dim = m.int("attention.kv_lora_rank"), m.int("rope.dimension_count", low=cls.MIN_ROPE)
         m.require(rope_dim % 2 == 0, "rope.dimension_count", f"is {rope_dim}; rotary embedding needs it even")
         if f"{m.arch}.attention.key_length_mla" in md:  # the converter's MLA form: keys are [latent | rope]
             qk, v = m.int("attention.key_length_mla"), m.int("attention.value_length_mla")

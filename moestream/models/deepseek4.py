@@ -18,15 +18,12 @@ The multi-token-prediction block a file may carry after the trunk (nextn_predict
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from moestream.compute.experts import ClampedAct
 from moestream.models.base import MoEModel
 from moestream.models.compressed_attention import (
     AttentionShape,
@@ -34,14 +31,13 @@ from moestream.models.compressed_attention import (
     CompressedKVCache,
     Rotary,
 )
-from moestream.models.hyper import HyperConnection, HyperDecoderLayer, HyperHead, HyperResidual, HyperSpec
+from moestream.models.hyper import HyperDecoderLayer, HyperHead, HyperResidual, HyperSpec, hyper_block
 from moestream.models.layer import Step
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.memory import CompressedAttentionMemory, ModelMemory, MoEMemory
-from moestream.models.moe import MoE
+from moestream.models.moe import ClippedMoE
 from moestream.models.rope import yarn_inv_freq
 from moestream.models.routing import Routing, route_general
-from moestream.models.rows import fused_rows, linear_rows, per_row
 
 ARCH = "deepseek4"
 SQRT_SOFTPLUS = 4  # llama.cpp's expert_gating_func value
@@ -166,43 +162,13 @@ class Rotaries:
     compress: Rotary  # CSA and HCA layers, and their compressed entries
 
 
-@dataclass(frozen=True, eq=False)
-class ClippedSwiGLU:
-    """V4's expert: down(silu(min(gate, limit)) * clamp(up, -limit, limit)). Lane-form experts (MXFP4 and the
-    other quantized types) run it in the lane kernel's clamped activation (alpha 1, no +1 on up, zero
-    biases); others in torch. `hidden`, `ffn`: the experts' sizes (the zero biases)."""
-
-    limit: float
-    hidden: int = 0
-    ffn: int = 0
-
-    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
-
-    def __call__(self, e: int, expert: Any, x: torch.Tensor) -> torch.Tensor:
-        a, b = (t.float() for t in expert.gate_up(x))
-        down = expert.down
-        return down.mm(self.act(a, b).to(down.dtype)).float()
-
-    def lane(self, ids: list[int]) -> ClampedAct:
-        zeros = _zero_biases(self.ffn, self.hidden)
-        return ClampedAct([zeros] * len(ids), 1.0, self.limit, up_shift=0.0)
-
-
-@functools.lru_cache(maxsize=4)
-def _zero_biases(ffn: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.zeros(ffn), torch.zeros(ffn), torch.zeros(hidden)
-
-
-class V4MoE(MoE):
+class V4MoE(ClippedMoE):
     """The MoE block with V4's routing (hash layers: ids from tid2eid) and clipped experts."""
 
     def __init__(self, w: Weights, i: int, cfg: DeepSeek4Config):
         super().__init__(w, i, hidden=cfg.hidden, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn,
                          top_k=cfg.top_k, norm_topk=cfg.routing.norm, shared_ffn=cfg.shared_ffn,
-                         routing=cfg.routing)  # fmt: skip
-        self.ffn = ClippedSwiGLU(cfg.clamp_exp[i], cfg.hidden, cfg.expert_ffn)  # type: ignore[assignment]
-        self.shared_act = ClippedSwiGLU(cfg.clamp_shexp[i])
+                         routing=cfg.routing, limit=cfg.clamp_exp[i], shared_limit=cfg.clamp_shexp[i])  # fmt: skip
         self.tid2eid = None
         if i < cfg.n_hash:
             self.tid2eid = w.indices(f"blk.{i}.ffn_gate_tid2eid.weight", (cfg.vocab_size, cfg.top_k))
@@ -220,17 +186,6 @@ class V4MoE(MoE):
         """The experts this layer will run for these tokens (a hash layer), in first-seen order."""
         assert self.tid2eid is not None
         return list(dict.fromkeys(self.tid2eid[torch.tensor(tokens)].reshape(-1).tolist()))
-
-    def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.shared is not None
-        gate, up = self.shared(x)
-        return self.shared_down(self.shared_act.act(gate, up))
-
-    def _shared_rows(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.shared is not None
-        gate, up = fused_rows(self.shared, x)
-        act = per_row(lambda r: self.shared_act.act(*r.chunk(2, dim=1)), torch.cat([gate, up], dim=1))
-        return linear_rows(self.shared_down, act)
 
 
 def w_error(i: int, n_experts: int):
@@ -250,15 +205,7 @@ class DeepSeek4(MoEModel):
         self.residual = HyperResidual(cfg.hc_mult, self.hc_head)
 
     def _block(self, w: Weights, i: int) -> HyperDecoderLayer:
-        H = self.cfg.hidden
-        p = f"blk.{i}."
-        mixer_norm = w.vector(p + "attn_norm.weight", H)
-        mixer = self.mixer(w, i)
-        ffn_norm = w.vector(p + "ffn_norm.weight", H)
-        ffn = self.ffn(w, i)
-        attn_hc = HyperConnection(w, p + "hc_attn", H, self.hc_spec)
-        ffn_hc = HyperConnection(w, p + "hc_ffn", H, self.hc_spec)
-        return HyperDecoderLayer(mixer_norm, mixer, ffn_norm, ffn, attn_hc, ffn_hc)
+        return hyper_block(w, i, self.cfg.hidden, self.hc_spec, self.mixer, self.ffn)
 
     def mixer(self, w: Weights, i: int) -> CompressedAttention:
         return CompressedAttention(w, i, self.cfg.attention(i))

@@ -58,9 +58,10 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def delta_rule_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, S: torch.Tensor
 ) -> torch.Tensor:
-    """One token: q, k [1, H, dk], v [1, H, dv], g, beta [1, H]; S [H, dk, dv] updated in place; o [1, H, dv]."""
+    """One token: q, k [1, H, dk], v [1, H, dv], beta [1, H]; g [1, H] (a decay per head) or [1, H, dk] (per key
+    channel: Kimi Delta Attention); S [H, dk, dv] updated in place; o [1, H, dv]."""
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, 1, d]
-    S.mul_(g.exp().view(-1, 1, 1))
+    S.mul_(g.exp().reshape(S.shape[0], -1, 1))
     delta = (v - torch.bmm(k, S)) * beta.view(-1, 1, 1)  # what the state mispredicts for v, times beta
     S.baddbmm_(k.transpose(1, 2), delta)
     return torch.bmm(q, S).transpose(0, 1)

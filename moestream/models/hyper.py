@@ -13,6 +13,7 @@ norm. Everything here runs in float32, as the reference keeps these modules.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,10 +96,15 @@ def by_rows(spans: list[tuple[int, int]], x: torch.Tensor, fn) -> Any:
     return blockwise(x, spans, lambda _bs, xr: per_row(fn, xr), lambda _b, xb: fn(xb))
 
 
+def stream_mean(x: torch.Tensor) -> torch.Tensor:
+    """GLM-5.3-Flash's head: the streams' plain mean (it has no weights of its own)."""
+    return x.mean(dim=1)
+
+
 class HyperResidual:
     """The model's residual as hc_mult streams: copies of the embeddings in, the head's mix of them out."""
 
-    def __init__(self, hc_mult: int, head: HyperHead):
+    def __init__(self, hc_mult: int, head: Callable[[torch.Tensor], torch.Tensor]):
         self.hc_mult, self.head = hc_mult, head
 
     def widen(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,6 +135,19 @@ class HyperDecoderLayer(DecoderLayer):
         y = block(h)
         return by_rows(step.spans, torch.cat([x.flatten(1), y, post, comb.flatten(1)], dim=1),
                         lambda r: expand(*_split_expand(r, n, D)).flatten(1)).view(T, n, D)  # fmt: skip
+
+
+def hyper_block(w: Weights, i: int, hidden: int, spec: HyperSpec, mixer: Callable, ffn: Callable) -> HyperDecoderLayer:
+    """Block i over hyper-connected streams, its tensors read in file order: the mixer's norm, the mixer
+    (mixer(w, i)), the FFN's norm, the FFN (ffn(w, i)), then the two sites' mixing weights."""
+    p = f"blk.{i}."
+    mixer_norm = w.vector(p + "attn_norm.weight", hidden)
+    mix = mixer(w, i)
+    ffn_norm = w.vector(p + "ffn_norm.weight", hidden)
+    ff = ffn(w, i)
+    attn_hc = HyperConnection(w, p + "hc_attn", hidden, spec)
+    ffn_hc = HyperConnection(w, p + "hc_ffn", hidden, spec)
+    return HyperDecoderLayer(mixer_norm, mix, ffn_norm, ff, attn_hc, ffn_hc)
 
 
 def _pack(h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

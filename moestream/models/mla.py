@@ -80,7 +80,7 @@ class MLACache:
 
 def deinterleave(rope_dim: int) -> torch.Tensor:
     """Indices taking interleaved pairs (x0, x1), (x2, x3)... to halves (x0, x2, ... | x1, x3, ...)."""
-    return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+    return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, max(rope_dim, 1), 2)])
 
 
 class MLAttention(SplitMixer):
@@ -175,7 +175,7 @@ class MLAttention(SplitMixer):
         mask: the [T, S] keys each query sees); returns [T, H, v]."""
         scale = self.cfg.kq_scale
         T = q_nope.shape[0]
-        if T == 1 and kernels.available() and latents.dtype == keys.dtype in NATIVE_DTYPES:
+        if T == 1 and kernels.available() and latents.dtype == keys.dtype in NATIVE_DTYPES and keys.shape[1]:
             # the decode step in one C call on the lane pool (no torch op, so torch can stay at one thread),
             # reading the cache and the up-projections in their own dtypes
             return kernels.mla_decode(q_nope, q_pe, self.k_b, self.v_b, latents, keys, self.cfg.v_head_dim, scale)

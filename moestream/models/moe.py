@@ -9,6 +9,7 @@ adding a correction bias that steers the choice but not the weights, the weights
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from moestream.models.loader import Weights
 from moestream.models.ops import f32_matmul
 from moestream.models.routed import run_routed
 from moestream.models.routing import Routing, route, route_general
-from moestream.models.rows import Spans, blockwise, f32_rows, fused_rows, linear_rows, per_row_pair
+from moestream.models.rows import Spans, blockwise, f32_rows, fused_rows, linear_rows, per_row, per_row_pair
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,6 +50,35 @@ class ClampedSwiGLU:
         """The same experts' biases and activation for lane_swiglu (one native call for a group)."""
         biases = [(self.gate_bias[e], self.up_bias[e], self.down_bias[e]) for e in ids]
         return ClampedAct(biases, self.alpha, self.limit)
+
+
+@dataclass(frozen=True, eq=False)
+class ClippedSwiGLU:
+    """DeepSeek-V4's and GLM-5.3-Flash's expert: down(silu(min(gate, limit)) * clamp(up, -limit, limit)).
+    Lane-form experts (MXFP4 and the other quantized types) run it in the lane kernel's clamped activation
+    (alpha 1, no +1 on up, zero biases); others in torch. `hidden`, `ffn`: the experts' sizes (the zero
+    biases)."""
+
+    limit: float
+    hidden: int = 0
+    ffn: int = 0
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+
+    def __call__(self, e: int, expert: Any, x: torch.Tensor) -> torch.Tensor:
+        a, b = (t.float() for t in expert.gate_up(x))
+        down = expert.down
+        return down.mm(self.act(a, b).to(down.dtype)).float()
+
+    def lane(self, ids: list[int]) -> ClampedAct:
+        zeros = _zero_biases(self.ffn, self.hidden)
+        return ClampedAct([zeros] * len(ids), 1.0, self.limit, up_shift=0.0)
+
+
+@functools.lru_cache(maxsize=4)
+def _zero_biases(ffn: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.zeros(ffn), torch.zeros(ffn), torch.zeros(hidden)
 
 
 def expect_experts(w: Weights, p: str, n_experts: int, ffn: int, hidden: int) -> None:
@@ -180,24 +210,48 @@ class MoE:
         return linear_rows(self.shared_down, per_row_pair(gate, up))
 
 
-class DenseFFN:
-    """A leading block's SwiGLU: down(silu(gate(x)) * up(x))."""
+class ClippedMoE(MoE):
+    """The MoE block with ClippedSwiGLU experts, routed (`limit`) and shared (`shared_limit`) alike."""
 
-    def __init__(self, w: Weights, i: int, hidden: int, ffn: int):
+    def __init__(self, w: Weights, layer: int, *, limit: float, shared_limit: float, **kw: Any):
+        super().__init__(w, layer, **kw)
+        self.ffn = ClippedSwiGLU(limit, kw["hidden"], kw["expert_ffn"])  # type: ignore[assignment]
+        self.shared_act = ClippedSwiGLU(shared_limit)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.shared is not None
+        gate, up = self.shared(x)
+        return self.shared_down(self.shared_act.act(gate, up))
+
+    def _shared_rows(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.shared is not None
+        gate, up = fused_rows(self.shared, x)
+        act = per_row(lambda r: self.shared_act.act(*r.chunk(2, dim=1)), torch.cat([gate, up], dim=1))
+        return linear_rows(self.shared_down, act)
+
+
+class DenseFFN:
+    """A leading block's SwiGLU: down(silu(gate(x)) * up(x)); with `limit`, ClippedSwiGLU's clipped one."""
+
+    def __init__(self, w: Weights, i: int, hidden: int, ffn: int, limit: float | None = None):
         p = f"blk.{i}."
         self.gate_up = w.fused([(p + "ffn_gate.weight", ffn, hidden), (p + "ffn_up.weight", ffn, hidden)])
         self.down = w.linear(p + "ffn_down.weight", hidden, ffn)
+        self.clip = None if limit is None else ClippedSwiGLU(limit)
 
     def __call__(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         return blockwise(x, step.spans, lambda _bs, xr: self._rows(xr), lambda _b, xb: self._alone(xb))
 
     def _alone(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate) * up if self.clip is None else self.clip.act(gate, up))
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = fused_rows(self.gate_up, x)
-        return linear_rows(self.down, per_row_pair(gate, up))
+        if self.clip is None:
+            return linear_rows(self.down, per_row_pair(gate, up))
+        clip = self.clip
+        return linear_rows(self.down, per_row(lambda r: clip.act(*r.chunk(2, dim=1)), torch.cat([gate, up], dim=1)))
 
 
 def dense_or_moe(w: Weights, i: int, cfg: Any) -> DenseFFN | MoE:

@@ -54,16 +54,27 @@ class IndexerConfig:
 
 
 def indexer_config(
-    m: ArchMetadata, n_blocks: int, rope_dim: int, q_lora: int, *, interleaved: bool, default_full: list[bool]
+    m: ArchMetadata,
+    n_blocks: int,
+    rope_dim: int,
+    q_lora: int,
+    *,
+    interleaved: bool,
+    default_full: list[bool],
+    attends: list[bool] | None = None,
 ) -> IndexerConfig:
     """The indexer's keys (attention.indexer.*); `default_full`: each block's kind where the file has no
-    attention.indexer.types."""
+    attention.indexer.types; `attends`: the blocks with sparse attention where not all have it (the others
+    are neither full nor shared)."""
     heads, dim = m.int("attention.indexer.head_count"), m.int("attention.indexer.key_length")
     m.require(rope_dim <= dim, "attention.indexer.key_length", f"is {dim}, fewer than the {rope_dim} rotary dims")
     m.require(q_lora > 0, "attention.q_lora_rank", "is missing; the indexer's queries come from the query LoRA")
     full = m.flags("attention.indexer.types", n_blocks) or default_full[:n_blocks]
-    m.require(len(full) == n_blocks and full[0], "attention.indexer.types",
+    attends = attends or [True] * n_blocks
+    first = attends.index(True) if True in attends else 0
+    m.require(len(full) == n_blocks and full[first], "attention.indexer.types",
               "makes the first block a shared one; a shared block reuses an earlier block's choice")  # fmt: skip
+    full = [f and a for f, a in zip(full, attends, strict=True)]
     return IndexerConfig(heads, dim, m.int("attention.indexer.top_k"), tuple(full), interleaved)
 
 
@@ -100,9 +111,11 @@ class DSACache(MLACache):
         self.chosen.clear()
 
 
-def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, pos: int, scale: float) -> torch.Tensor:
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, pos: int, scale: float,
+                 key_pos: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """score(t, s) = sum_h weights[t, h] relu(scale q[t, h] . keys[s]) for queries q [T, heads, D] at positions
-    pos.. over keys [S, D]: float32 [T, S], -inf where s > pos + t; the products a piece of queries at a time."""
+    pos.. over keys [S, D]: float32 [T, S], -inf where key s comes after query t (key_pos: the position each
+    key stands at, s where None); the products a piece of queries at a time."""
     T, H, _ = q.shape
     S = keys.shape[0]
     kt = keys.float().T
@@ -113,6 +126,8 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, pos
             b = min(T, a + step)
             s = torch.matmul(q[a:b].float(), kt).mul_(scale).relu_()  # [n, H, S]
             out[a:b] = torch.matmul(weights[a:b, None, :].float(), s)[:, 0]
+    if key_pos is not None:
+        return out.masked_fill_(key_pos[None, :] > torch.arange(pos, pos + T)[:, None], float("-inf"))
     mask = causal_mask(T, S, pos)
     return out if mask is None else out.masked_fill_(~mask, float("-inf"))
 
@@ -126,14 +141,19 @@ class SparseMLAttention(MLAttention):
         p, D = f"blk.{i}.indexer.", ix.head_dim
         self.full = ix.full[i]
         # the indexer's key and weights read the block's input, as the query LoRA and the compression do
-        extra = [(p + "attn_k.weight", D, cfg.hidden), (p + "proj.weight", ix.heads, cfg.hidden)] if self.full else []
-        super().__init__(w, i, cfg, extra)
+        super().__init__(w, i, cfg, self.index_inputs(i, cfg) if self.full else [])
         if self.full:
             self.index_q = w.linear(p + "attn_q_b.weight", ix.heads * D, cfg.q_lora_rank)
             self.index_norm = w.vector(p + "k_norm.weight", D)
             self.index_norm_bias = w.vector(p + "k_norm.bias", D)
         R = cfg.qk_rope
         self.index_perm = torch.cat([deinterleave(R), torch.arange(R, D)]) if ix.interleaved else None
+
+    @staticmethod
+    def index_inputs(i: int, cfg: Any) -> list[tuple[str, int, int]]:
+        """The indexer's projections of the block's input (name, rows, cols): its key and head weights."""
+        ix, p = cfg.indexer, f"blk.{i}.indexer."
+        return [(p + "attn_k.weight", ix.head_dim, cfg.hidden), (p + "proj.weight", ix.heads, cfg.hidden)]
 
     def project(self, x: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, ...]:
         """MLAttention's (q, kv, c), and in a full block the indexer's queries [T, heads * D], raw keys [T, D]
@@ -155,13 +175,17 @@ class SparseMLAttention(MLAttention):
         if chosen is None:  # no query sees more than top_k keys: every one of them
             cache.keys_attended[layer] = S
             return self.attend(q_nope, q_pe, latents, keys, pos, cache.query_chunk)
-        cache.keys_attended[layer] = chosen.shape[1]
+        # the choice: top_k positions a query [T, top_k], or (a pooled indexer's) a mask of the keys [T, S]
+        as_mask = chosen.dtype == torch.bool
+        cache.keys_attended[layer] = int(chosen[-1].sum()) if as_mask else chosen.shape[1]
         if T == 1:  # a decode step: the chosen latents and rotary keys as a k-token cache, in position order
-            idx = chosen[0].sort().values
+            idx = chosen[0].nonzero()[:, 0] if as_mask else chosen[0].sort().values
             out = self.absorbed(q_nope, q_pe, latents[idx], keys[idx], None)
             return out.reshape(1, -1)
 
         def mask_of(a: int, b: int, end: int) -> torch.Tensor:
+            if as_mask:
+                return chosen[a:b, :end]
             picked = torch.zeros(b - a, S, dtype=torch.bool).scatter_(1, chosen[a:b], True)[:, :end]
             return picked & causal_mask(b - a, end, pos + a)
 
