@@ -56,7 +56,10 @@ def tiny_glm5_next_config(**overrides: Any):
         text["mlp_layer_types"] = ["dense"] + ["sparse"] * (n - 1)
     vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=256,
                   projection_intermediate_size=64)  # fmt: skip
-    return Glm5NextConfig(text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"])
+    cfg = Glm5NextConfig(text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"])
+    for key in ("vocab_size", "num_hidden_layers", "num_experts_per_tok", "n_routed_experts"):
+        setattr(cfg, key, text[key])  # where the shared tests (test_models.py) look for them
+    return cfg
 
 
 def perturb_glm5_next(model: Any) -> None:

@@ -39,6 +39,7 @@ from tests.hf_gguf_deepseek4 import DEEPSEEK_V4
 from tests.hf_gguf_dense import DENSE_CASES
 from tests.hf_gguf_dsa import DEEPSEEK_V32, GLM_DSA
 from tests.hf_gguf_glm import GLM4MOE, GLM45_AIR
+from tests.hf_gguf_glm5_next import GLM5_NEXT
 from tests.hf_gguf_gpt_oss import GPT_OSS
 from tests.hf_gguf_gqa import MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE
 from tests.hf_gguf_minimax import MINIMAX_M2
@@ -46,14 +47,14 @@ from tests.hf_gguf_minimax import MINIMAX_M2
 transformers = pytest.importorskip("transformers")
 
 ARCH_CASES = [QWEN3MOE, QWEN35MOE, DEEPSEEK_V2_LITE, DEEPSEEK_V2, DEEPSEEK_V3, GLM4MOE, GLM45_AIR]
-ARCH_CASES += [GLM_DSA, DEEPSEEK_V32]
+ARCH_CASES += [GLM_DSA, DEEPSEEK_V32, GLM5_NEXT]
 ARCH_CASES += [MIXTRAL, MIXTRAL_PER_EXPERT, OLMOE, QWEN2MOE, GPT_OSS, DEEPSEEK_V4, MINIMAX_M2, *DENSE_CASES]
 MOE_CASES = [a for a in ARCH_CASES if not a.dense]  # what streams and routes
 # The default run takes the cases whose mixers and FFNs differ most (qwen3moe, qwen35moe, deepseek-v3, mixtral,
 # gpt-oss, llama-dense); `-m ""` (.ci/run) takes every case. The others differ from those by config fields or a
 # tensor layout, and their own test files (test_glm4moe.py, test_deepseek2.py, ...) cover what is theirs alone.
 SLOW_CASES = {"deepseek-v2-lite", "deepseek-v2", "glm-4.5", "glm-4.5-air", "mixtral-per-expert", "olmoe", "qwen2moe",
-              "qwen2", "qwen3", "minimax-m2", "deepseek-v3.2"}  # fmt: skip
+              "qwen2", "qwen3", "minimax-m2", "deepseek-v3.2", "glm-5.3-flash"}  # fmt: skip
 
 SLOW = pytest.mark.slow  # in .ci/run's full run only (see SLOW_CASES)
 
@@ -352,7 +353,9 @@ def _kind(name: str, ndim: int, arch: str) -> str:
         return "f32"
     if is_routed_expert_tensor(name):
         return "expert"
-    f32_names = ("ssm_conv1d.weight", "ssm_a")
+    f32_names = ("ssm_conv1d.weight", "ssm_a", "ssm_conv1d_q.weight", "ssm_conv1d_k.weight", "ssm_conv1d_v.weight")
+    if "indexer_compressor_" in name:  # GLM-5.3-Flash's pool gates and position biases (tensor_force_quant)
+        return "f32"
     if arch != "deepseek4":  # the DSA indexer's head weights stay F32; V4's indexer.proj is quantized as the rest
         f32_names += ("indexer.proj.weight",)
     if ndim == 1 or "norm" in name or "ffn_gate_inp" in name or name.endswith(f32_names):
