@@ -178,3 +178,47 @@ def test_bad_keys_are_refused_in_one_line(tiny, tmp_path, key, value, words):
     with pytest.raises(ModelFileError, match=words) as err:
         Engine(str(bad), EngineOptions(n_slots=8)).close()
     assert "\n" not in str(err.value) and key in str(err.value)
+
+
+# ---- synth shapes ----------------------------------------------------------------------------------------
+
+
+def test_synth_tiny_glm5_next_runs_the_same_streamed(tmp_path):
+    from moestream.synth.shapes import write_synth
+
+    path = write_synth("tiny-glm5-next", "Q8_0", tmp_path / "m.gguf", progress=False)
+    prompt = list(range(20, 60))
+    eng = Engine(path, EngineOptions(n_slots=200, threads=1))
+    try:
+        assert eng.cfg.kda.recurrent == (True, True, True, False) * 2
+        full = eng.generate(prompt, 8, Sampler()).tokens
+        assert eng.kv.keys_attended[3] <= 16 + 3 and eng.kv.keys_attended[0] == 0
+    finally:
+        eng.close()
+    assert len(set(full)) > 2
+    eng = Engine(path, EngineOptions(n_slots=6, threads=1))
+    try:
+        assert eng.generate(prompt, 8, Sampler()).tokens == full
+    finally:
+        eng.close()
+
+
+def test_synth_real_shape_and_its_slices_read_as_the_model():
+    """glm-5.3-flash at its real size (and a 6-block --layers slice): the config read from the keys and tensor
+    table synth writes (without writing the file), and its size."""
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream.models.glm5_next import Glm5NextConfig
+    from moestream.synth.shapes import _resolve, synth_nbytes
+
+    for layers, n in ((None, 45), (6, 6)):
+        s = _resolve("glm-5.3-flash", layers)
+        shapes = {t.name: t.shape for t in s.tensors(Q.Q4_K, Q.Q4_K, 1000, 0, k_m=True)}
+        cfg = Glm5NextConfig.from_metadata(s.metadata("glm-5.3-flash", 15, 1000), shapes)
+        assert (cfg.n_blocks, cfg.first_moe_block, cfg.hidden, cfg.n_experts, cfg.top_k) == (n, 3, 4096, 288, 8)
+        assert (cfg.n_attention, cfg.kda.heads, cfg.kda.head_dim, cfg.n_heads) == (n // 4, 64, 128, 64)
+        assert (cfg.indexer.heads, cfg.indexer.head_dim, cfg.indexer.top_k, cfg.kpool) == (32, 128, 2048, 16)
+        assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope, cfg.qk_rope, cfg.v_head_dim) == (1536, 512, 256, 0, 256)
+        assert cfg.indexer.full == tuple(i % 4 == 3 for i in range(n)) and cfg.hc_mult == 4
+    assert 170e9 < synth_nbytes("glm-5.3-flash", "Q4_K_M") < 210e9
+    assert synth_nbytes("glm-5.3-flash", "Q4_K_M", 6) < 0.2 * synth_nbytes("glm-5.3-flash", "Q4_K_M")

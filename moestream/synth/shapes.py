@@ -27,6 +27,7 @@ from moestream.formats.gguf_write import TensorSpec, write_gguf_parts
 from moestream.formats.tokenizer import build_tiny_bpe_metadata
 from moestream.synth.arches import ARCH_SHAPES, DeepSeekShape, GlmShape, llama_cpp_loads
 from moestream.synth.blocks import header_table, norm_spec, random_blocks, spec, uniform_spec, use_more_bits
+from moestream.synth.glm5_next_arches import GLM5_NEXT_SHAPES, Glm5NextShape
 from moestream.synth.gqa_arches import GQA_SHAPES, GqaShape
 from moestream.synth.v4_arches import V4_SHAPES, DeepSeek4Shape
 
@@ -128,6 +129,7 @@ SHAPES: dict[str, SynthShape | DeepSeekShape | GlmShape | GqaShape | DeepSeek4Sh
     **ARCH_SHAPES,  # deepseek2 and glm4moe
     **GQA_SHAPES,  # gpt-oss, llama (Mixtral), olmoe, qwen2moe, minimax-m2
     **V4_SHAPES,  # deepseek4 (DeepSeek-V4 Flash and Pro)
+    **GLM5_NEXT_SHAPES,  # glm5-next (GLM-5.3-Flash)
 }
 
 QUANTS: dict[str, T] = {
@@ -284,7 +286,7 @@ def _quant_type(name: str) -> T:
         raise ValueError(f"unknown quant {name!r}; choose one of {', '.join(QUANTS)}") from None
 
 
-AnyShape = SynthShape | DeepSeekShape | GlmShape | GqaShape | DeepSeek4Shape
+AnyShape = SynthShape | DeepSeekShape | GlmShape | GqaShape | DeepSeek4Shape | Glm5NextShape
 
 
 def _resolve(shape: str, layers: int | None, quant: str | None = None, top_k: int | None = None) -> AnyShape:
