@@ -8,6 +8,7 @@ slow) add prompt reuse over the KDA checkpoints, the quantized types and the bud
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -222,3 +223,32 @@ def test_synth_real_shape_and_its_slices_read_as_the_model():
         assert cfg.indexer.full == tuple(i % 4 == 3 for i in range(n)) and cfg.hc_mult == 4
     assert 170e9 < synth_nbytes("glm-5.3-flash", "Q4_K_M") < 210e9
     assert synth_nbytes("glm-5.3-flash", "Q4_K_M", 6) < 0.2 * synth_nbytes("glm-5.3-flash", "Q4_K_M")
+
+
+@pytest.mark.slow
+def test_synth_table_and_keys_are_the_converters(tmp_path):
+    """tiny-glm5-next's file against llama.cpp's converter (--outtype q8_0) on a transformers model of the same
+    sizes: the same tensors (names, shapes, which stay F32) and the same keys and values, tokenizer aside."""
+    from gguf import GGUFReader
+
+    from moestream.synth.shapes import write_synth
+    from tests.hf_gguf_glm5_next import save_checkpoint
+    from tests.llama_cpp_converter import convert, converter_source
+
+    src = converter_source()
+    if src is None:
+        pytest.skip("llama.cpp's converter could not be had: no network and no LLAMA_CPP_SRC")
+    model = GLM5_NEXT.hf_model(num_hidden_layers=8, n_routed_experts=16, num_experts_per_tok=4, index_topk=16)
+    save_checkpoint(model, tmp_path / "ckpt")
+    theirs, ours = tmp_path / "theirs.gguf", tmp_path / "ours.gguf"
+    convert(src, tmp_path / "ckpt", theirs, outtype="q8_0")
+    write_synth("tiny-glm5-next", "Q8_0", ours, progress=False)
+    r, o = GGUFReader(theirs), GGUFReader(ours)
+    want = {t.name: (t.shape.tolist(), t.tensor_type) for t in r.tensors}
+    assert {t.name: (t.shape.tolist(), t.tensor_type) for t in o.tensors} == want
+    skip = ("general.", "tokenizer.", "GGUF.")
+    keys = {k for k in r.fields if not k.startswith(skip)}
+    assert {k for k in o.fields if not k.startswith(skip)} == keys
+    for k in keys:
+        assert r.fields[k].types == o.fields[k].types, k
+        assert np.allclose(r.fields[k].parts[-1], o.fields[k].parts[-1]), k

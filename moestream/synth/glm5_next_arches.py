@@ -105,7 +105,7 @@ class Glm5NextShape:
     def _kda(self, q: _Typer, p: str, seed: int) -> list[TensorSpec]:
         H, n, d = self.hidden, self.n_heads, self.kda_head_dim
         D, w_in = n * d, 1.0 / math.sqrt(self.hidden)
-        conv = [spec(f"{p}ssm_conv1d_{c}.weight", T.F32, (D, 1, self.conv_kernel), 0.5, seed) for c in "qkv"]
+        conv = [spec(f"{p}ssm_conv1d_{c}.weight", T.F32, (1, D, 1, self.conv_kernel), 0.5, seed) for c in "qkv"]
         return [q.dense(p + "attn_q.weight", (D, H), w_in), q.dense(p + "attn_k.weight", (D, H), w_in),
                 q.dense(p + "attn_v.weight", (D, H), w_in), *conv,
                 q.dense(p + "ssm_f_a.weight", (d, H), w_in), q.dense(p + "ssm_f_b.weight", (D, d), 1.0 / math.sqrt(d)),
