@@ -8,7 +8,9 @@ Per head h of `heads` heads of head_dim d (queries, keys and values alike):
         g = lb * sigmoid(exp(A_log) g), else g = -exp(A_log) softplus(g)    (the file's ssm_a is -exp(A_log))
     S = diag(exp(g)) S;  S += k (beta (v - S^T k))^T;  o = S^T q                S: [d, d] per head
     out = attn_output(RMSNorm(o) * sigmoid(ssm_g_b(ssm_g_a(x))))
-The recurrent state and its checkpoints live in deltanet.HybridCache, whose config fields KdaShape gives.
+A prompt runs token by token too: a chunked form (a triangular solve per chunk, as deltanet.py's) was slower
+on these shapes on the CPU, its per-channel decays making every chunk's products elementwise. The recurrent
+state and its checkpoints live in deltanet.HybridCache, whose config fields KdaShape gives.
 """
 
 from __future__ import annotations
