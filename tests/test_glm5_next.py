@@ -162,6 +162,29 @@ def test_the_header_sets_the_schedule_pools_and_streams(tiny):
     assert "multi-token-prediction" in notes[1] and "skipped" in notes[1]
 
 
+def test_an_mtp_block_is_skipped_and_said(tiny, tmp_path, capfd):
+    """A file whose header counts a next-n (MTP) block after the trunk, as the converter writes one
+    (block_count + 1, nextn_predict_layers, the per-block arrays one longer): the trunk runs as without it and
+    the load summary says the block was skipped."""
+    path, toks, ref, _ = tiny
+    mtp = str(tmp_path / "mtp.gguf")
+    more = {"block_count": 6, "nextn_predict_layers": 1, "attention.head_count_kv": [0, 1, 1, 0, 1, 1],
+            "attention.indexer.types": [True, True, False, True, True, True],
+            "swiglu_clamp_exp": [10.0] * 6, "swiglu_clamp_shexp": [10.0] * 6}  # fmt: skip
+    rewrite_gguf(path, mtp, {f"glm5-next.{k}": v for k, v in more.items()})
+    eng = Engine(mtp, EngineOptions(n_slots=64, exact=True))
+    try:
+        with torch.inference_mode():
+            ours = eng.forward(toks[:40], 0, all_logits=True)
+        assert (eng.cfg.n_blocks, eng.cfg.nextn) == (5, 1)
+    finally:
+        eng.close()
+    assert (ours - ref[:40]).abs().max() < 1e-3
+    err = capfd.readouterr().err
+    assert "3 latent attention without rope" in err
+    assert "1 multi-token-prediction (next-n) block(s) are skipped" in err
+
+
 @pytest.mark.parametrize(
     "key,value,words",
     [
