@@ -354,7 +354,7 @@ def _kind(name: str, ndim: int, arch: str) -> str:
     if is_routed_expert_tensor(name):
         return "expert"
     f32_names = ("ssm_conv1d.weight", "ssm_a", "ssm_conv1d_q.weight", "ssm_conv1d_k.weight", "ssm_conv1d_v.weight")
-    if "indexer_compressor_" in name:  # GLM-5.3-Flash's pool gates and position biases (tensor_force_quant)
+    if arch == "glm5-next" and "indexer_compressor_" in name:  # its pool gates and biases (tensor_force_quant)
         return "f32"
     if arch != "deepseek4":  # the DSA indexer's head weights stay F32; V4's indexer.proj is quantized as the rest
         f32_names += ("indexer.proj.weight",)

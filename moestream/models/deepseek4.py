@@ -87,7 +87,7 @@ class DeepSeek4Config:
         blocks = m.int("block_count")
         nextn = m.int("nextn_predict_layers", 0, low=0)
         n = blocks - nextn
-        ratios = _per_layer(m, md, "attention.compress_ratios", blocks)
+        ratios = m.per_block("attention.compress_ratios", blocks)
         m.require(all(r in RATES for r in ratios[:n]), "attention.compress_ratios",
                   f"is {list(ratios[:n])}; DeepSeek-V4 layers compress at 0, 4 or 128")  # fmt: skip
         gating = m.int("expert_gating_func")
@@ -97,10 +97,8 @@ class DeepSeek4Config:
                   f"is {rope_dim}; it must be even and at most the head size {head_dim}")  # fmt: skip
         n_experts, top_k = m.experts()
         expert_ffn = m.int("expert_feed_forward_length", per_layer=True)
-        clamp = _per_layer(m, md, "swiglu_clamp_exp", blocks, float)
-        shclamp = (
-            _per_layer(m, md, "swiglu_clamp_shexp", blocks, float) if f"{ARCH}.swiglu_clamp_shexp" in md else clamp
-        )
+        clamp = m.per_block("swiglu_clamp_exp", blocks, float)
+        shclamp = m.per_block("swiglu_clamp_shexp", blocks, float) if f"{ARCH}.swiglu_clamp_shexp" in md else clamp
         n_heads, groups = m.int("attention.head_count", per_layer=True), m.int("attention.output_group_count")
         m.require(n_heads % groups == 0, "attention.output_group_count",
                   f"({groups}) does not divide the {n_heads} heads")  # fmt: skip
@@ -135,15 +133,6 @@ class DeepSeek4Config:
         for name in names:
             counts[name] = counts.get(name, 0) + 1
         return ", ".join(f"{c} {name}" for name, c in counts.items()) + f" (window {self.window})"
-
-
-def _per_layer(m: ArchMetadata, md: Mapping[str, Any], key: str, n: int, kind: type = int) -> list:
-    v = md.get(f"{ARCH}.{key}")
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return [kind(v)] * n
-    if not isinstance(v, (list, tuple)) or len(v) < n or not all(isinstance(x, (int, float)) for x in v):
-        raise m.error(key, f"is {v!r}; it must give a value for each of the {n} blocks")
-    return [kind(x) for x in v]
 
 
 def _yarn(m: ArchMetadata, md: Mapping[str, Any]) -> tuple[float, int, float, float] | None:

@@ -62,7 +62,7 @@ class Glm5NextConfig(DeepSeek32Config):
         m = ArchMetadata(md, cls.ARCH, shapes, source)
         f = cls.fields(m)
         n = f["n_blocks"]
-        kv_heads = _per_block(m, "attention.head_count_kv", n, int)
+        kv_heads = m.per_block("attention.head_count_kv", n, int)
         recurrent = tuple(h == 0 for h in kv_heads)
         m.require(not all(recurrent), "attention.head_count_kv", "makes every block a linear one")
         f["q_lora_rank"] = m.int("attention.q_lora_rank")  # block 0 is linear: its tensors do not say
@@ -78,8 +78,8 @@ class Glm5NextConfig(DeepSeek32Config):
         m.require(lower is None or type(lower) in (int, float) and math.isfinite(lower) and lower < 0,
                   "kda.gate_lower_bound", f"is {lower!r}; it must be a finite negative number")  # fmt: skip
         kda = KdaShape(hidden, recurrent, heads, head_dim, m.int("ssm.conv_kernel"), lower, f["rms_eps"])
-        clamp = _per_block(m, "swiglu_clamp_exp", n, float)
-        shclamp = _per_block(m, "swiglu_clamp_shexp", n, float) if f"{ARCH}.swiglu_clamp_shexp" in md else clamp
+        clamp = m.per_block("swiglu_clamp_exp", n, float)
+        shclamp = m.per_block("swiglu_clamp_shexp", n, float) if f"{ARCH}.swiglu_clamp_shexp" in md else clamp
         return cls(**f, indexer=ix, nextn=m.int("nextn_predict_layers", 0, low=0), kda=kda, kpool=kpool,
                    select_tail=m.flag("attention.indexer.kpool_select_tail", True),
                    hc_mult=m.int("hyper_connection.count"), hc_iters=m.int("hyper_connection.sinkhorn_iterations"),
@@ -90,16 +90,6 @@ class Glm5NextConfig(DeepSeek32Config):
     def n_attention(self) -> int:
         assert self.kda is not None
         return len(self.kda.recurrent) - sum(self.kda.recurrent)
-
-
-def _per_block(m: ArchMetadata, key: str, n: int, kind: type) -> list:
-    """A key given once for every block or as a list of at least n values (the trunk's first n)."""
-    v = m.md.get(f"{ARCH}.{key}")
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return [kind(v)] * n
-    if not isinstance(v, (list, tuple)) or len(v) < n or not all(isinstance(x, (int, float)) for x in v):
-        raise m.error(key, f"is {v!r}; it must give a value for each of the {n} blocks")
-    return [kind(x) for x in v[:n]]
 
 
 @dataclass(frozen=True)

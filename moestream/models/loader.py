@@ -7,6 +7,7 @@ trailing ones in ggml order (a shared-expert gate may be stored [hidden] or [1, 
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -246,6 +247,17 @@ class ArchMetadata:
         if not (math.isfinite(v) and v > 0):
             raise self.error(key, f"is {v!r}; it must be a finite number > 0")
         return v
+
+    def per_block(self, key: str, n: int, kind: type | None = None) -> list:
+        """A number given once for every block or as a list of at least n (the first n: a trunk's blocks), each
+        made a `kind` (int where None: the name is this class's method here)."""
+        kind = kind or builtins.int
+        v = self._raw(key, ArchMetadata.REQUIRED)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return [kind(v)] * n
+        if not isinstance(v, (list, tuple)) or len(v) < n or not all(isinstance(x, (int, float)) for x in v):
+            raise self.error(key, f"is {v!r}; it must give a value for each of the {n} blocks")
+        return [kind(x) for x in v[:n]]
 
     def flag(self, key: str, default: bool) -> bool:
         v = self._raw(key, default)
