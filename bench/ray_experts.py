@@ -75,7 +75,13 @@ def main() -> int:
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")  # a shared machine near full: keep the actors
     import ray
 
-    ray.init(num_cpus=os.cpu_count(), object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=os.cpu_count(),
+        object_store_memory=200 << 20,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     local = Engine(args.model, EngineOptions(n_slots=args.layers * 128 + 8))
     local.preload()
     remote = Engine(args.model, EngineOptions(n_slots=16, ray_address="local", expert_workers=args.workers))

@@ -37,7 +37,7 @@ def ray_local():
     # the raylet's memory monitor kills workers when the machine (shared with other jobs) is nearly full; the
     # workers here hold a few MB
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
-    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

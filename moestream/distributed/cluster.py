@@ -66,8 +66,9 @@ def connect(address: str, num_cpus: int | None = None) -> Any:
         return ray
     kwargs: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
     if address == "local":
-        ray.init(num_cpus=num_cpus or os.cpu_count() or 1, object_store_memory=LOCAL_OBJECT_STORE_MB << 20,
-                 include_dashboard=False, **kwargs)  # fmt: skip
+        # address="local": a new instance even where this machine already runs a cluster (ray.init would join it)
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1,
+                 object_store_memory=LOCAL_OBJECT_STORE_MB << 20, include_dashboard=False, **kwargs)  # fmt: skip
         return ray
     try:
         ray.init(address=f"{host}:{port}", **kwargs)
