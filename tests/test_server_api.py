@@ -137,7 +137,10 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     for chunk in client.chat.completions.create(logprobs=True, top_logprobs=5, stream=True, **kw):
         for c in chunk.choices:
             streamed += c.logprobs.content if c.logprobs and c.logprobs.content else []
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # the second request resumes from the live cache, so its last prompt token runs alone where the first ran
+    # it in the prompt's span: the tokens are the same, the float32 logits only within rounding
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
     assert client.chat.completions.create(**kw).choices[0].logprobs is None
 
 
