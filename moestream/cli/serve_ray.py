@@ -69,6 +69,7 @@ def replica_options(args: argparse.Namespace, threads: int, budget_mb: int) -> d
 def fit(nodes: list[dict[str, float]], count: int, threads: int, budget_mb: int | None) -> tuple[int, int]:
     """(replicas the nodes hold, the budget in MiB): each replica takes `threads` CPUs and its budget of a
     node's memory resource. budget None: the largest budget with which `count` replicas fit."""
+
     def held(b: int) -> int:
         return sum(min(int(n.get("CPU", 0) // threads), int(n.get("memory", 0) // (b * MB))) for n in nodes)
 
@@ -124,10 +125,9 @@ def start_ray(args: argparse.Namespace) -> Any:
     if args.address is None:
         listen_socket(args.host, args.port).close()  # a taken port fails now, not after the models load
         ray.init(num_cpus=os.cpu_count() or 1, object_store_memory=LOCAL_OBJECT_STORE_MB * MB,
-                 include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 _node_ip_address="127.0.0.1")  # fmt: skip
+                 include_dashboard=False, log_to_driver=False, configure_logging=False)  # fmt: skip
         return ray
-    host, port = parse_address(args.address)
+    host, port = parse_address(args.address, "--address")
     check_reachable(host, port)
     try:
         ray.init(address=f"{host}:{port}", log_to_driver=False, configure_logging=False)
@@ -176,7 +176,7 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
             from ray import serve
 
             within(serve.shutdown, STOP_S)
-            ray.shutdown()
+        ray.shutdown()  # the local instance ends; a cluster's driver disconnects
     return 0
 
 

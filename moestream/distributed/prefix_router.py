@@ -65,6 +65,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.owner: OrderedDict[str, ReplicaID] = OrderedDict()  # prefix key -> the replica that holds it
         self.running: dict[ReplicaID, int] = {}  # requests sent and not finished, per replica
         self.keys_of: dict[str, list[str]] = {}  # internal request id -> its keys, until it finishes
+        self.held: dict[ReplicaID, int] = {}  # prefix keys each replica holds: ties go to the one with fewest
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -73,7 +74,11 @@ class PrefixAffinityRouter(RequestRouter):
         others by the requests they run (Ray Serve takes the first that accepts)."""
         if not candidate_replicas:
             return []
-        by_load = sorted(candidate_replicas, key=lambda r: (self.running.get(r.replica_id, 0), r.replica_id.unique_id))
+
+        def load(r: RunningReplica) -> tuple[int, int, str]:
+            return self.running.get(r.replica_id, 0), self.held.get(r.replica_id, 0), r.replica_id.unique_id
+
+        by_load = sorted(candidate_replicas, key=load)
         keys = (pending_request.kwargs.get(ROUTE_KWARG) if pending_request is not None else None) or []
         if pending_request is not None and keys:
             self.keys_of[pending_request.metadata.internal_request_id] = keys
@@ -102,13 +107,20 @@ class PrefixAffinityRouter(RequestRouter):
         if self.running.get(replica_id, 0) > 0:
             self.running[replica_id] -= 1
         for key in self.keys_of.pop(internal_request_id, []):
+            self._forget(key)
             self.owner[key] = replica_id
-            self.owner.move_to_end(key)
+            self.held[replica_id] = self.held.get(replica_id, 0) + 1
         while len(self.owner) > MAX_ENTRIES:
-            self.owner.popitem(last=False)
+            self._forget(next(iter(self.owner)))
+
+    def _forget(self, key: str) -> None:
+        rid = self.owner.pop(key, None)
+        if rid is not None:
+            self.held[rid] -= 1
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.running.pop(replica_id, None)
         for key in [k for k, r in self.owner.items() if r == replica_id]:
-            del self.owner[key]
+            self._forget(key)
+        self.held.pop(replica_id, None)

@@ -10,6 +10,7 @@ again from the summed counters; speeds of the last request and the context lengt
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections import OrderedDict
@@ -93,7 +94,9 @@ def combined_text(texts: dict[str, str]) -> str:
             num, den = (sums.get(n, 0.0) for n in RECOMPUTED[fname])
             lines.append(f"{fname} {_num(num / den if den else 0.0)}")
         elif fname not in PER_REPLICA_ONLY:
-            lines += [f"{n}{{{labels}}} {_num(v)}" if labels else f"{n} {_num(v)}" for (n, labels), v in fam.total.items()]
+            lines += [
+                f"{n}{{{labels}}} {_num(v)}" if labels else f"{n} {_num(v)}" for (n, labels), v in fam.total.items()
+            ]
         lines += fam.rows
     return "\n".join(lines) + "\n"
 
@@ -111,4 +114,4 @@ def _with_replica(labels: str, replica: str) -> str:
 
 
 def _num(v: float) -> str:
-    return str(int(v)) if v == int(v) and abs(v) < 2**53 else f"{v:.6g}"
+    return str(int(v)) if math.isfinite(v) and v == int(v) and abs(v) < 2**53 else f"{v:.6g}"

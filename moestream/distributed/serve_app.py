@@ -18,7 +18,6 @@ to the live replicas.
 parser; docs/ray.md).
 """
 
-
 import argparse
 import asyncio
 import json
@@ -43,6 +42,9 @@ NAMESPACE = "moestream"  # where the metrics board lives
 RETRY_AFTER_S = 1
 REPLICA_HEADER = "x-moestream-replica"  # which replica answered (its Ray Serve replica id)
 DISCONNECT_POLL_S = 0.1
+# what of the HTTP request's ASGI scope travels to the replica, which runs serve's app on it
+SCOPE_KEYS = ("type", "http_version", "method", "scheme", "path", "raw_path", "query_string", "headers", "server",
+              "client")  # fmt: skip
 
 
 @dataclass
@@ -174,8 +176,7 @@ LOST = (ray.exceptions.RayError, serve.exceptions.RayServeException)
 def replica_lost(exc: BaseException) -> APIError:
     return APIError(
         503,
-        f"the replica serving this request was lost ({type(exc).__name__}); Ray Serve replaces it, retry the "
-        "request",
+        f"the replica serving this request was lost ({type(exc).__name__}); Ray Serve replaces it, retry the request",
         type="server_error",
         code="replica_lost",
         headers={"Retry-After": str(RETRY_AFTER_S)},
@@ -241,6 +242,7 @@ async def rest(gen: Any, stream: bool) -> AsyncIterator[bytes]:
 
 api = FastAPI(title="moestream serve-ray")
 
+
 @serve.ingress(api)
 class Ingress:
     """The HTTP side (Ray Serve deployment body)."""
@@ -268,8 +270,7 @@ class Ingress:
         if isinstance(body, Response):
             return body
         keys = route_keys(request, body)
-        scope = {k: request.scope[k] for k in ("type", "http_version", "method", "scheme", "path", "raw_path",
-                                              "query_string", "headers", "server", "client") if k in request.scope}
+        scope = {k: request.scope[k] for k in SCOPE_KEYS if k in request.scope}
         scope["root_path"] = ""
         gen = self.engine.call.remote(scope, body, **{ROUTE_KWARG: keys})
         try:
@@ -287,7 +288,10 @@ class Ingress:
 def build_app(settings: Settings) -> Any:
     """The Ray Serve application (what serve.run takes)."""
     replica_opts: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": settings.threads, **({"memory": settings.memory_bytes} if settings.memory_bytes else {})},
+        "ray_actor_options": {
+            "num_cpus": settings.threads,
+            **({"memory": settings.memory_bytes} if settings.memory_bytes else {}),
+        },
         "max_ongoing_requests": settings.max_ongoing,
         "request_router_config": RequestRouterConfig(
             request_router_class=PrefixAffinityRouter, request_router_kwargs={"imbalance": settings.imbalance}
