@@ -20,13 +20,20 @@ STALE_S = 10.0
 BOARD_NAME = "moestream-metrics"  # + the application's name
 
 # gauges that do not add up over replicas: recomputed from the sums, or left per replica
-RECOMPUTED = {
-    "moestream_expert_cache_hit_rate": ("moestream_expert_cache_hits_total", "moestream_expert_cache_misses_total"),
-    "moestream_disk_read_bytes_per_generated_token": ("moestream_disk_read_bytes_total",
-                                                      "moestream_generated_tokens_total"),
-    "moestream_generated_tokens_per_busy_second": ("moestream_generated_tokens_total",
-                                                   "moestream_busy_seconds_total"),
-}  # fmt: skip
+RECOMPUTED = {  # name: (numerator, the counters whose sum is the denominator)
+    "moestream_expert_cache_hit_rate": (
+        "moestream_expert_cache_hits_total",
+        ("moestream_expert_cache_hits_total", "moestream_expert_cache_misses_total"),
+    ),
+    "moestream_disk_read_bytes_per_generated_token": (
+        "moestream_disk_read_bytes_total",
+        ("moestream_generated_tokens_total",),
+    ),
+    "moestream_generated_tokens_per_busy_second": (
+        "moestream_generated_tokens_total",
+        ("moestream_busy_seconds_total",),
+    ),
+}
 PER_REPLICA_ONLY = {
     "moestream_last_prompt_tokens_per_second",
     "moestream_last_decode_tokens_per_second",
@@ -91,7 +98,7 @@ def combined_text(texts: dict[str, str]) -> str:
     for fname, fam in families.items():
         lines += fam.head
         if fname in RECOMPUTED:
-            num, den = (sums.get(n, 0.0) for n in RECOMPUTED[fname])
+            num, den = sums.get(RECOMPUTED[fname][0], 0.0), sum(sums.get(n, 0.0) for n in RECOMPUTED[fname][1])
             lines.append(f"{fname} {_num(num / den if den else 0.0)}")
         elif fname not in PER_REPLICA_ONLY:
             lines += [
