@@ -159,7 +159,7 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
         from moestream.distributed.serve_app import board_actor, build_app
 
         settings = settings_from_args(args, ray)
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
         print(f"moestream: starting {args.replicas} replicas ({settings.threads} threads and "
               f"{settings.memory_bytes // MB} MiB each)", flush=True)  # fmt: skip
         try:
