@@ -1,12 +1,13 @@
 """`serve-ray`: the aggregate decode rate of 2 engine replicas against 1 behind the same endpoint, 8 clients.
 
-Each pair starts two fresh `moestream serve-ray` processes, one after the other (the order swapped every pair),
-each with its own local Ray instance: `1 replica` (one engine with --threads = the cores) and `2 replicas`
-(two engines with half the threads each), so both arms use the same cores, which on a small machine are the
-ceiling: two engines can only beat one where one leaves cores idle. A plain `moestream serve` with the same
-threads as `1 replica` runs in every pair too (what the Ray Serve path costs). Every server answers one warm-up
-request, then 8 clients send different prompts at once (greedy, --tokens each); the figure is the completion
-tokens of all of them over the wall time from the first send to the last answer.
+Each pair starts fresh servers one after the other (the order rotated every pair, each server's processes,
+Ray's included, gone before the next starts), each `moestream serve-ray` with its own local Ray instance:
+`1 replica` (one engine with --threads = the cores) and `2 replicas` (two engines with half the threads each),
+so both arms use the same cores, which on a small machine are the ceiling: two engines can only beat one where
+one leaves cores idle. A plain `moestream serve` with the threads of `1 replica` runs in every pair too (what
+the Ray Serve path costs). Every server answers one warm-up request, then 8 clients send different prompts at
+once (greedy, --tokens each); the figure is the completion tokens of all of them over the wall time from the
+first send to the last answer.
 
     python bench/ray_replicas.py --pairs 5
 """
@@ -31,6 +32,7 @@ from harness import log, run_meta, save_results, spread  # also puts this checko
 from moestream.synth.shapes import write_synth
 
 WORDS = "cache disk route layer slot gate token batch".split()
+SETTLE_S = 3.0
 
 
 def free_port() -> int:
@@ -81,6 +83,8 @@ def start(args: argparse.Namespace, arm: str, log_path: str) -> tuple[subprocess
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """End the server and wait until every process of its session (Ray's too) is gone, so that the next arm
+    does not share the cores with a teardown."""
     if proc.poll() is None:
         proc.send_signal(2)  # SIGINT: serve-ray ends its local Ray instance
         try:
@@ -88,6 +92,22 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and session_alive(proc.pid):
+        time.sleep(0.5)
+    time.sleep(SETTLE_S)
+
+
+def session_alive(sid: int) -> bool:
+    """Whether any process of the session `sid` (the server's, started with start_new_session) still runs."""
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.getsid(int(pid)) == sid:
+                    return True
+            except OSError:
+                pass
+    return False
 
 
 def clients(url: str, n: int, tokens: int) -> dict[str, Any]:
@@ -138,7 +158,7 @@ def main() -> int:
     ap.add_argument("--budget-mb", type=int, default=3000, help="each replica's (and serve's) --ram-budget-mb")
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--name", default="ray-replicas")
     ap.add_argument("--results-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--markdown", default=None)
@@ -149,7 +169,7 @@ def main() -> int:
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     for p in range(args.pairs):
         log(f"pair {p + 1}/{args.pairs}")
-        for arm in arms if p % 2 == 0 else [arms[1], arms[0], arms[2]]:
+        for arm in arms[p % 3 :] + arms[: p % 3] if p % 2 == 0 else (arms[p % 3 :] + arms[: p % 3])[::-1]:
             runs[arm].append(run_arm(args, arm, os.path.join(tmp, f"{arm.replace(' ', '-')}-{p}.log")))
     same = all(r["texts"] == runs["serve"][0]["texts"] for rs in runs.values() for r in rs)
     ratio = [b["tok_s"] / a["tok_s"] for a, b in zip(runs["1 replica"], runs["2 replicas"], strict=True)]
@@ -157,8 +177,12 @@ def main() -> int:
     import ray
 
     doc = {
-        "meta": run_meta(args, ray=ray.__version__, cores=os.cpu_count(),
-                         note="a 2-core machine shared with other jobs: the ceiling is its cores"),  # fmt: skip
+        "meta": run_meta(
+            args,
+            ray=ray.__version__,
+            cores=os.cpu_count(),
+            note="a 2-core machine shared with other jobs: the ceiling is its cores",
+        ),  # fmt: skip
         "tok_s": {a: spread(r["tok_s"] for r in rs) for a, rs in runs.items()},
         "ratio_2_over_1_replica": spread(ratio),
         "ratio_1_replica_over_serve": spread(via_ray),
