@@ -22,7 +22,7 @@ import argparse
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -60,7 +60,6 @@ class Settings:
     max_ongoing: int = 8  # requests Ray Serve sends one replica at once
     imbalance: int = DEFAULT_IMBALANCE
     app_name: str = APP_NAME
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def board(self) -> str:
@@ -71,6 +70,22 @@ def board_actor(name: str) -> Any:
     """The application's metrics board (created by whoever asks first; detached: it outlives replicas)."""
     cls = ray.remote(num_cpus=0)(MetricsBoard)
     return cls.options(name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote()
+
+
+async def next_message(out: asyncio.Queue, task: asyncio.Task) -> dict | None:
+    """The app's next ASGI message, those it sent before returning included; None once it returned and all
+    were taken (its exception, if it raised one, is raised here)."""
+    while out.empty() and not task.done():
+        get = asyncio.ensure_future(out.get())
+        await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+        if get.done():
+            return get.result()
+        get.cancel()
+    if not out.empty():
+        return out.get_nowait()
+    if task.exception() is not None:
+        raise task.exception()
+    return None
 
 
 class EngineReplica:
@@ -134,14 +149,9 @@ class EngineReplica:
         task = asyncio.create_task(self.app({**scope, "app": self.app}, receive, send))
         try:
             while True:
-                get = asyncio.ensure_future(out.get())
-                await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():  # the app returned without finishing its response
-                    get.cancel()
-                    if task.exception() is not None:
-                        raise task.exception()
+                msg = await next_message(out, task)
+                if msg is None:  # the app returned without finishing its response
                     return
-                msg = get.result()
                 if msg["type"] == "http.response.start":
                     headers = [(bytes(k), bytes(v)) for k, v in msg.get("headers", [])]
                     headers.append((REPLICA_HEADER.encode(), self.replica.encode()))
