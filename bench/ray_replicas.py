@@ -7,7 +7,8 @@ so both arms use the same cores, which on a small machine are the ceiling: two e
 one leaves cores idle. A plain `moestream serve` with the threads of `1 replica` runs in every pair too (what
 the Ray Serve path costs). Every server answers one warm-up request, then 8 clients send different prompts at
 once (greedy, --tokens each); the figure is the completion tokens of all of them over the wall time from the
-first send to the last answer.
+first send to the last answer. Beside it, the CPU seconds the server's processes (Ray's and the replicas' with
+it) used in that window: the cores an arm kept busy, against the machine's (the ceiling).
 
     python bench/ray_replicas.py --pairs 5
 """
@@ -98,6 +99,25 @@ def stop(proc: subprocess.Popen) -> None:
     time.sleep(SETTLE_S)
 
 
+def session_cpu_s(sid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of the session `sid`: the server, and for
+    serve-ray its Ray processes and replicas."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.getsid(int(pid)) != sid:
+                continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
 def session_alive(sid: int) -> bool:
     """Whether any process of the session `sid` (the server's, started with start_new_session) still runs."""
     for pid in os.listdir("/proc"):
@@ -141,12 +161,15 @@ def run_arm(args: argparse.Namespace, arm: str, log_path: str) -> dict[str, Any]
     startup = time.perf_counter() - t0
     try:
         post(url, {"model": "bench", "prompt": "warm up", "max_tokens": 4, "temperature": 0})
+        cpu0 = session_cpu_s(proc.pid)
         r = clients(url, args.clients, args.tokens)
+        r["cpu_s"] = session_cpu_s(proc.pid) - cpu0
+        r["cores_used"] = r["cpu_s"] / r["seconds"]
     finally:
         stop(proc)
     r.update(startup_s=startup, load_before=load_before, load_after=os.getloadavg()[0])
-    log(f"  {arm}: {r['tok_s']:.1f} tok/s ({r['tokens']} tokens in {r['seconds']:.1f} s), start {startup:.0f} s, "
-        f"load {load_before:.1f}")  # fmt: skip
+    log(f"  {arm}: {r['tok_s']:.1f} tok/s ({r['tokens']} tokens in {r['seconds']:.1f} s, {r['cores_used']:.2f} "
+        f"cores), start {startup:.0f} s, load {load_before:.1f}")  # fmt: skip
     return r
 
 
@@ -184,6 +207,8 @@ def main() -> int:
             note="a 2-core machine shared with other jobs: the ceiling is its cores",
         ),  # fmt: skip
         "tok_s": {a: spread(r["tok_s"] for r in rs) for a, rs in runs.items()},
+        "cores_used": {a: spread(r["cores_used"] for r in rs) for a, rs in runs.items()},
+        "cpu_ms_per_token": {a: spread(1e3 * r["cpu_s"] / r["tokens"] for r in rs) for a, rs in runs.items()},
         "ratio_2_over_1_replica": spread(ratio),
         "ratio_1_replica_over_serve": spread(via_ray),
         "pairs_ratio_2_over_1": ratio,
@@ -206,6 +231,11 @@ def table(doc: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|",
         f"| {c(t['1 replica'])} | {c(t['2 replicas'])} | {c(doc['ratio_2_over_1_replica'])}x | {c(t['serve'])} | "
         f"{c(doc['ratio_1_replica_over_serve'])}x | {doc['same_answers_in_every_arm']} |",
+        "",
+        "| arm | cores used (of " + str(doc["meta"]["cores"]) + ") | CPU ms per token |",
+        "|---|---|---|",
+        *(f"| {a} | {c(doc['cores_used'][a])} | {c(doc['cpu_ms_per_token'][a])} |" for a in t),
+        "",
         f"pairs 2/1: {', '.join(f'{x:.2f}' for x in doc['pairs_ratio_2_over_1'])}; median "
         f"{statistics.median(doc['pairs_ratio_2_over_1']):.2f}",
     ]

@@ -113,8 +113,8 @@ def settings_from_argv(argv: list[str]) -> Any:
     from moestream.cli.main import build_parser, parse
 
     args = parse(build_parser("serve-ray"), ["serve-ray", *argv])
-    if not ray.is_initialized():
-        ray.init(address="auto", log_to_driver=False)
+    if not ray.is_initialized():  # serve run builds the application before it joins the cluster itself
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), namespace="serve", log_to_driver=False)
     return settings_from_args(args, ray)
 
 
