@@ -255,6 +255,17 @@ def test_replicas_the_cluster_cannot_hold_are_one_line(cluster, model_path, caps
         assert len(lines) == 1 and "do not fit the Ray cluster's nodes" in lines[0] and "Traceback" not in err, err
 
 
+@pytest.mark.slow
+def test_replicas_this_machine_cannot_hold_are_one_line(model_path, capsys):
+    from moestream.streaming.budget import MB, total_ram
+
+    ram_mb = total_ram()[0] // MB  # two replicas of this budget each cannot fit the local Ray instance
+    assert main(["serve-ray", "-m", model_path, "--replicas", "2", "--ram-budget-mb", str(ram_mb)]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "do not fit this machine" in lines[0] and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize(
     "extra,needle",
     [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import threading
 from typing import Any
@@ -18,9 +19,10 @@ from moestream.cli import values
 from moestream.cli.serve import API_KEY_ENV, add_serve_args, listen_socket
 from moestream.engine.planning import DEFAULT_BATCH
 from moestream.errors import MoestreamError
-from moestream.streaming.budget import MB
+from moestream.streaming.budget import DEFAULT_KEEP_FREE_MB, MB, available_bytes
 
 MAX_REPLICAS = 256
+MOESTREAM_ERROR = re.compile(r"moestream\.errors\.\w+: (.+)")  # a replica's error, in Ray's traceback
 STOP_S = 20.0  # the longest wait for the application's replicas to stop
 LOCAL_OBJECT_STORE_MB = 200  # the replicas pass requests and answers through it, never weights
 
@@ -97,9 +99,10 @@ def settings_from_args(args: argparse.Namespace, ray: Any) -> Any:
     if held < most:
         mem = ", ".join(f"{int(n.get('memory', 0) // MB)} MiB/{int(n.get('CPU', 0))} CPUs" for n in nodes)
         each = f"--ram-budget-mb {budget} and " if budget else ""
+        where = "this machine" if args.address is None else "the Ray cluster's nodes"
         raise MoestreamError(
-            f"{most} replicas with {each}--threads {threads} each do not fit the Ray cluster's nodes ({mem} "
-            f"for Ray): they hold {held}; lower --replicas, --ram-budget-mb or --threads, or add machines"
+            f"{most} replicas with {each}--threads {threads} each do not fit {where} ({mem} free for them): they "
+            f"hold {held}; lower --replicas, --ram-budget-mb or --threads, or add machines"
         )
     max_ongoing = (args.max_batch or DEFAULT_BATCH) + args.max_queue
     return Settings(replica_options(args, threads, budget), args.replicas, args.min_replicas, args.max_replicas,
@@ -113,6 +116,7 @@ def settings_from_argv(argv: list[str]) -> Any:
     from moestream.cli.main import build_parser, parse
 
     args = parse(build_parser("serve-ray"), ["serve-ray", *argv])
+    args.address = args.address or os.environ.get("RAY_ADDRESS", "auto")  # a cluster, not this machine alone
     if not ray.is_initialized():  # serve run builds the application before it joins the cluster itself
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), namespace="serve", log_to_driver=False)
     return settings_from_args(args, ray)
@@ -124,8 +128,11 @@ def start_ray(args: argparse.Namespace) -> Any:
     ray = import_ray()
     if args.address is None:
         listen_socket(args.host, args.port).close()  # a taken port fails now, not after the models load
-        ray.init(num_cpus=os.cpu_count() or 1, object_store_memory=LOCAL_OBJECT_STORE_MB * MB,
-                 include_dashboard=False, log_to_driver=False, configure_logging=False)  # fmt: skip
+        # what the replicas may reserve: the memory available now, less what `serve` keeps free
+        memory = max(MB, available_bytes() - (DEFAULT_KEEP_FREE_MB + LOCAL_OBJECT_STORE_MB) * MB)
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, _memory=memory,
+                 object_store_memory=LOCAL_OBJECT_STORE_MB * MB, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)  # fmt: skip
         return ray
     host, port = parse_address(args.address, "--address")
     check_reachable(host, port)
@@ -141,13 +148,16 @@ def first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def deploy_error(exc: BaseException) -> str:
-    """The line of a failed deployment that says why: a replica's MoestreamError (a budget the model does not fit,
-    say), else Ray's first line."""
-    for line in str(exc).splitlines():
-        if "MoestreamError:" in line:
-            return line.split("MoestreamError:", 1)[1].strip()
-    return first_line(exc)
+def deploy_error(serve: Any, app_name: str, exc: BaseException) -> str:
+    """Why a deployment failed: a replica's MoestreamError (a budget the model does not fit, say) from Serve's
+    status of the application, else Ray's first line."""
+    try:
+        app = serve.status().applications[app_name]
+        texts = [d.message for d in app.deployments.values()] + [app.message]
+    except Exception:  # the status is gone with the cluster
+        texts = []
+    found = MOESTREAM_ERROR.search("\n".join([*texts, str(exc)]))
+    return found.group(1).strip() if found else first_line(exc)
 
 
 def cmd_serve_ray(args: argparse.Namespace) -> int:
@@ -165,18 +175,15 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
         try:
             serve.run(build_app(settings), name=settings.app_name, route_prefix="/", blocking=False)
         except (RuntimeError, serve.exceptions.RayServeException) as exc:
-            raise MoestreamError(f"the replicas did not start: {deploy_error(exc)}") from None
+            raise MoestreamError(f"the replicas did not start: {deploy_error(serve, settings.app_name, exc)}") from None
         print(f"moestream: serving on http://{args.host}:{args.port}/v1 with {args.replicas} replicas "
               f"(metrics of each and their sum at /metrics)", flush=True)  # fmt: skip
         wait_for_signal()
         if args.address is not None:  # the application leaves the cluster with the command
             within(lambda: (serve.delete(settings.app_name), ray.kill(board_actor(settings.board))), STOP_S)
     finally:
-        if args.address is None:  # a Ctrl-C reached Ray's own processes too: end them, without waiting long
-            from ray import serve
-
-            within(serve.shutdown, STOP_S)
-        ray.shutdown()  # the local instance ends; a cluster's driver disconnects
+        ray.shutdown()  # the local instance ends with its replicas (a Ctrl-C reached them too); a driver of a
+        # cluster disconnects
     return 0
 
 

@@ -170,6 +170,8 @@ class EngineReplica:
                     task.cancel()
 
     async def __del__(self) -> None:
+        if not hasattr(self, "_report"):  # __init__ failed before the engine was up: nothing to close
+            return
         self._report.cancel()
         try:
             await self.board.drop.remote(self.replica)
