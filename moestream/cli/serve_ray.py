@@ -9,6 +9,7 @@ anything starts."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import signal
@@ -16,9 +17,12 @@ import threading
 from typing import Any
 
 from moestream.cli import values
+from moestream.cli.options import engine_options
 from moestream.cli.serve import API_KEY_ENV, add_serve_args, listen_socket
 from moestream.engine.planning import DEFAULT_BATCH
 from moestream.errors import MoestreamError
+from moestream.serving.app import Defaults, default_model_name
+from moestream.serving.worker import Admission
 from moestream.streaming.budget import DEFAULT_KEEP_FREE_MB, MB, available_bytes
 
 MAX_REPLICAS = 256
@@ -28,6 +32,10 @@ LOCAL_OBJECT_STORE_MB = 200  # the replicas pass requests and answers through it
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "serve's OpenAI-compatible endpoint with N engine replicas behind it, on Ray Serve (docs/ray.md). It takes "
+        "serve's options; --ram-budget-mb and --threads are each replica's, reserved on the node Ray places it on."
+    )
     add_serve_args(p)
     p.add_argument("--replicas", type=values.whole(1, MAX_REPLICAS), default=1,
                    help="engine replicas behind the endpoint, each with its own --ram-budget-mb and --threads "
@@ -60,12 +68,24 @@ def check_options(args: argparse.Namespace) -> None:
         raise MoestreamError(f"--replicas {args.replicas} is outside --min-replicas/--max-replicas ({lo}..{hi})")
 
 
-def replica_options(args: argparse.Namespace, threads: int, budget_mb: int) -> dict[str, Any]:
-    """serve's options as each replica opens its engine with them."""
-    opts = {k: v for k, v in vars(args).items() if k != "func"}
-    opts.update(model=os.path.abspath(args.model), threads=threads, ram_budget_mb=budget_mb,
-                api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)  # fmt: skip
-    return opts
+def replica_spec(args: argparse.Namespace, threads: int, budget_mb: int) -> Any:
+    """serve's options as each replica opens its engine and app with them."""
+    from moestream.distributed.serve_app import ReplicaSpec
+
+    args = argparse.Namespace(**{**vars(args), "threads": threads, "ram_budget_mb": budget_mb})
+    engine = dataclasses.replace(engine_options(args), progress=False)  # a replica's log is no terminal
+    defaults = Defaults(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                        max_tokens=args.max_tokens_default)  # fmt: skip
+    return ReplicaSpec(
+        model=os.path.abspath(args.model),
+        engine=engine,
+        name=args.model_name or default_model_name(args.model),
+        defaults=defaults,
+        admission=Admission(max_queue=args.max_queue, gather_s=args.batch_window_ms / 1000),
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        webui=not args.no_webui,
+        host=args.host,
+    )
 
 
 def fit(nodes: list[dict[str, float]], count: int, threads: int, budget_mb: int | None) -> tuple[int, int]:
@@ -105,8 +125,15 @@ def settings_from_args(args: argparse.Namespace, ray: Any) -> Any:
             f"hold {held}; lower --replicas, --ram-budget-mb or --threads, or add machines"
         )
     max_ongoing = (args.max_batch or DEFAULT_BATCH) + args.max_queue
-    return Settings(replica_options(args, threads, budget), args.replicas, args.min_replicas, args.max_replicas,
+    return Settings(replica_spec(args, threads, budget), args.replicas, args.min_replicas, args.max_replicas,
                     threads, budget * MB, max(1, max_ongoing))  # fmt: skip
+
+
+def build(args: dict[str, str]) -> Any:
+    """`serve run moestream.cli.serve_ray:build 'args=SERVE-RAY OPTIONS'`: the application builder."""
+    from moestream.distributed.serve_app import build_app
+
+    return build_app(settings_from_argv(args.get("args", "").split()))
 
 
 def settings_from_argv(argv: list[str]) -> Any:

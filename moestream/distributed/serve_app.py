@@ -13,12 +13,9 @@ with a retryable error: 503 with Retry-After in OpenAI's error shape when no ans
 stream under way) an SSE error event in that shape, as `serve` ends a stream that fails; the next requests go
 to the live replicas.
 
-`serve run` takes the application too: `serve run moestream.distributed.serve_app:build
-'args=-m /path/model.gguf --replicas 2 --ram-budget-mb 4000'` (the `serve-ray` options, parsed by the same
-parser; docs/ray.md).
+`serve run` takes the application too, through `moestream.cli.serve_ray:build` (docs/ray.md).
 """
 
-import argparse
 import asyncio
 import json
 from collections.abc import AsyncIterator
@@ -34,8 +31,12 @@ from ray.serve.handle import DeploymentHandle
 
 from moestream.distributed.prefix_router import DEFAULT_IMBALANCE, ROUTE_KWARG, PrefixAffinityRouter, prefix_keys
 from moestream.distributed.replica_metrics import BOARD_NAME, REPORT_S, MetricsBoard, combined_text
+from moestream.engine.engine import Engine
+from moestream.engine.options import EngineOptions
 from moestream.serving.answer import sse
+from moestream.serving.app import Defaults, create_app
 from moestream.serving.schemas import MAX_BODY_BYTES, APIError
+from moestream.serving.worker import Admission, metrics_text
 
 APP_NAME = "moestream"
 NAMESPACE = "moestream"  # where the metrics board lives
@@ -47,11 +48,25 @@ SCOPE_KEYS = ("type", "http_version", "method", "scheme", "path", "raw_path", "q
               "client")  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What each replica opens and serves: its engine's options (its own budget and threads) and serve's app's."""
+
+    model: str  # an absolute path: every machine has the file there
+    engine: EngineOptions
+    name: str  # the model id clients use
+    defaults: Defaults
+    admission: Admission
+    api_key: str | None
+    webui: bool
+    host: str
+
+
 @dataclass
 class Settings:
     """What the application is built from (the serve-ray command line, checked)."""
 
-    options: dict[str, Any]  # serve's options as parsed (vars of the Namespace), for every replica
+    spec: ReplicaSpec
     replicas: int = 1
     min_replicas: int | None = None
     max_replicas: int | None = None
@@ -91,23 +106,10 @@ async def next_message(out: asyncio.Queue, task: asyncio.Task) -> dict | None:
 class EngineReplica:
     """One engine and serve's app on it (Ray Serve deployment body)."""
 
-    async def __init__(self, options: dict[str, Any], board: str):
-        from moestream.cli.options import open_engine
-        from moestream.serving.app import Defaults, create_app, default_model_name
-        from moestream.serving.worker import Admission
-
-        args = argparse.Namespace(**options)
-        self.engine = open_engine(args)
-        self.app = create_app(
-            self.engine,
-            args.model_name or default_model_name(args.model),
-            defaults=Defaults(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                              max_tokens=args.max_tokens_default),
-            admission=Admission(max_queue=args.max_queue, gather_s=args.batch_window_ms / 1000),
-            api_key=args.api_key,
-            webui=not args.no_webui,
-            host=args.host,
-        )  # fmt: skip
+    async def __init__(self, spec: ReplicaSpec, board: str):
+        self.engine = Engine(spec.model, spec.engine)
+        self.app = create_app(self.engine, spec.name, defaults=spec.defaults, admission=spec.admission,
+                              api_key=spec.api_key, webui=spec.webui, host=spec.host)  # fmt: skip
         self._life = self.app.router.lifespan_context(self.app)
         await self._life.__aenter__()
         self.worker = self.app.state.service.worker
@@ -116,8 +118,6 @@ class EngineReplica:
         self._report = asyncio.create_task(self._report_loop())
 
     async def _report_loop(self) -> None:
-        from moestream.serving.worker import metrics_text
-
         while True:
             try:
                 await self.board.put.remote(self.replica, metrics_text(self.worker))
@@ -325,11 +325,4 @@ def build_app(settings: Settings) -> Any:
     ingress = serve.deployment(Ingress, name="Ingress").options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000
     )
-    return ingress.bind(engine.bind(settings.options, settings.board), settings.board)
-
-
-def build(args: dict[str, str]) -> Any:
-    """`serve run moestream.distributed.serve_app:build 'args=SERVE-RAY OPTIONS'`: the application builder."""
-    from moestream.cli.serve_ray import settings_from_argv
-
-    return build_app(settings_from_argv(args.get("args", "").split()))
+    return ingress.bind(engine.bind(settings.spec, settings.board), settings.board)
