@@ -90,6 +90,10 @@ COMMANDS: dict[str, tuple[list[str], dict[str, str]]] = {
         ["serve", "-m", "{M}"],
         {**ENGINE, **SAMPLING, "--port": "port", "--max-tokens-default": "positive"},
     ),
+    "serve-ray": (
+        ["serve-ray", "-m", "{M}"],
+        {**ENGINE, **SAMPLING, "--port": "port", "--replicas": "positive", "--max-replicas": "positive"},
+    ),
     "demo": (
         ["demo"],
         {"--layers": "positive", "--tokens": "positive", "--ram-budget-mb": "positive", "--threads": "threads"},

@@ -26,6 +26,7 @@ COMMANDS = {  # name: (module, help)
     "synth": ("moestream.cli.run", "write a synthetic model with random weights at a real shape"),
     "demo": ("moestream.cli.run", "run the main job on a built-in synthetic model bigger than its RAM budget"),
     "serve": ("moestream.cli.serve", "OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)"),
+    "serve-ray": ("moestream.cli.serve_ray", "serve's endpoint with N engine replicas behind it, on Ray Serve"),
     "chat": ("moestream.cli.serve", "interactive chat in the terminal"),
     "probe": ("moestream.cli.analysis", "measure the disk: random reads of the model's expert size, cold"),
     "replay": ("moestream.cli.analysis", "replay a trace against cache policies and sizes"),

@@ -106,10 +106,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
-    {"serve": _serve_args, "chat": _chat_args}[command](p)
+    {"serve": add_serve_args, "chat": _chat_args}[command](p)
 
 
-def _serve_args(p: argparse.ArgumentParser) -> None:
+def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_prompt_cache_arg(p)
     # defaults for requests that leave them out; 1.0 is OpenAI's default temperature

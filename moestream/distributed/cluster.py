@@ -26,18 +26,19 @@ def import_ray() -> Any:
     return ray
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """HOST[:PORT] (ray://, a scheme Ray Client uses, is refused: the expert tier needs a cluster member)."""
+def parse_address(address: str, option: str = "--ray") -> tuple[str, int]:
+    """HOST[:PORT] (ray://, a scheme Ray Client uses, is refused: the expert tier and serve-ray need a cluster
+    member); `option` names the option that gave it."""
     if not address or address.strip() != address or "://" in address:
         raise MoestreamError(
-            f"--ray {address!r} is not a Ray address; give HOST:PORT of the head node (`ray start --head` prints it) "
-            "or `local` to start Ray on this machine"
+            f"{option} {address!r} is not a Ray address; give HOST:PORT of the head node (`ray start --head` prints "
+            "it) or `local` to start Ray on this machine"
         )
     host, sep, port_text = address.rpartition(":")
     if not sep:
         host, port_text = address, str(DEFAULT_PORT)
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise MoestreamError(f"--ray {address!r}: the port must be a number from 1 to 65535 (HOST:PORT)")
+        raise MoestreamError(f"{option} {address!r}: the port must be a number from 1 to 65535 (HOST:PORT)")
     return host, int(port_text)
 
 
