@@ -18,6 +18,7 @@ to the live replicas.
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,11 @@ NAMESPACE = "moestream"  # where the metrics board lives
 RETRY_AFTER_S = 1
 REPLICA_HEADER = "x-moestream-replica"  # which replica answered (its Ray Serve replica id)
 DISCONNECT_POLL_S = 0.1
+# a request still waiting for its answer to begin asks the metrics board this often whether any replica runs,
+# and is answered 503 once none has for NO_REPLICA_S (Ray Serve would keep it queued for a replacement that
+# may never start: a node gone, a budget no node has left)
+BOARD_POLL_S = 2.0
+NO_REPLICA_S = 30.0
 # what of the HTTP request's ASGI scope travels to the replica, which runs serve's app on it
 SCOPE_KEYS = ("type", "http_version", "method", "scheme", "path", "raw_path", "query_string", "headers", "server",
               "client")  # fmt: skip
@@ -195,6 +201,20 @@ def replica_lost(exc: BaseException) -> APIError:
     )
 
 
+def no_replica() -> APIError:
+    return APIError(
+        503,
+        f"no engine replica has run for {NO_REPLICA_S:.0f} s (one that died is not back yet); retry the request later",
+        type="server_error",
+        code="no_replica",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+class NoReplica(Exception):
+    """No replica reported for NO_REPLICA_S while a request waited for its answer to begin."""
+
+
 # ingress's helpers come before its class: serve.ingress pickles the app (its routes and what they use) at once
 async def read_body(request: Request) -> bytes | Response:
     """The body, or the 413 `serve` answers for one too large (this side must not hold it either)."""
@@ -217,9 +237,11 @@ def route_keys(request: Request, body: bytes) -> list[str]:
         return []
 
 
-async def first_message(gen: Any, request: Request) -> dict | None:
-    """The response's start, or None if the client leaves first (the request is then cancelled)."""
+async def first_message(gen: Any, request: Request, board: Any) -> dict | None:
+    """The response's start, or None if the client leaves first (the request is then cancelled); NoReplica when
+    no replica has reported to the board for NO_REPLICA_S meanwhile."""
     nxt = asyncio.ensure_future(gen.__anext__())
+    polled, silent_since = time.monotonic(), None
     try:
         while True:
             done, _ = await asyncio.wait({nxt}, timeout=DISCONNECT_POLL_S)
@@ -228,6 +250,13 @@ async def first_message(gen: Any, request: Request) -> dict | None:
             if await request.is_disconnected():
                 gen.cancel()
                 return None
+            now = time.monotonic()
+            if now - polled >= BOARD_POLL_S:
+                polled = now
+                silent_since = None if await board.fresh.remote() else (silent_since or now)
+                if silent_since is not None and now - silent_since >= NO_REPLICA_S:
+                    gen.cancel()
+                    raise NoReplica
     except StopAsyncIteration:
         raise ray.exceptions.RayError("the replica ended the response before it began") from None
     finally:
@@ -286,9 +315,11 @@ class Ingress:
         scope["root_path"] = ""
         gen = self.engine.call.remote(scope, body, **{ROUTE_KWARG: keys})
         try:
-            first = await first_message(gen, request)
+            first = await first_message(gen, request, self.board)
         except LOST as exc:
             return replica_lost(exc).response()
+        except NoReplica:
+            return no_replica().response()
         if first is None:  # the client left before the answer began
             return Response(status_code=499)
         stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in first["headers"])
