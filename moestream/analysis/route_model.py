@@ -153,10 +153,32 @@ def load_model(path: str) -> dict:
 # ---- generating --------------------------------------------------------------------------------------
 
 
-class _Layer:
-    """One generated layer's tables at the target expert count (rec: [classes, E_fit + 1])."""
+def _distinct(ranks: np.ndarray, new: int) -> np.ndarray:
+    """Drawn ranks [n, k] as _token takes them: a rank an earlier slot of the token took moves to the next free
+    one down (`new`, the bin of a new expert, never collides; a rank pushed past the list becomes new)."""
+    r = ranks.copy()
+    for i in range(1, r.shape[1]):
+        for _ in range(i):
+            r[(r[:, i : i + 1] == r[:, :i]).any(1) & (r[:, i] < new), i] += 1
+    return r
 
-    def __init__(self, rec: np.ndarray, pop: np.ndarray, pairs: list, n_experts: int, rng: np.random.Generator):
+
+def _drawing(p: np.ndarray, k: int, rng: np.random.Generator, n: int = 16384, rounds: int = 3) -> np.ndarray:
+    """The distribution to draw each slot's rank from so that the token's ranks, once made distinct, come out
+    distributed as measured (p). Drawn from p itself, collisions would push the reuse of the previous token's
+    experts, the most likely ranks, down the list."""
+    w = p.copy()
+    for _ in range(rounds):
+        got = np.bincount(_distinct(rng.choice(len(p), size=(n, k), p=w), len(p) - 1).reshape(-1), minlength=len(p))
+        w = w * np.where(got > 0, p * got.sum() / np.maximum(got, 1), 1)
+        w /= w.sum()
+    return w
+
+
+class _Layer:
+    """One generated layer's tables at the target expert count and top-k (rec: [classes, E_fit + 1])."""
+
+    def __init__(self, rec: np.ndarray, pop: np.ndarray, pairs: list, n_experts: int, k: int, rng: np.random.Generator):
         E_fit = len(pop)
         if n_experts == E_fit:
             self.pop, self.rec = pop, rec
@@ -172,7 +194,7 @@ class _Layer:
             scaled = np.diff([np.interp(at, np.arange(E_fit + 1), row) for row in cdf], axis=1)
             self.rec = np.concatenate([scaled, rec[:, E_fit:]], 1)
             self.lift = {}
-        self.rec = self.rec / self.rec.sum(1, keepdims=True)
+        self.draw = np.array([_drawing(row / row.sum(), k, rng) for row in self.rec])
         self.n = n_experts
 
     def new_expert(self, unseen: np.ndarray, chosen: list[int], rng: np.random.Generator) -> int:
@@ -214,7 +236,7 @@ def generate(model: dict, lengths: list[int], layers: int = 0, experts: int = 0,
     rng = np.random.default_rng(seed)
     rec, pop = np.asarray(model["recency"], float), np.asarray(model["popularity"], float)
     fitted = [layer * L_fit // L for layer in range(L)]
-    lays = [_Layer(rec[:, li], pop[li], model["pairs"][li], E, rng) for li in fitted]
+    lays = [_Layer(rec[:, li], pop[li], model["pairs"][li], E, k, rng) for li in fitted]
     shares = np.asarray(model["classes"], float)
     samples = []
     for n in lengths:
@@ -225,7 +247,7 @@ def generate(model: dict, lengths: list[int], layers: int = 0, experts: int = 0,
             unseen = np.ones(E)
             ranks = np.zeros((n, k), np.int64)
             for c in range(len(shares)):
-                ranks[cls == c] = rng.choice(E + 1, size=(int((cls == c).sum()), k), p=lay.rec[c])
+                ranks[cls == c] = rng.choice(E + 1, size=(int((cls == c).sum()), k), p=lay.draw[c])
             for t in range(n):
                 chosen = _token(lay, ranks[t], order, unseen, rng)
                 out[t, layer] = chosen
