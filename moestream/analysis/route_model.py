@@ -163,7 +163,7 @@ def _distinct(ranks: np.ndarray, new: int) -> np.ndarray:
     return r
 
 
-def _drawing(p: np.ndarray, k: int, rng: np.random.Generator, n: int = 16384, rounds: int = 3) -> np.ndarray:
+def _drawing(p: np.ndarray, k: int, rng: np.random.Generator, n: int = 8192, rounds: int = 3) -> np.ndarray:
     """The distribution to draw each slot's rank from so that the token's ranks, once made distinct, come out
     distributed as measured (p). Drawn from p itself, collisions would push the reuse of the previous token's
     experts, the most likely ranks, down the list."""
@@ -175,27 +175,33 @@ def _drawing(p: np.ndarray, k: int, rng: np.random.Generator, n: int = 16384, ro
     return w
 
 
-class _Layer:
-    """One generated layer's tables at the target expert count and top-k (rec: [classes, E_fit + 1])."""
+def _rank_draws(rec: np.ndarray, n_experts: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """A fitted layer's rank distributions [classes, E_fit + 1] at the target expert count (ranks scaled with
+    it), adjusted for drawing at the target top-k (_drawing)."""
+    E_fit = rec.shape[1] - 1
+    if n_experts != E_fit:
+        cdf = np.concatenate([np.zeros((len(rec), 1)), np.cumsum(rec[:, :E_fit], 1)], 1)
+        at = np.linspace(0, E_fit, n_experts + 1)
+        scaled = np.diff([np.interp(at, np.arange(E_fit + 1), row) for row in cdf], axis=1)
+        rec = np.concatenate([scaled, rec[:, E_fit:]], 1)
+    return np.array([_drawing(row / row.sum(), k, rng) for row in rec])
 
-    def __init__(self, rec: np.ndarray, pop: np.ndarray, pairs: list, n_experts: int, k: int, rng: np.random.Generator):
+
+class _Layer:
+    """One generated layer's tables at the target expert count (draw: its rank distributions, _rank_draws)."""
+
+    def __init__(self, draw: np.ndarray, pop: np.ndarray, pairs: list, n_experts: int, rng: np.random.Generator):
         E_fit = len(pop)
+        self.draw, self.n = draw, n_experts
+        self.lift: dict[tuple[int, int], float] = {}
         if n_experts == E_fit:
-            self.pop, self.rec = pop, rec
-            self.lift: dict[tuple[int, int], float] = {}
+            self.pop = pop
             for i, j, lift in pairs:
                 self.lift[(int(i), int(j))] = self.lift[(int(j), int(i))] = float(lift)
         else:  # the fitted shares resampled to the new count, on a random order of the ids
             grid = np.linspace(0, 1, n_experts)
             curve = np.interp(grid, np.linspace(0, 1, E_fit), np.sort(pop)[::-1])
             self.pop = rng.permutation(curve / curve.sum())
-            cdf = np.concatenate([np.zeros((len(rec), 1)), np.cumsum(rec[:, :E_fit], 1)], 1)
-            at = np.linspace(0, E_fit, n_experts + 1)
-            scaled = np.diff([np.interp(at, np.arange(E_fit + 1), row) for row in cdf], axis=1)
-            self.rec = np.concatenate([scaled, rec[:, E_fit:]], 1)
-            self.lift = {}
-        self.draw = np.array([_drawing(row / row.sum(), k, rng) for row in self.rec])
-        self.n = n_experts
 
     def new_expert(self, unseen: np.ndarray, chosen: list[int], rng: np.random.Generator) -> int:
         w = self.pop * unseen
@@ -236,7 +242,8 @@ def generate(model: dict, lengths: list[int], layers: int = 0, experts: int = 0,
     rng = np.random.default_rng(seed)
     rec, pop = np.asarray(model["recency"], float), np.asarray(model["popularity"], float)
     fitted = [layer * L_fit // L for layer in range(L)]
-    lays = [_Layer(rec[:, li], pop[li], model["pairs"][li], E, k, rng) for li in fitted]
+    draws = {li: _rank_draws(rec[:, li], E, k, rng) for li in sorted(set(fitted))}
+    lays = [_Layer(draws[li], pop[li], model["pairs"][li], E, rng) for li in fitted]
     shares = np.asarray(model["classes"], float)
     samples = []
     for n in lengths:
