@@ -153,23 +153,29 @@ def load_model(path: str) -> dict:
 # ---- generating --------------------------------------------------------------------------------------
 
 
-def _distinct(ranks: np.ndarray, new: int) -> np.ndarray:
-    """Drawn ranks [n, k] as _token takes them: a rank an earlier slot of the token took moves to the next free
-    one down (`new`, the bin of a new expert, never collides; a rank pushed past the list becomes new)."""
-    r = ranks.copy()
-    for i in range(1, r.shape[1]):
-        for _ in range(i):
-            r[(r[:, i : i + 1] == r[:, :i]).any(1) & (r[:, i] < new), i] += 1
-    return r
+def _draw_ranks(w: np.ndarray, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, k] ranks, each slot drawn from w among the ranks its token has not taken yet (a real token's ranks
+    are distinct experts); the last bin, a new expert, is never taken."""
+    new = len(w) - 1
+    out = np.empty((n, k), np.int64)
+    left = np.tile(w, (n, 1))
+    for i in range(k):
+        cdf = np.cumsum(left, 1)
+        r = (cdf < rng.random((n, 1)) * cdf[:, -1:]).sum(1)
+        r[(cdf[:, -1] <= 0) | (r > new)] = new  # nothing left to draw but new experts
+        out[:, i] = r
+        taken = np.flatnonzero(r < new)
+        left[taken, r[taken]] = 0
+    return out
 
 
-def _drawing(p: np.ndarray, k: int, rng: np.random.Generator, n: int = 8192, rounds: int = 3) -> np.ndarray:
-    """The distribution to draw each slot's rank from so that the token's ranks, once made distinct, come out
-    distributed as measured (p). Drawn from p itself, collisions would push the reuse of the previous token's
-    experts, the most likely ranks, down the list."""
+def _drawing(p: np.ndarray, k: int, rng: np.random.Generator, n: int = 8192, rounds: int = 4) -> np.ndarray:
+    """The weights to draw ranks from (_draw_ranks) so that they come out distributed as measured (p): drawn
+    with p itself, the slots after the first would take the likeliest ranks, the previous token's experts,
+    less often than measured."""
     w = p.copy()
     for _ in range(rounds):
-        got = np.bincount(_distinct(rng.choice(len(p), size=(n, k), p=w), len(p) - 1).reshape(-1), minlength=len(p))
+        got = np.bincount(_draw_ranks(w, n, k, rng).reshape(-1), minlength=len(p))
         w = w * np.where(got > 0, p * got.sum() / np.maximum(got, 1), 1)
         w /= w.sum()
     return w
@@ -220,16 +226,10 @@ def _token(lay: _Layer, ranks: np.ndarray, order: list[int], unseen: np.ndarray,
     """One token's experts in one layer: each slot the expert at its drawn recency rank, else a new one."""
     chosen: list[int] = []
     for r in ranks:
-        e = -1
-        if r < len(order):
-            # a rank already taken by this token moves to the next one down (real tokens' ranks are distinct)
-            for e2 in order[r:]:
-                if e2 not in chosen:
-                    e = e2
-                    break
-        if e < 0:
-            e = lay.new_expert(unseen, chosen, rng)
-        chosen.append(e)
+        # the ranks are distinct, but a new expert drawn once every expert was used may sit further down the
+        # list: the rank then moves to the next expert down that the token has not chosen
+        e = next((e2 for e2 in order[r:] if e2 not in chosen), -1)
+        chosen.append(e if e >= 0 else lay.new_expert(unseen, chosen, rng))
     return chosen
 
 
@@ -254,7 +254,7 @@ def generate(model: dict, lengths: list[int], layers: int = 0, experts: int = 0,
             unseen = np.ones(E)
             ranks = np.zeros((n, k), np.int64)
             for c in range(len(shares)):
-                ranks[cls == c] = rng.choice(E + 1, size=(int((cls == c).sum()), k), p=lay.draw[c])
+                ranks[cls == c] = _draw_ranks(lay.draw[c], int((cls == c).sum()), k, rng)
             for t in range(n):
                 chosen = _token(lay, ranks[t], order, unseen, rng)
                 out[t, layer] = chosen
