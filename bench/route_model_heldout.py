@@ -1,6 +1,6 @@
 """The routing model (moestream/analysis/route_model.py) against real routing it was not fitted on.
 
-    python bench/route_model_heldout.py              # reads ../shared/routes (or --routes DIR); a few minutes
+    python bench/route_model_heldout.py          # reads ../shared/routes (or --routes DIR); a few minutes
 
 GPT-OSS-20B's 532 generated samples: the model is fitted on every fourth sample and draws as many samples of
 the same lengths as every eighth one starting at the second (disjoint from the fitted ones), as
@@ -65,7 +65,9 @@ def predicted(fitted: RouteSet, held: RouteSet, classes: int = rm.CLASSES) -> tu
 def main() -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--routes", default=os.path.join(os.path.dirname(here), "shared", "routes"))
+    # ../shared/routes beside the checkout, or beside the folder of its worktrees
+    near = [os.path.join(os.path.dirname(d), "shared", "routes") for d in (here, os.path.dirname(here))]
+    ap.add_argument("--routes", default=next((d for d in near if os.path.isdir(d)), near[0]))
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     rs = read_routes(os.path.join(args.routes, "gpt-oss-20b.npz"))

@@ -15,12 +15,15 @@ Reuse is not independent from layer to layer: a token that repeats its predecess
 tends to repeat them in the others, and a new one brings new experts to most layers at once. A cache shared
 by all layers (the engine's) sees that: the experts a token brings in across all its layers are what pushes
 an older one out. So every token has a class, its reuse over all layers (the share of its layers' experts
-its predecessor used in the same layer), cut at the quantiles into `classes` bands, and the recency
-distributions are kept per class and layer. A generated token draws its class from the classes' shares
-(consecutive classes are nearly independent in real routing), then per layer and slot a rank from its
-class's distribution, and takes the expert at that rank of its layer's recency list, or, for a new one,
-draws it from popularity times lift. Samples are generated independently, each from an empty recency list,
-as the real samples start.
+its predecessor used in the same layer), cut at the quantiles into `classes` bands, and `recency` is kept
+per class and layer ([class][layer][rank]); `class_reuse` is each class's mean reuse.
+
+A generated token draws its class from the classes' shares (consecutive classes are nearly independent in
+real routing), then per layer a rank for each slot from its class's distribution, among the ranks the token
+has not taken yet (a token's experts are distinct; the weights are adjusted so that the ranks drawn this way
+come out distributed as measured), and takes the expert at that rank of its layer's recency list, or, for a
+new one, draws it from popularity times lift. Samples are generated independently, each from an empty
+recency list, as the real samples start.
 
 To another shape (`gen --shape`): layer l takes fitted layer l * L_fit // L; ranks scale with the expert
 count; popularity is the fitted curve of shares resampled to the new count, on a random order of the ids;
