@@ -156,19 +156,23 @@ def load_model(path: str) -> dict:
 # ---- generating --------------------------------------------------------------------------------------
 
 
-def _draw_ranks(w: np.ndarray, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+def _draw_ranks(w: np.ndarray, n: int, k: int, rng: np.random.Generator, tries: int = 64) -> np.ndarray:
     """[n, k] ranks, each slot drawn from w among the ranks its token has not taken yet (a real token's ranks
-    are distinct experts); the last bin, a new expert, is never taken."""
+    are distinct experts); the last bin, a new expert, is never taken. A slot draws again while it draws a
+    taken rank, which is drawing from w restricted to the others."""
     new = len(w) - 1
-    out = np.empty((n, k), np.int64)
-    left = np.tile(w, (n, 1))
+    cdf = np.cumsum(w)
+    out = np.full((n, k), new, np.int64)
     for i in range(k):
-        cdf = np.cumsum(left, 1)
-        r = (cdf < rng.random((n, 1)) * cdf[:, -1:]).sum(1)
-        r[(cdf[:, -1] <= 0) | (r > new)] = new  # nothing left to draw but new experts
-        out[:, i] = r
-        taken = np.flatnonzero(r < new)
-        left[taken, r[taken]] = 0
+        todo = np.arange(n)
+        for _ in range(tries):
+            r = np.minimum(np.searchsorted(cdf, rng.random(len(todo)) * cdf[-1], side="right"), new)
+            taken = (r[:, None] == out[todo, :i]).any(1) & (r < new)
+            out[todo[~taken], i] = r[~taken]
+            todo = todo[taken]
+            if not len(todo):
+                break
+        # what still draws taken ranks has (nearly) nothing else left in w: new experts, as out holds
     return out
 
 
