@@ -76,12 +76,12 @@ def test_a_tokens_reuse_moves_its_layers_together(tmp_path):
     r = _reuse(d)
     # the layers of a generated token reuse together (drawn layer by layer alone they would not correlate)
     assert np.corrcoef(r[:, 0], r[:, 1])[0, 1] > 0.7
-    # a token's ranks are distinct, yet the reuse drawn is the reuse measured (it would fall short otherwise)
     assert abs(r.mean() - model["reuse"]) < 0.03
-    assert (
-        len({tuple(sorted(row)) for row in d[:, 0].tolist()}) > 1
-        and (np.sort(d, -1)[..., 1:] != np.sort(d, -1)[..., :-1]).all()
-    )
+    assert (np.diff(np.sort(d, -1), axis=-1) != 0).all()  # a token's experts in a layer are distinct
+    # a token's ranks are distinct, yet the reuse drawn is the reuse measured: drawn from the measured
+    # distribution itself, without repeats, it falls 0.05 short on these routes
+    model = rm.fit(read_routes(_npz(tmp_path, {f"s{i}": _skewed(300, i) for i in range(4)}), 16))
+    assert abs(_reuse(rm.generate(model, [3000], seed=3).samples[0].decode).mean() - model["reuse"]) < 0.02
     path = tmp_path / "old.json"
     path.write_text('{"routing_model": 1}')
     assert main(["routes", "gen", str(path), "-o", str(tmp_path / "g.csv")]) == 2
