@@ -79,7 +79,7 @@ def test_a_tokens_reuse_moves_its_layers_together(tmp_path):
     assert abs(r.mean() - model["reuse"]) < 0.03
     assert (np.diff(np.sort(d, -1), axis=-1) != 0).all()  # a token's experts in a layer are distinct
     # a token's ranks are distinct, yet the reuse drawn is the reuse measured: drawn from the measured
-    # distribution itself, without repeats, it falls short on these routes (the test fails so)
+    # distribution itself, without repeats, it falls short on these routes and this fails
     model = rm.fit(read_routes(_npz(tmp_path, {f"s{i}": _skewed(300, i) for i in range(4)}), 16))
     assert abs(_reuse(rm.generate(model, [3000], seed=3).samples[0].decode).mean() - model["reuse"]) < 0.02
     path = tmp_path / "old.json"
