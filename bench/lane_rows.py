@@ -89,17 +89,32 @@ def one(types: list[str], shapes: list[tuple[int, int]], ms: list[int], min_s: f
         for m in ms:
             xs = [torch.from_numpy(rng.standard_normal((m, hidden)).astype(np.float32)) for _ in exps]
             outs = [torch.empty(m, hidden) for _ in exps]
-            record(f"{name} swiglu {experts} experts m={m}", 3 * ffn * hidden * m * experts,
-                   lambda xs=xs, outs=outs, exps=exps: experts_mod.lane_swiglu(exps, xs, outs))
+            record(
+                f"{name} swiglu {experts} experts m={m}",
+                3 * ffn * hidden * m * experts,
+                lambda xs=xs, outs=outs, exps=exps: experts_mod.lane_swiglu(exps, xs, outs),
+            )
     out["load_avg_end"] = os.getloadavg()[0]
     return out
 
 
 def run_tree(tree: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, LANE_ROWS_TREE=os.path.abspath(tree))
-    cmd = [sys.executable, __file__, "--one", "--types", ",".join(args.types), "--ms", ",".join(map(str, args.ms)),
-           "--shapes", ",".join(f"{n}x{k}" for n, k in args.shapes),
-           "--min-s", str(args.min_s), "--experts", str(args.experts)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--one",
+        "--types",
+        ",".join(args.types),
+        "--ms",
+        ",".join(map(str, args.ms)),
+        "--shapes",
+        ",".join(f"{n}x{k}" for n, k in args.shapes),
+        "--min-s",
+        str(args.min_s),
+        "--experts",
+        str(args.experts),
+    ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if res.returncode != 0:
         raise SystemExit(f"lane_rows: the run on {tree} failed: {res.stderr.strip().splitlines()[-1:]}")
@@ -113,8 +128,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--min-s", type=float, default=0.05, help="timed seconds per (shape, m) per process")
     ap.add_argument("--types", type=lambda s: s.split(","), default=list(TYPES))
-    ap.add_argument("--shapes", type=parse_shapes, default=list(SHAPES),
-                    help="NxK,... (n outputs of k inputs); default: a Qwen3-30B expert's gate/up and down")
+    ap.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        default=list(SHAPES),
+        help="NxK,... (n outputs of k inputs); default: a Qwen3-30B expert's gate/up and down",
+    )
     ap.add_argument("--ms", type=lambda s: [int(v) for v in s.split(",")], default=list(MS))
     ap.add_argument("--experts", type=int, default=8, help="experts per lane_swiglu call (0: no swiglu rows)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
@@ -131,8 +150,10 @@ def main() -> None:
             runs[arm].append(run_tree(getattr(args, arm), args))
             log(f"repeat {i + 1}/{args.repeat} {arm}: load {runs[arm][-1]['load_avg']:.2f} {runs[arm][-1]['library']}")
     rows, lines = [], []
-    lines.append("| case | before ms | after ms | before GMAC/s | after GMAC/s | speedup (pair by pair) | "
-                 "CPU GMAC/s before / after |")
+    lines.append(
+        "| case | before ms | after ms | before GMAC/s | after GMAC/s | speedup (pair by pair) | "
+        "CPU GMAC/s before / after |"
+    )
     lines.append("|---|---|---|---|---|---|---|")
     for key in runs["before"][0]["ms"]:
         m = int(key.split(" m=")[1])
@@ -144,17 +165,31 @@ def main() -> None:
         pairs = [vb / va for vb, va in zip(b, a, strict=True)]
         cb = [macs / (r["cpu_ms"][key] * 1e6) for r in runs["before"]]
         ca = [macs / (r["cpu_ms"][key] * 1e6) for r in runs["after"]]
-        rows.append({"case": key, "macs": macs, "m": m, "before_ms": b, "after_ms": a,
-                     "before_cpu_ms": [r["cpu_ms"][key] for r in runs["before"]],
-                     "after_cpu_ms": [r["cpu_ms"][key] for r in runs["after"]]})
-        lines.append(f"| {key} | {median_range(b, 3)} | {median_range(a, 3)} | {median_range(gb, 1)} | "
-                     f"{median_range(ga, 1)} | {median_range(pairs, 2)}x | "
-                     f"{statistics.median(cb):.1f} / {statistics.median(ca):.1f} |")
+        rows.append(
+            {
+                "case": key,
+                "macs": macs,
+                "m": m,
+                "before_ms": b,
+                "after_ms": a,
+                "before_cpu_ms": [r["cpu_ms"][key] for r in runs["before"]],
+                "after_cpu_ms": [r["cpu_ms"][key] for r in runs["after"]],
+            }
+        )
+        lines.append(
+            f"| {key} | {median_range(b, 3)} | {median_range(a, 3)} | {median_range(gb, 1)} | "
+            f"{median_range(ga, 1)} | {median_range(pairs, 2)}x | "
+            f"{statistics.median(cb):.1f} / {statistics.median(ca):.1f} |"
+        )
     loads = [r["load_avg"] for arm in runs.values() for r in arm]
     lines.append("")
     lines.append(f"load average (1 min) at process start: {median_range(loads)}")
-    rows.append({"load_avg": {arm: [r["load_avg"] for r in v] for arm, v in runs.items()},
-                 "library": {arm: v[0]["library"] for arm, v in runs.items()}})
+    rows.append(
+        {
+            "load_avg": {arm: [r["load_avg"] for r in v] for arm, v in runs.items()},
+            "library": {arm: v[0]["library"] for arm, v in runs.items()},
+        }
+    )
     args.model = os.devnull  # synthetic weights: no model file
     save_rows(args, rows, lines)
 

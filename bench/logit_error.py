@@ -60,9 +60,7 @@ def cases(seeds: int) -> list[tuple[str, int, Any]]:
 
     out = [("gpt-oss sharp heads, MXFP4", s, mxfp4(gpt_oss.sharp_gpt_oss)) for s in range(seeds)]
     out += [("gpt-oss tiny, MXFP4", s, mxfp4(lambda seed: gpt_oss.GPT_OSS.hf_model(seed=seed))) for s in range(seeds)]
-    out += [
-        (f"{a.id}, Q8_0 experts", s, q8(a)) for a in MOE_CASES if a.name != "gpt-oss" for s in range(min(2, seeds))
-    ]
+    out += [(f"{a.id}, Q8_0 experts", s, q8(a)) for a in MOE_CASES if a.name != "gpt-oss" for s in range(min(2, seeds))]
     return out
 
 

@@ -90,12 +90,15 @@ def main() -> None:
     if "avx512_vnni" not in Path("/proc/cpuinfo").read_text():
         raise SystemExit("vnni_ceiling: this CPU has no AVX-512 VNNI")
     out_dir = Path(tempfile.mkdtemp(prefix="vnni-ceiling-"))
-    rows, lines = [], [
-        f"one thread, 8 zmm vpdpbusd chains, {ITERS:,} iterations a run, best of {args.rounds} runs",
-        "",
-        "| float steps per 8 vpdpbusd | integer multiplies | best GMAC/s | of the integer loop alone |",
-        "|---|---|---|---|",
-    ]
+    rows, lines = (
+        [],
+        [
+            f"one thread, 8 zmm vpdpbusd chains, {ITERS:,} iterations a run, best of {args.rounds} runs",
+            "",
+            "| float steps per 8 vpdpbusd | integer multiplies | best GMAC/s | of the integer loop alone |",
+            "|---|---|---|---|",
+        ],
+    )
     alone = None
     for floats, intmuls in CASES:
         exe = build(cc, floats, intmuls, out_dir)

@@ -128,32 +128,29 @@ COMMANDS: dict[str, tuple[list[str], dict[str, str]]] = {
 }
 
 # values checked once the command runs (still before any model is loaded): (argv, words the line names)
-CHECKED_IN_COMMAND = [
-    (["probe", "--file", "{M}", "--inflight", v], "--inflight") for v in ("0", "-1", "abc", "100000", ",")
-] + [
-    (["probe", "--file", "{M}", "--sizes", v], "--sizes") for v in ("nan", "inf", "0", "abc", "-1", "2T", ",")
-] + [
-    (["probe", "--dir", "{DIR}", "--size", v], "--size") for v in ("nan", "-1", "0", "inf")
-] + [
-    (["stats", "{T}", "--k", v], "--k") for v in ("0", "abc", "nan", "-3", HUGE)
-] + [
-    (["stats", "{T}", "--top", v], "--top") for v in ("0", "abc", "1e3")
-] + [
-    (["replay", "{T}", "--no-plot", "--policy", "nope"], "policy"),
-    (["replay", "{T}", "--plot", "{NODIR}"], "--plot"),
-    (["probe"], "--file"),
-    (["probe", "--file", "{M}", "--dir", "{DIR}"], "--file"),
-    (["forecast", "--layers", "2"], "--layers"),
-    (["forecast", "--layers", "2", "--top-k", "2", "--expert-bytes", "100"], "probe"),
-    (["synth", "--shape", "nope", "-o", "{OUT}"], "shape"),
-    (["run", "-m", "{M}"], "--prompt"),
-    (["run", "-m", "{M}", "-p", "hi", "--bogus"], "--bogus"),
-    (["run", "-m", "{M}", "-p", "caf\udce9"], "not valid UTF-8"),
-    (["chat", "-m", "{M}", "--system", "\udcc3("], "not valid UTF-8"),
-    (["demo", "--prompt", "\udcff"], "not valid UTF-8"),
-    (["nothing"], "command"),
-    ([], "command"),
-]
+CHECKED_IN_COMMAND = (
+    [(["probe", "--file", "{M}", "--inflight", v], "--inflight") for v in ("0", "-1", "abc", "100000", ",")]
+    + [(["probe", "--file", "{M}", "--sizes", v], "--sizes") for v in ("nan", "inf", "0", "abc", "-1", "2T", ",")]
+    + [(["probe", "--dir", "{DIR}", "--size", v], "--size") for v in ("nan", "-1", "0", "inf")]
+    + [(["stats", "{T}", "--k", v], "--k") for v in ("0", "abc", "nan", "-3", HUGE)]
+    + [(["stats", "{T}", "--top", v], "--top") for v in ("0", "abc", "1e3")]
+    + [
+        (["replay", "{T}", "--no-plot", "--policy", "nope"], "policy"),
+        (["replay", "{T}", "--plot", "{NODIR}"], "--plot"),
+        (["probe"], "--file"),
+        (["probe", "--file", "{M}", "--dir", "{DIR}"], "--file"),
+        (["forecast", "--layers", "2"], "--layers"),
+        (["forecast", "--layers", "2", "--top-k", "2", "--expert-bytes", "100"], "probe"),
+        (["synth", "--shape", "nope", "-o", "{OUT}"], "shape"),
+        (["run", "-m", "{M}"], "--prompt"),
+        (["run", "-m", "{M}", "-p", "hi", "--bogus"], "--bogus"),
+        (["run", "-m", "{M}", "-p", "caf\udce9"], "not valid UTF-8"),
+        (["chat", "-m", "{M}", "--system", "\udcc3("], "not valid UTF-8"),
+        (["demo", "--prompt", "\udcff"], "not valid UTF-8"),
+        (["nothing"], "command"),
+        ([], "command"),
+    ]
+)
 
 
 def _cases() -> list[tuple[list[str], str]]:

@@ -190,9 +190,9 @@ class MLAttention(SplitMixer):
         q = torch.cat([q_lat, q_pe.transpose(0, 1)], dim=-1)[None]  # [1, H, T, L + R]
         k = torch.cat([lat, kpe], dim=-1)[None, None]
         with wide_torch():
-            o_lat = F.scaled_dot_product_attention(
-                q, k, lat[None, None], attn_mask=mask, scale=scale, enable_gqa=True
-            )[0]  # [H, T, L]
+            o_lat = F.scaled_dot_product_attention(q, k, lat[None, None], attn_mask=mask, scale=scale, enable_gqa=True)[
+                0
+            ]  # [H, T, L]
             return torch.bmm(o_lat, v_b.transpose(1, 2)).transpose(0, 1)
 
     def naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor,

@@ -151,7 +151,6 @@ class DeepSeekShape:
         specs += [norm_spec("output_norm.weight", H, seed), q.dense("output.weight", (vocab, H), 2.0 * w_in)]
         return specs
 
-
     def indexed(self, i: int) -> bool:
         return self.index_heads > 0 and (not self.index_full or self.index_full[i])
 
