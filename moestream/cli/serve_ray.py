@@ -187,6 +187,18 @@ def deploy_error(serve: Any, app_name: str, exc: BaseException) -> str:
     return found.group(1).strip() if found else first_line(exc)
 
 
+def running_serve_port(ray: Any) -> int | None:
+    """The HTTP port of a Ray Serve already running on the cluster (another application's, or one an earlier
+    command left), None where none runs: serve.start would keep that one's port and ignore --port."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return None
+    return int(ray.get(controller.get_http_config.remote()).port)
+
+
 def cmd_serve_ray(args: argparse.Namespace) -> int:
     check_options(args)
     ray = start_ray(args)
@@ -196,6 +208,12 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
         from moestream.distributed.serve_app import board_actor, build_app
 
         settings = settings_from_args(args, ray)
+        running = running_serve_port(ray)
+        if running is not None and running != args.port:
+            raise MoestreamError(
+                f"Ray Serve already runs on this cluster with its HTTP port {running}, and keeps it: give --port "
+                f"{running}, or stop it first (`serve shutdown -y`)"
+            )
         serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
         print(f"moestream: starting {args.replicas} replicas ({settings.threads} threads and "
               f"{settings.memory_bytes // MB} MiB each)", flush=True)  # fmt: skip
@@ -206,8 +224,10 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
         print(f"moestream: serving on http://{args.host}:{args.port}/v1 with {args.replicas} replicas "
               f"(metrics of each and their sum at /metrics)", flush=True)  # fmt: skip
         wait_for_signal()
-        if args.address is not None:  # the application leaves the cluster with the command
-            within(lambda: (serve.delete(settings.app_name), ray.kill(board_actor(settings.board))), STOP_S)
+        if args.address is not None:  # the application leaves the cluster with the command, and Serve too
+            # where this command started it (else the next one would find it holding this port)
+            leave = serve.shutdown if running is None else lambda: serve.delete(settings.app_name)
+            within(lambda: (ray.kill(board_actor(settings.board)), leave()), STOP_S)
     finally:
         ray.shutdown()  # the local instance ends with its replicas (a Ctrl-C reached them too); a driver of a
         # cluster disconnects
