@@ -120,6 +120,14 @@ def _add_read_args(p: argparse.ArgumentParser) -> None:
         "per GiB read); --no-run-reads reads one matrix at a time (default on)",
     )
     p.add_argument(
+        "--lookahead",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode: each MoE layer guesses the next layer's experts with that layer's router and starts "
+        "reading the uncached ones while it computes (the output is the same; off by default: its guessed "
+        "reads are not in --trace, so replay would not reproduce the run)",
+    )
+    p.add_argument(
         "--route-trace",
         default=None,
         type=values.input_file,
@@ -214,6 +222,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         admit_prompt=args.prompt_admit,
         read_ahead=args.read_ahead,
         run_reads=args.run_reads,
+        lookahead=args.lookahead,
         min_hits=args.admit_min_hits,
         pin_profile=args.pin_profile,
         pin_mb=args.pin_mb,

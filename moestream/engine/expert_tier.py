@@ -21,7 +21,7 @@ from moestream.streaming.reader import ExpertReader
 def open_reader(file: Any, cfg: Any, options: EngineOptions, read_ahead: bool) -> ExpertReader:
     """The parallel reader over the model's files, its buffers sized for the cache's reads in flight."""
     store = file.store
-    single, runs = read_buffers(cfg, store, options.io_threads, read_ahead, options.run_reads)
+    single, runs = read_buffers(cfg, store, options.io_threads, read_ahead, options.run_reads, options.lookahead)
     return ExpertReader(store.paths, store.max_segment_nbytes, threads=options.io_threads, direct=options.direct,
                         buffers=single, run_buffers=runs, run_len=store.run_len)  # fmt: skip
 
@@ -73,6 +73,7 @@ def open_cache(
         decode_slots=growth[1],
         admit_prompt=o.admit_prompt,
         read_ahead=read_ahead,
+        lookahead=o.lookahead,
         min_hits=o.min_hits,
         trace=trace.record if trace is not None else None,
     )

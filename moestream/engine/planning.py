@@ -48,12 +48,14 @@ RUN_BUFFERS_PER_THREAD = 8
 
 
 def read_buffers(
-    cfg: Any, store: ExpertStore, io_threads: int, read_ahead: bool, run_reads: bool = False
+    cfg: Any, store: ExpertStore, io_threads: int, read_ahead: bool, run_reads: bool = False, lookahead: bool = False
 ) -> tuple[int, int]:
     """The reader's buffers, (segment buffers, run buffers): a decode token's misses (3 segments x top-k) and
-    at least two per thread; with the read-ahead, buffers for what it holds until the next layer takes it,
-    and (run reads) RUN_BUFFERS_PER_THREAD more for the prompt's own runs to cycle through; see ExpertReader."""
-    single = max(3 * cfg.top_k, 2 * io_threads)
+    at least two per thread; with the router lookahead, a token's guessed next-layer experts more (they wait
+    in buffers until that layer's fetch); with the read-ahead, buffers for what it holds until the next layer
+    takes it, and (run reads) RUN_BUFFERS_PER_THREAD more for the prompt's own runs to cycle through; see
+    ExpertReader."""
+    single = max(3 * cfg.top_k, 2 * io_threads) + (3 * cfg.top_k if lookahead else 0)
     if not read_ahead:
         return single, 0
     if not run_reads:
@@ -62,19 +64,23 @@ def read_buffers(
     return single, ahead_reads(cfg.n_experts, run_len) + RUN_BUFFERS_PER_THREAD * io_threads
 
 
-def reader_nbytes(cfg: Any, store: ExpertStore, io_threads: int, read_ahead: bool, run_reads: bool = False) -> int:
-    single, runs = read_buffers(cfg, store, io_threads, read_ahead, run_reads)
+def reader_nbytes(
+    cfg: Any, store: ExpertStore, io_threads: int, read_ahead: bool, run_reads: bool = False, lookahead: bool = False
+) -> int:
+    single, runs = read_buffers(cfg, store, io_threads, read_ahead, run_reads, lookahead)
     seg = store.max_segment_nbytes
     return single * (seg + 3 * ALIGN) + runs * (store.run_len * seg + 3 * ALIGN)
 
 
-def _plan_args(model: OpenModel, ctx: int, io_threads: int, ubatch: int, budget_mb: int | None) -> dict:
+def _plan_args(
+    model: OpenModel, ctx: int, io_threads: int, ubatch: int, budget_mb: int | None, lookahead: bool = False
+) -> dict:
     """plan_slots' arguments besides the resident size, without the read-ahead's buffers."""
     cfg = model.cfg
     return dict(
         budget_mb=budget_mb,
         compute=model.arch.memory(cfg).compute_nbytes(ubatch, ctx),
-        reader=reader_nbytes(cfg, model.store, io_threads, False),
+        reader=reader_nbytes(cfg, model.store, io_threads, False, lookahead=lookahead),
         slot_nbytes=model.store.slot_nbytes,
         min_slots=cfg.top_k,
         max_slots=cfg.n_layers * cfg.n_experts,
@@ -90,7 +96,8 @@ class SlotPlanner:
         # Until the micro-batch is chosen, plan with the smallest one it could be, and without the read-ahead's
         # buffers (added in plan() where the budget leaves the cache room to read ahead at all).
         self.kw = _plan_args(
-            model, ctx, options.io_threads, options.ubatch or UBATCH_CHOICES[-1], options.ram_budget_mb
+            model, ctx, options.io_threads, options.ubatch or UBATCH_CHOICES[-1], options.ram_budget_mb,
+            options.lookahead,
         )
         self.base_reserve_mb = DEFAULT_RESERVE_MB if options.reserve_mb is None else options.reserve_mb
         self.base_reader = self.kw["reader"]
@@ -164,7 +171,7 @@ class SlotPlanner:
         room = AHEAD_MIN_LAYERS * m.cfg.n_experts
         if not read_ahead or not room or plan.n_slots < room:  # no room with no experts: nothing to read
             return plan, False
-        kw["reader"] = reader_nbytes(m.cfg, m.store, o.io_threads, True, o.run_reads)
+        kw["reader"] = reader_nbytes(m.cfg, m.store, o.io_threads, True, o.run_reads, o.lookahead)
         with_ahead = replace(plan_slots(resident=rss_bytes(), **kw), span=span)
         if with_ahead.n_slots < room:
             kw["reader"] = self.base_reader

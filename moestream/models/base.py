@@ -12,6 +12,7 @@ from moestream.compute import linear
 from moestream.models.common import ExpertProvider, RouteHook, resident_tensors
 from moestream.models.layer import DecoderLayer, Mixer, Step
 from moestream.models.loader import Weights
+from moestream.models.moe import link_lookahead
 from moestream.models.ops import rms_norm, wide_torch
 from moestream.models.rope import RoPE
 from moestream.models.rows import linear_rows, norm_rows, spans_of
@@ -47,6 +48,7 @@ class MoEModel:
         self.exact = w.exact
         self.embed = w.embedding("token_embd.weight", cfg.vocab_size, cfg.hidden)
         self.layers: list[DecoderLayer] = [self._block(w, i) for i in range(self.n_blocks(cfg))]
+        link_lookahead(self.layers)
         self.norm = w.vector("output_norm.weight", cfg.hidden)
         self.output = w.output_head("output.weight", self.embed)
         self.dense_nbytes = w.nbytes

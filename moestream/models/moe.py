@@ -136,6 +136,7 @@ class MoE:
         has_bias = w.has(p + "ffn_gate_inp.bias")
         self.router_bias = w.vector(p + "ffn_gate_inp.bias", n_experts) if has_bias else None
         self.ffn: ClampedSwiGLU | None = None
+        self.lookahead: tuple[MoE, torch.Tensor] | None = None  # link_lookahead: the next MoE, the norms' ratio
         if clamped_swiglu is not None:
             biases = [w.array(f"{p}ffn_{proj}_exps.bias", (n_experts, rows))
                       for proj, rows in (("gate", expert_ffn), ("up", expert_ffn), ("down", hidden))]  # fmt: skip
@@ -172,6 +173,8 @@ class MoE:
         tokens = step.tokens
         routes = [self.route(logits[b], forced[b], None if tokens is None else tokens[a:e])
                   for b, (a, e) in enumerate(spans)]  # fmt: skip
+        if self.lookahead is not None and len(spans) == x.shape[0] and all(f is None for f in forced):
+            self._guess_next(x, step)
         mixed = run_routed(x, spans, routes, self.expert_layer, step.experts, self.ffn)
         if self.shared is None:
             return mixed[0] if len(spans) == 1 else torch.cat(mixed)
@@ -183,6 +186,17 @@ class MoE:
                 s = s * torch.sigmoid(logits[b][:, E:])
             out.append(m + s)
         return out[0] if len(spans) == 1 else torch.cat(out)
+
+    def _guess_next(self, x: torch.Tensor, step: Step) -> None:
+        """Decode rows: the next MoE layer's experts as its router would choose them from this layer's input
+        (rescaled from this layer's norm to that layer's), handed to the provider to read ahead."""
+        guess = getattr(step.experts, "guess", None)
+        if guess is None or self.lookahead is None:
+            return
+        nxt, ratio = self.lookahead
+        logits = nxt.router_logits(f32_rows(x * ratio, nxt.gates))
+        ids = {int(e) for b in range(x.shape[0]) for e in nxt.route(logits[b : b + 1], None)[1][0]}
+        guess(nxt.expert_layer, sorted(ids))
 
     def router_blocks(self, x: torch.Tensor, spans: Spans) -> list[torch.Tensor]:
         """Each block's router logits [T_b, E(+1)]: the one-token blocks' rows together (the gemv is
@@ -262,3 +276,14 @@ def dense_or_moe(w: Weights, i: int, cfg: Any) -> DenseFFN | MoE:
     return MoE(w, i, hidden=cfg.hidden, n_experts=cfg.n_experts, expert_ffn=cfg.expert_ffn, top_k=cfg.top_k,
                norm_topk=cfg.routing.norm, shared_ffn=cfg.shared_ffn, routing=cfg.routing,
                expert_layer=i - cfg.first_moe_block)  # fmt: skip
+
+
+def link_lookahead(layers: list[Any]) -> None:
+    """Give each MoE block the next block's MoE (where that one routes by its router, not by token ids) and the
+    ratio of the two FFN norms, for the router lookahead (MoE._guess_next)."""
+    moes = [(layer.ffn, layer.ffn_norm) for layer in layers if isinstance(layer.ffn, MoE)]
+    for (moe, norm), (nxt, nxt_norm) in zip(moes, moes[1:]):
+        if getattr(nxt, "tid2eid", None) is not None:
+            continue
+        w = norm.float()
+        moe.lookahead = (nxt, torch.where(w != 0, nxt_norm.float() / w, torch.zeros_like(w)))

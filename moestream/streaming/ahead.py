@@ -12,6 +12,8 @@ from moestream.streaming.arena import SlotArena
 from moestream.streaming.pending import PendingExpert
 from moestream.streaming.read_ahead import ahead_choice, ahead_reads
 
+SEGMENTS = 3  # reads an expert takes one by one (gate, up, down)
+
 
 class ReadAhead:
     def __init__(self, arena: SlotArena):
@@ -45,6 +47,28 @@ class ReadAhead:
             for p in arena.fill_pairs(layer, chosen, prompt=True):
                 self.pending[(layer, p.expert)] = p
             policy.stats.ahead_reads += len(chosen)
+
+    def start_ids(self, layer: int, ids: list[int]) -> int:
+        """Start reading those of `ids` (experts of `layer`) that are not cached, each admitted at once, as many
+        as the reader's spare buffers hold (the layer's own fetch takes them, or leaves them cached unused);
+        the cached ones are pinned until then, so that these reads evict none of them. Returns how many."""
+        arena, policy = self.arena, self.arena.policy
+        keys = [(layer, e) for e in ids]
+        room = max(0, arena.reader.ahead_segment_buffers()) // SEGMENTS
+        with arena.lock:
+            fresh = policy.hold(keys)
+            self.layer = layer
+            chosen: list[tuple[int, int]] = []
+            for n in fresh[:room]:
+                slot = policy.take(True, spare_free=True)
+                if slot is None:
+                    break
+                policy.place(keys[n], slot)
+                chosen.append((ids[n], slot))
+            for p in arena.fill_pairs(layer, chosen, prompt=False):
+                self.pending[(layer, p.expert)] = p
+            policy.stats.ahead_reads += len(chosen)
+        return len(chosen)
 
     def take(self) -> list[PendingExpert]:
         """Hand over what is read ahead (to the fetch of its layer, or to drop); the caller holds the lock."""

@@ -53,6 +53,8 @@ class ExpertCache:
         self._generations = 0  # generation() contexts open (nested: a scheduler's steps in a generation)
         self.trace: TraceSink | None = None
         self.read_ahead = True  # a prompt fetch may read the next layer ahead (read_ahead.py)
+        self.lookahead = False  # a decode fetch may start the reads of the next layer's guessed experts
+        self.guessed: tuple[int, list[int]] | None = None  # (layer, experts) the model guessed for it
 
     def configure(
         self,
@@ -62,6 +64,7 @@ class ExpertCache:
         decode_slots: int | None = None,
         admit_prompt: bool = True,
         read_ahead: bool = True,
+        lookahead: bool = False,
         min_hits: int = 0,
         trace: TraceSink | None = None,
     ) -> None:
@@ -79,6 +82,7 @@ class ExpertCache:
         policy.growth.decode_slots = self.n_slots if decode_slots is None else decode_slots
         policy.admission.prompt, policy.admission.min_hits = admit_prompt, min_hits
         self.read_ahead = read_ahead
+        self.lookahead = lookahead
         self.trace = trace
 
     @contextmanager
@@ -128,6 +132,17 @@ class ExpertCache:
         reads complete (those that complete together in one group). A group stays pinned until the next yield.
         admit=False: what is read is used once and not kept; ordered: in the order of ids (Fetch)."""
         return Fetch(self, layer, ids, admit, ordered).groups()
+
+    def guess(self, layer: int, ids: list[int]) -> None:
+        """The experts `layer` will probably ask for (the router lookahead: the previous layer's input through
+        this layer's router). The fetch of the layer before starts their reads once its own are under way
+        (Fetch), where the lookahead is on and the step decodes; the layer's own fetch then takes them."""
+        self.guessed = (layer, ids) if self.lookahead and self.phase == "decode" else None
+
+    def take_guess(self, layer: int) -> list[int]:
+        """The guessed experts of `layer` (none if the guess was for another layer), forgetting the guess."""
+        guessed, self.guessed = self.guessed, None
+        return guessed[1] if guessed is not None and guessed[0] == layer else []
 
     def prefetch(self, layer: int, ids: list[int]) -> int:
         """Read these experts of `layer` into the cache now, before the layer runs: experts known ahead of the

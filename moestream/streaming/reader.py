@@ -245,6 +245,11 @@ class ExpertReader:
         pool = self.n_run_buffers if self.n_run_buffers else self.n_buffers
         return pool - 2 * self.threads
 
+    def ahead_segment_buffers(self) -> int:
+        """Segment buffers the decode lookahead may hold at once: all but the 2 x threads the current layer's
+        own reads cycle through (ahead_buffers' rule)."""
+        return self.n_buffers - 2 * self.threads
+
     @property
     def buffers_nbytes(self) -> int:
         """Memory the reader holds at most (counted in the budget)."""
