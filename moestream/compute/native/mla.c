@@ -61,6 +61,68 @@ static inline void axpy(float p, const void *a, int type, int64_t off, float *y,
     for (; j < n; j++) y[j] += p * kv_load1(a, type, off + j);
 }
 
+#ifdef MS_VNNI
+/* sum_j a[off + j] b_i[j] for MLA_HEADS heads' b_i = b + i * stride at once, each in its own accumulator (the
+ * FMAs of one head in the order dot() does them, so the sums are dot()'s to the bit), the shared row a converted
+ * once for every head instead of once a head; n a multiple of 16 */
+static inline void dots(const void *a, int type, int64_t off, const float *b, int64_t stride, int64_t n, float *out) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t j = 0; j < n; j += 16) {
+        __m512 k = at16(a, type, off + j);
+        a0 = _mm512_fmadd_ps(k, _mm512_loadu_ps(b + j), a0);
+        a1 = _mm512_fmadd_ps(k, _mm512_loadu_ps(b + stride + j), a1);
+        a2 = _mm512_fmadd_ps(k, _mm512_loadu_ps(b + 2 * stride + j), a2);
+        a3 = _mm512_fmadd_ps(k, _mm512_loadu_ps(b + 3 * stride + j), a3);
+    }
+    out[0] = _mm512_reduce_add_ps(a0), out[1] = _mm512_reduce_add_ps(a1);
+    out[2] = _mm512_reduce_add_ps(a2), out[3] = _mm512_reduce_add_ps(a3);
+}
+#endif
+
+/* sc[i][t] = scale (q_lat[i] . c_t + q_pe[h0 + i] . kpe_t): one shared key [c_t | kpe_t] for every head */
+static void scores(const mla_ctx *c, const float *qlat, int64_t h0, int64_t G, float *sc) {
+    const int64_t L = c->L, R = c->R, S = c->s;
+#ifdef MS_VNNI
+    if (G == MLA_HEADS && L % 16 == 0 && R % 16 == 0) {
+        float dl[MLA_HEADS], dr[MLA_HEADS];
+        for (int64_t t = 0; t < S; t++) {
+            dots(c->lat, c->kv_type, t * L, qlat, L, L, dl);
+            dots(c->kpe, c->kv_type, t * R, c->q_pe + h0 * R, R, R, dr);
+            for (int64_t i = 0; i < G; i++) sc[i * S + t] = (dl[i] + dr[i]) * c->scale;
+        }
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < S; t++)
+        for (int64_t i = 0; i < G; i++)
+            sc[i * S + t] = (dot(c->lat, c->kv_type, t * L, qlat + i * L, L, 0) +
+                             dot(c->kpe, c->kv_type, t * R, c->q_pe + (h0 + i) * R, R, 0)) * c->scale;
+}
+
+/* olat[i] = sum_t p[i][t] c_t, in the order of t (axpy's sums to the bit), each c_t converted once for the G heads */
+static void latent_out(const mla_ctx *c, const float *p, int64_t G, float *olat) {
+    const int64_t L = c->L, S = c->s;
+#ifdef MS_VNNI
+    if (G == MLA_HEADS && L % 16 == 0) {
+        for (int64_t t = 0; t < S; t++) {
+            const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[S + t]);
+            const __m512 p2 = _mm512_set1_ps(p[2 * S + t]), p3 = _mm512_set1_ps(p[3 * S + t]);
+            float *y0 = olat, *y1 = olat + L, *y2 = olat + 2 * L, *y3 = olat + 3 * L;
+            for (int64_t j = 0; j < L; j += 16) {
+                __m512 k = at16(c->lat, c->kv_type, t * L + j);
+                _mm512_storeu_ps(y0 + j, _mm512_fmadd_ps(p0, k, _mm512_loadu_ps(y0 + j)));
+                _mm512_storeu_ps(y1 + j, _mm512_fmadd_ps(p1, k, _mm512_loadu_ps(y1 + j)));
+                _mm512_storeu_ps(y2 + j, _mm512_fmadd_ps(p2, k, _mm512_loadu_ps(y2 + j)));
+                _mm512_storeu_ps(y3 + j, _mm512_fmadd_ps(p3, k, _mm512_loadu_ps(y3 + j)));
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < S; t++)
+        for (int64_t i = 0; i < G; i++) axpy(p[i * S + t], c->lat, c->kv_type, t * L, olat + i * L, L);
+}
+
 static void mla_task(void *vctx, int64_t g) {
     mla_ctx *c = vctx;
     const int64_t L = c->L, R = c->R, S = c->s, h0 = g * MLA_HEADS;
@@ -75,10 +137,7 @@ static void mla_task(void *vctx, int64_t g) {
         const float *qn = c->q_nope + (h0 + i) * c->nope;
         for (int64_t l = 0; l < L; l++) qlat[i * L + l] = dot(c->k_b, c->w_type, ((h0 + i) * L + l) * c->nope, qn, c->nope, 1);
     }
-    for (int64_t t = 0; t < S; t++) /* scores: one shared key [c_t | kpe_t] for every head */
-        for (int64_t i = 0; i < G; i++)
-            sc[i * S + t] = (dot(c->lat, c->kv_type, t * L, qlat + i * L, L, 0) +
-                             dot(c->kpe, c->kv_type, t * R, c->q_pe + (h0 + i) * R, R, 0)) * c->scale;
+    scores(c, qlat, h0, G, sc);
     for (int64_t i = 0; i < G; i++) {
         float *p = sc + i * S, mx = -INFINITY, sum = 0;
         for (int64_t t = 0; t < S; t++) mx = fmaxf(mx, p[t]);
@@ -86,8 +145,7 @@ static void mla_task(void *vctx, int64_t g) {
         for (int64_t t = 0; t < S; t++) p[t] /= sum;
     }
     memset(olat, 0, sizeof(float) * (size_t)(G * L));
-    for (int64_t t = 0; t < S; t++) /* the latent-space output */
-        for (int64_t i = 0; i < G; i++) axpy(sc[i * S + t], c->lat, c->kv_type, t * L, olat + i * L, L);
+    latent_out(c, sc, G, olat);
     for (int64_t i = 0; i < G; i++) { /* and up to the head's values */
         float *o = c->out + (h0 + i) * c->vd;
         for (int64_t r = 0; r < c->vd; r++) o[r] = dot(c->v_b, c->w_type, ((h0 + i) * c->vd + r) * L, olat + i * L, L, 1);
