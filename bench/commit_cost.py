@@ -55,7 +55,7 @@ def main() -> int:
     add_results_args(ap, "commit-cost")
     args = ap.parse_args()
     eng = Engine(args.model, EngineOptions(ram_budget_mb=args.budget_mb, threads=args.threads))
-    eng.wait_prefault()
+    eng.cache.arena.wait_prefault()
     prompt = eng.tokenizer.encode(PROMPT)
     rows = []
     try:

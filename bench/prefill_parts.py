@@ -60,7 +60,7 @@ def one(model: str, budget_mb: int, committed: bool, threads: int) -> dict:
     eng = Engine(model, EngineOptions(ram_budget_mb=budget_mb, threads=threads))
     t = time.perf_counter()
     if committed:
-        eng.wait_prefault()
+        eng.cache.arena.wait_prefault()
     commit_wait = time.perf_counter() - t
     ids = eng.tokenizer.encode(DEFAULT_PROMPT)
     spent.clear()

@@ -42,7 +42,7 @@ def run_once(args: argparse.Namespace, prompt: list[int], span: int | None) -> d
     )
     eng = Engine(args.model, opts)
     try:
-        eng.wait_prefault()
+        eng.cache.arena.wait_prefault()
         gen = eng.generate(prompt, 1, Sampler())
         st = gen.stats
         return {

@@ -64,7 +64,7 @@ def test_prompt_steps_guess_nothing(model):
     try:
         engine.forward(PROMPT, 0)
         assert engine.snapshot().ahead_reads == 0
-        assert engine.cache.guessed is None
+        assert engine.cache.ahead.guessed is None
     finally:
         engine.close()
 

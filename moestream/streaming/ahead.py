@@ -20,6 +20,7 @@ class ReadAhead:
         self.arena = arena
         self.pending: dict[tuple[int, int], PendingExpert] = {}  # (layer, expert) -> its reads
         self.layer = -1  # the layer read ahead, -1 if none
+        self.guessed: tuple[int, list[int]] | None = None  # (layer, experts) the router lookahead guessed
 
     def start(self, layer: int) -> None:
         """Start reading the first experts of `layer` that are not cached (read_ahead.ahead_choice of them, in
@@ -47,6 +48,11 @@ class ReadAhead:
             for p in arena.fill_pairs(layer, chosen, prompt=True):
                 self.pending[(layer, p.expert)] = p
             policy.stats.ahead_reads += len(chosen)
+
+    def take_guess(self, layer: int) -> list[int]:
+        """The guessed experts of `layer` (none if the guess was for another layer), forgetting the guess."""
+        guessed, self.guessed = self.guessed, None
+        return guessed[1] if guessed is not None and guessed[0] == layer else []
 
     def start_ids(self, layer: int, ids: list[int]) -> int:
         """Start reading those of `ids` (experts of `layer`) that are not cached, each admitted at once, as many

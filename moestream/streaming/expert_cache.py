@@ -54,7 +54,6 @@ class ExpertCache:
         self.trace: TraceSink | None = None
         self.read_ahead = True  # a prompt fetch may read the next layer ahead (read_ahead.py)
         self.lookahead = False  # a decode fetch may start the reads of the next layer's guessed experts
-        self.guessed: tuple[int, list[int]] | None = None  # (layer, experts) the model guessed for it
 
     def configure(
         self,
@@ -137,12 +136,7 @@ class ExpertCache:
         """The experts `layer` will probably ask for (the router lookahead: the previous layer's input through
         this layer's router). The fetch of the layer before starts their reads once its own are under way
         (Fetch), where the lookahead is on and the step decodes; the layer's own fetch then takes them."""
-        self.guessed = (layer, ids) if self.lookahead and self.phase == "decode" else None
-
-    def take_guess(self, layer: int) -> list[int]:
-        """The guessed experts of `layer` (none if the guess was for another layer), forgetting the guess."""
-        guessed, self.guessed = self.guessed, None
-        return guessed[1] if guessed is not None and guessed[0] == layer else []
+        self.ahead.guessed = (layer, ids) if self.lookahead and self.phase == "decode" else None
 
     def prefetch(self, layer: int, ids: list[int]) -> int:
         """Read these experts of `layer` into the cache now, before the layer runs: experts known ahead of the
@@ -215,10 +209,6 @@ class ExpertCache:
     def prefault(self, background: bool = True):
         """Commit the arena's pages ahead of use, off the model's thread (SlotArena.prefault)."""
         return self.arena.prefault(background)
-
-    def wait_prefault(self) -> None:
-        """Block until a background prefault has committed the arena (benchmarks that time a committed cache)."""
-        self.arena.wait_prefault()
 
     # -- inspection ------------------------------------------------------------------------------------
 

@@ -101,7 +101,7 @@ class Fetch:
             self._launch()
             if self._reads_ahead():
                 self.cache.ahead.start(self.layer + 1)
-            elif guessed := self.cache.take_guess(self.layer + 1):
+            elif guessed := self.cache.ahead.take_guess(self.layer + 1):
                 self.cache.ahead.start_ids(self.layer + 1, guessed)
             trace = self.cache.trace
             if self.hitq and trace is not None:
