@@ -96,7 +96,11 @@ class SlotPlanner:
         # Until the micro-batch is chosen, plan with the smallest one it could be, and without the read-ahead's
         # buffers (added in plan() where the budget leaves the cache room to read ahead at all).
         self.kw = _plan_args(
-            model, ctx, options.io_threads, options.ubatch or UBATCH_CHOICES[-1], options.ram_budget_mb,
+            model,
+            ctx,
+            options.io_threads,
+            options.ubatch or UBATCH_CHOICES[-1],
+            options.ram_budget_mb,
             options.lookahead,
         )
         self.base_reserve_mb = DEFAULT_RESERVE_MB if options.reserve_mb is None else options.reserve_mb

@@ -282,7 +282,7 @@ def link_lookahead(layers: list[Any]) -> None:
     """Give each MoE block the next block's MoE (where that one routes by its router, not by token ids) and the
     ratio of the two FFN norms, for the router lookahead (MoE._guess_next)."""
     moes = [(layer.ffn, layer.ffn_norm) for layer in layers if isinstance(layer.ffn, MoE)]
-    for (moe, norm), (nxt, nxt_norm) in zip(moes, moes[1:]):
+    for (moe, norm), (nxt, nxt_norm) in zip(moes, moes[1:], strict=False):
         if getattr(nxt, "tid2eid", None) is not None:
             continue
         w = norm.float()
