@@ -125,7 +125,7 @@ static void latent_out(const mla_ctx *c, const float *p, int64_t G, float *olat)
 
 static void mla_task(void *vctx, int64_t g) {
     mla_ctx *c = vctx;
-    const int64_t L = c->L, R = c->R, S = c->s, h0 = g * MLA_HEADS;
+    const int64_t L = c->L, S = c->s, h0 = g * MLA_HEADS;
     const int64_t G = c->h - h0 < MLA_HEADS ? c->h - h0 : MLA_HEADS;
     float *buf = malloc(sizeof(float) * (size_t)(G * (2 * L + S)));
     if (!buf) {
