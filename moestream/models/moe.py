@@ -190,13 +190,12 @@ class MoE:
     def _guess_next(self, x: torch.Tensor, step: Step) -> None:
         """Decode rows: the next MoE layer's experts as its router would choose them from this layer's input
         (rescaled from this layer's norm to that layer's), handed to the provider to read ahead."""
-        guess = getattr(step.experts, "guess", None)
-        if guess is None or self.lookahead is None:
-            return
+        if self.lookahead is None or not getattr(step.experts, "lookahead", False):
+            return  # the provider takes no guesses: no router matmul for nothing
         nxt, ratio = self.lookahead
         logits = nxt.router_logits(f32_rows(x * ratio, nxt.gates))
         ids = {int(e) for b in range(x.shape[0]) for e in nxt.route(logits[b : b + 1], None)[1][0]}
-        guess(nxt.expert_layer, sorted(ids))
+        step.experts.guess(nxt.expert_layer, sorted(ids))
 
     def router_blocks(self, x: torch.Tensor, spans: Spans) -> list[torch.Tensor]:
         """Each block's router logits [T_b, E(+1)]: the one-token blocks' rows together (the gemv is
