@@ -1,6 +1,6 @@
 """The router lookahead (--lookahead): in decode, each MoE layer guesses the next layer's experts with that
-layer's router and starts their reads while it computes. The output must not move, the hit and miss counts
-must stay the cache's own, and the guessed reads must be the ones the next layer then takes."""
+layer's router and starts their reads while it computes. The output must not move, the expert accesses must
+be as many, and most guessed reads must be ones the next layer then takes."""
 
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ until the next layer's fetch takes them (Fetch), or are dropped when that fetch 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from moestream.streaming.arena import SlotArena
 from moestream.streaming.pending import PendingExpert
 from moestream.streaming.read_ahead import ahead_choice, ahead_reads
@@ -25,7 +27,7 @@ class ReadAhead:
     def start(self, layer: int) -> None:
         """Start reading the first experts of `layer` that are not cached (read_ahead.ahead_choice of them, in
         expert order), each admitted at once, after pinning the layer's cached experts."""
-        arena, policy = self.arena, self.arena.policy
+        arena = self.arena
         n_experts, run_len = arena.store.n_experts, arena.reader.run_len
         need = ahead_reads(n_experts, run_len)
         if arena.reader.ahead_buffers() < need:
@@ -33,21 +35,10 @@ class ReadAhead:
                 f"the read-ahead holds up to {need} reads but the reader spares {arena.reader.ahead_buffers()} "
                 "buffers for it; build the reader with planning.read_buffers"
             )
-        with arena.lock:
-            fresh = policy.hold([(layer, e) for e in range(n_experts)])
-            self.layer = layer
-            # What it reads waits in the reader's buffers until the layer's fetch (ahead_choice keeps it within
-            # the buffers planned for it).
-            chosen: list[tuple[int, int]] = []
-            for e in ahead_choice(fresh, n_experts, run_len):
-                slot = policy.take(True, spare_free=True)
-                if slot is None:
-                    break
-                policy.place((layer, e), slot)
-                chosen.append((e, slot))
-            for p in arena.fill_pairs(layer, chosen, prompt=True):
-                self.pending[(layer, p.expert)] = p
-            policy.stats.ahead_reads += len(chosen)
+        experts = list(range(n_experts))
+        # What it reads waits in the reader's buffers until the layer's fetch (ahead_choice keeps it within the
+        # buffers planned for it).
+        self._read(layer, experts, lambda fresh: ahead_choice(fresh, n_experts, run_len), prompt=True)
 
     def take_guess(self, layer: int) -> list[int]:
         """The guessed experts of `layer` (none if the guess was for another layer), forgetting the guess."""
@@ -56,22 +47,27 @@ class ReadAhead:
 
     def start_ids(self, layer: int, ids: list[int]) -> int:
         """Start reading those of `ids` (experts of `layer`) that are not cached, each admitted at once, as many
-        as the reader's spare buffers hold (the layer's own fetch takes them, or leaves them cached unused);
-        the cached ones are pinned until then, so that these reads evict none of them. Returns how many."""
+        as the reader's spare segment buffers hold (the layer's own fetch takes them, or leaves them cached
+        unused); the cached ones are pinned until then, so that these reads evict none of them. Returns how
+        many."""
+        room = max(0, self.arena.reader.ahead_buffers(runs=False)) // SEGMENTS
+        return self._read(layer, ids, lambda fresh: [ids[n] for n in fresh[:room]], prompt=False)
+
+    def _read(self, layer: int, experts: list[int], choose: Callable[[list[int]], Iterable[int]], prompt: bool) -> int:
+        """Pin the cached ones of `experts` (layer `layer`), then start reading those `choose` picks from the
+        positions of the uncached ones, each admitted at once; returns how many."""
         arena, policy = self.arena, self.arena.policy
-        keys = [(layer, e) for e in ids]
-        room = max(0, arena.reader.ahead_segment_buffers()) // SEGMENTS
         with arena.lock:
-            fresh = policy.hold(keys)
+            fresh = policy.hold([(layer, e) for e in experts])
             self.layer = layer
             chosen: list[tuple[int, int]] = []
-            for n in fresh[:room]:
+            for e in choose(fresh):
                 slot = policy.take(True, spare_free=True)
                 if slot is None:
                     break
-                policy.place(keys[n], slot)
-                chosen.append((ids[n], slot))
-            for p in arena.fill_pairs(layer, chosen, prompt=False):
+                policy.place((layer, e), slot)
+                chosen.append((e, slot))
+            for p in arena.fill_pairs(layer, chosen, prompt=prompt):
                 self.pending[(layer, p.expert)] = p
             policy.stats.ahead_reads += len(chosen)
         return len(chosen)

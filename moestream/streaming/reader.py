@@ -238,17 +238,13 @@ class ExpertReader:
         # Deadline of any one wait for a buffer or a read (seconds); tests lower it.
         self.wait_s = max(MIN_WAIT_S, self.buffers_nbytes / SLOW_DISK_BPS)
 
-    def ahead_buffers(self) -> int:
+    def ahead_buffers(self, runs: bool = True) -> int:
         """Buffers a read-ahead may hold at once: all but 2 x threads of the pool its reads use. Those it leaves
         are what the current layer's own reads cycle through; were the read-ahead to hold them all, a read the
-        model's thread waits for would find no buffer (waiters are not served in order) until the deadline."""
-        pool = self.n_run_buffers if self.n_run_buffers else self.n_buffers
+        model's thread waits for would find no buffer (waiters are not served in order) until the deadline.
+        runs=False: of the segment buffers (the decode lookahead's reads are one segment each)."""
+        pool = self.n_run_buffers if runs and self.n_run_buffers else self.n_buffers
         return pool - 2 * self.threads
-
-    def ahead_segment_buffers(self) -> int:
-        """Segment buffers the decode lookahead may hold at once: all but the 2 x threads the current layer's
-        own reads cycle through (ahead_buffers' rule)."""
-        return self.n_buffers - 2 * self.threads
 
     @property
     def buffers_nbytes(self) -> int:

@@ -8,6 +8,7 @@
 #include "internal.h"
 
 #define MLA_HEADS 4
+_Static_assert(MLA_HEADS == 4, "dots() and latent_out() hold four heads' accumulators");
 
 typedef struct {
     const float *q_nope, *q_pe; /* [H][nope], [H][R] */
