@@ -18,6 +18,7 @@ import pytest
 import torch
 from gguf import GGUFReader
 
+from moestream.compute import kernels
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
@@ -175,6 +176,67 @@ def test_index_scores_are_the_references_formula():
     visible = torch.arange(S)[None] <= torch.arange(pos, pos + T)[:, None]
     assert torch.isinf(got[~visible]).all() and (got[~visible] < 0).all()
     assert torch.allclose(got[visible], want[visible], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("H", "D", "S"), [(32, 128, 1027), (5, 18, 9), (8, 64, 3)])
+def test_a_decode_steps_native_index_scores_are_the_formula(dtype, H, D, S):
+    """One query over every stored key (a decode step), read in the cache's dtype by the native kernel: the
+    formula to float32 rounding, whatever the head and key counts (tiles of four and their remainders)."""
+    if not kernels.available():
+        pytest.skip("no native kernels on this machine")
+    g = torch.Generator().manual_seed(1)
+    q, w = torch.randn(1, H, D, generator=g), torch.randn(1, H, generator=g)
+    k = torch.randn(S, D, generator=g).to(dtype)
+    got = index_scores(q, k, w, S - 1, D**-0.5)
+    want = torch.einsum("h,hs->s", w[0], torch.relu(torch.einsum("hd,sd->hs", q[0], k.float()) * D**-0.5))
+    assert got.shape == (1, S) and torch.allclose(got[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_chosen_rows_read_in_place_equal_the_gathered_rows():
+    """The decode kernel reading the indexer's rows where they lie in the cache gives the bits it gives on
+    those rows gathered, and the torch form to float32 rounding."""
+    if not kernels.available():
+        pytest.skip("no native kernels on this machine")
+    g = torch.Generator().manual_seed(2)
+    H, nope, R, L, V, S = 8, 32, 16, 64, 32, 300
+    k_b, v_b = torch.randn(H, L, nope, generator=g).bfloat16(), torch.randn(H, V, L, generator=g).bfloat16()
+    qn, qp = torch.randn(1, H, nope, generator=g), torch.randn(1, H, R, generator=g)
+    lat, kpe = torch.randn(S, L, generator=g).bfloat16(), torch.randn(S, R, generator=g).bfloat16()
+    rows = torch.randperm(S, generator=g)[:77].sort().values
+    in_place = kernels.mla_decode(qn, qp, k_b, v_b, lat, kpe, V, 0.125, rows)
+    assert torch.equal(in_place, kernels.mla_decode(qn, qp, k_b, v_b, lat[rows], kpe[rows], V, 0.125))
+    q_lat = torch.einsum("hn,hln->hl", qn[0], k_b.float())
+    scores = (q_lat @ lat[rows].float().T + qp[0] @ kpe[rows].float().T) * 0.125
+    want = torch.einsum("hl,hvl->hv", torch.softmax(scores, -1) @ lat[rows].float(), v_b.float())
+    assert torch.allclose(in_place[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_portable_build_reads_the_chosen_rows_and_scores_keys_alike():
+    """The scalar C build (CPUs without AVX-512) against this CPU's: the indexer's scores and the decode step
+    over chosen rows, equal to float32 rounding."""
+    if not kernels.available():
+        pytest.skip("no native kernels on this machine")
+    from moestream.compute import native
+
+    g = torch.Generator().manual_seed(3)
+    H, D, S = 8, 48, 37
+    q, w, keys = torch.randn(H, D, generator=g), torch.randn(H, generator=g), torch.randn(S, D, generator=g).half()
+    Hm, nope, R, L, V = 6, 16, 16, 32, 16
+    k_b, v_b = torch.randn(Hm, L, nope, generator=g).bfloat16(), torch.randn(Hm, V, L, generator=g).bfloat16()
+    qn, qp = torch.randn(Hm, nope, generator=g), torch.randn(Hm, R, generator=g)
+    lat, kpe = torch.randn(S, L, generator=g).bfloat16(), torch.randn(S, R, generator=g).bfloat16()
+    rows = torch.tensor([0, 3, 4, 9, 20, 21, 36])
+    outs = []
+    for lib in (native.lib(), native.lib(("-DMS_SCALAR",))):
+        scores, attn = torch.empty(S), torch.empty(Hm, V)
+        lib.ms_index_scores(q.data_ptr(), w.data_ptr(), H, D, keys.data_ptr(), 2, S, 0.5, scores.data_ptr())
+        lib.ms_mla_decode(qn.data_ptr(), qp.data_ptr(), k_b.data_ptr(), v_b.data_ptr(), 1, lat.data_ptr(),
+                          kpe.data_ptr(), 1, rows.data_ptr(), S, len(rows), Hm, L, R, nope, V, 0.25,
+                          attn.data_ptr())  # fmt: skip
+        outs.append((scores, attn))
+    assert torch.allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
 
 
 def test_indexer_types_and_the_glm_5_2_default(tmp_path):

@@ -147,12 +147,29 @@ call(lib.ms_gemv_bf16, ptr(x), 8, 17, ptr(x), 2, ptr(out))  # a row length off t
 # MLA decode: (s, h, L, R, nope, vd) out of range, a null pointer, a NaN cache, odd sizes in bf16
 for s, h, L, R, nope, vd in ((0, 2, 16, 8, 8, 8), (1, 0, 16, 8, 8, 8), (1, 2, 16, -8, 8, 8),
                              (1 << 31, 1 << 20, 1 << 20, 8, 8, 8)):  # fmt: skip
-    call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(x), ptr(x), 0, s, h, L, R, nope, vd, 1.0,
+    call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(x), ptr(x), 0, None, max(s, 1), s, h, L, R,
+         nope, vd, 1.0,
          ptr(out), want=native.BAD_SHAPE)  # fmt: skip
-call(lib.ms_mla_decode, ptr(x), None, ptr(x), ptr(x), 0, ptr(x), ptr(x), 0, 4, 2, 16, 8, 8, 8, 1.0, ptr(out),
+call(lib.ms_mla_decode, ptr(x), None, ptr(x), ptr(x), 0, ptr(x), ptr(x), 0, None, 4, 4, 2, 16, 8, 8, 8, 1.0, ptr(out),
      want=native.BAD_PTR)  # fmt: skip
-call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(kv), ptr(kv), 0, 4, 5, 16, 8, 8, 8, 1.0, ptr(out))
-call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 1, ptr(x), ptr(x), 1, 9, 5, 20, 6, 18, 17, 1.0, ptr(out))
+call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(kv), ptr(kv), 0, None, 4, 4, 5, 16, 8, 8, 8, 1.0, ptr(out))
+call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 1, ptr(x), ptr(x), 1, None, 9, 9, 5, 20, 6, 18, 17, 1.0, ptr(out))
+# the rows an indexer chose: each must lie in the cache (4 rows here), else a refusal before any read
+for bad in (4, -1):
+    picked = np.array([0, 2, bad], np.int64)
+    call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(x), ptr(x), 0, ptr(picked), 4, 3, 2, 16, 8, 8, 8,
+         1.0, ptr(out), want=native.BAD_SHAPE)  # fmt: skip
+picked = np.array([3, 0, 2], np.int64)
+call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(x), ptr(x), 0, ptr(picked), 4, 3, 2, 16, 8, 8, 8, 1.0,
+     ptr(out))  # fmt: skip
+call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(x), ptr(x), 0, None, 4, 5, 2, 16, 8, 8, 8, 1.0,
+     ptr(out), want=native.BAD_SHAPE)  # fmt: skip
+# the indexer's scores: (heads, dim, keys) out of range, a null pointer, odd sizes in bf16
+for h, d, s in ((0, 16, 4), (4, 0, 4), (4, 16, 0), (1 << 21, 1 << 20, 4), (4, 1 << 20, 1 << 21)):
+    call(lib.ms_index_scores, ptr(x), ptr(x), h, d, ptr(x), 0, s, 1.0, ptr(out), want=native.BAD_SHAPE)
+call(lib.ms_index_scores, ptr(x), None, 4, 16, ptr(x), 0, 8, 1.0, ptr(out), want=native.BAD_PTR)
+call(lib.ms_index_scores, ptr(x), ptr(x), 4, 16, ptr(x), 7, 8, 1.0, ptr(out), want=native.BAD_TYPE)
+call(lib.ms_index_scores, ptr(x), ptr(x), 5, 18, ptr(x), 1, 9, 1.0, ptr(out))
 for m, k in ((-1, 256), (1, 0), (1 << 31, 1 << 31)):
     call(lib.ms_qmm_scratch_bytes, m, k, want=native.BAD_SHAPE)
 call(lib.ms_moe_scratch_bytes, 1, -256, 256, want=native.BAD_SHAPE)

@@ -129,16 +129,31 @@ def mla_decode(
     keys: torch.Tensor,
     v_head_dim: int,
     kq_scale: float,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query's absorbed latent attention: q_nope [1, H, nope], q_pe [1, H, rope] over the cache's latents
-    [S, L] and rotary keys [S, R] (their own dtypes), with the up-projections k_b [H, nope, L], v_b [H, v, L]."""
+    [S, L] and rotary keys [S, R] (their own dtypes), with the up-projections k_b [H, nope, L], v_b [H, v, L];
+    rows: the cache rows attended, in order (None: all S), read in place instead of gathered."""
     qn, qp = q_nope.float().contiguous(), q_pe.float().contiguous()
     lat, kpe = latents.contiguous(), keys.contiguous()
     H, nope, rope = qn.shape[1], qn.shape[2], qp.shape[2]
     out = torch.empty(1, H, v_head_dim)
+    idx = None if rows is None else rows.to(torch.int64).contiguous()
+    n = lat.shape[0] if idx is None else idx.shape[0]
     native.lib().ms_mla_decode(qn.data_ptr(), qp.data_ptr(), k_b.data_ptr(), v_b.data_ptr(), _kv_type(k_b),
-                               lat.data_ptr(), kpe.data_ptr(), _kv_type(lat), lat.shape[0], H, lat.shape[1], rope,
-                               nope, v_head_dim, kq_scale, out.data_ptr())  # fmt: skip
+                               lat.data_ptr(), kpe.data_ptr(), _kv_type(lat), None if idx is None else idx.data_ptr(),
+                               lat.shape[0], n, H, lat.shape[1], rope, nope, v_head_dim, kq_scale,
+                               out.data_ptr())  # fmt: skip
+    return out
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """The lightning indexer's scores of one query: float32 [S], sum_h weights[h] relu(scale q[h] . keys[s]) for
+    q [heads, D] and weights [heads] (float32) over keys [S, D] in the cache's dtype, the heads summed in order."""
+    qf, w, k = q.float().contiguous(), weights.float().contiguous(), keys.contiguous()
+    out = torch.empty(k.shape[0])
+    native.lib().ms_index_scores(qf.data_ptr(), w.data_ptr(), qf.shape[0], qf.shape[1], k.data_ptr(), _kv_type(k),
+                                 k.shape[0], scale, out.data_ptr())  # fmt: skip
     return out
 
 

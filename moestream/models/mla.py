@@ -170,15 +170,18 @@ class MLAttention(SplitMixer):
         return out.reshape(T, cfg.n_heads * cfg.v_head_dim)
 
     def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor,
-                 mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        """Attention over the cached latents without decompressing them (one query: over every one of them;
-        mask: the [T, S] keys each query sees); returns [T, H, v]."""
+                 mask: torch.Tensor | None, rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Attention over the cached latents without decompressing them (one query: over every one of them, or
+        over `rows` of them in that order; mask: the [T, S] keys each query sees); returns [T, H, v]."""
         scale = self.cfg.kq_scale
         T = q_nope.shape[0]
         if T == 1 and kernels.available() and latents.dtype == keys.dtype in NATIVE_DTYPES and keys.shape[1]:
             # the decode step in one C call on the lane pool (no torch op, so torch can stay at one thread),
-            # reading the cache and the up-projections in their own dtypes
-            return kernels.mla_decode(q_nope, q_pe, self.k_b, self.v_b, latents, keys, self.cfg.v_head_dim, scale)
+            # reading the cache and the up-projections in their own dtypes, the chosen rows in place
+            return kernels.mla_decode(q_nope, q_pe, self.k_b, self.v_b, latents, keys, self.cfg.v_head_dim, scale,
+                                      rows)  # fmt: skip
+        if rows is not None:
+            latents, keys = latents[rows], keys[rows]
         lat, kpe = latents.float(), keys.float()
         k_b, v_b = self.k_b.float(), self.v_b.float()
         q_lat = torch.bmm(q_nope.transpose(0, 1), k_b.transpose(1, 2))  # [H, T, L]

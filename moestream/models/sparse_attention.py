@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from moestream.models.attention import causal_mask
 from moestream.models.kv_cache import as_cached
 from moestream.models.loader import ArchMetadata, Weights
-from moestream.models.mla import MLACache, MLAttention, deinterleave
+from moestream.compute import kernels
+from moestream.models.mla import NATIVE_DTYPES, MLACache, MLAttention, deinterleave
 from moestream.models.ops import wide_torch
 from moestream.models.rope import RoPE
 from moestream.models.rows import Ops
@@ -118,6 +119,9 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, pos
     key stands at, s where None); the products a piece of queries at a time."""
     T, H, _ = q.shape
     S = keys.shape[0]
+    if T == 1 and key_pos is None and S == pos + 1 and kernels.available() and keys.dtype in NATIVE_DTYPES:
+        # a decode step sees every stored key: one C call reads them in the cache's dtype, on the lane pool
+        return kernels.index_scores(q[0], weights[0], keys, scale)[None]
     kt = keys.float().T
     out = torch.empty(T, S)
     step = max(1, INDEX_SCORES_BYTES // (4 * H * S))
@@ -180,8 +184,7 @@ class SparseMLAttention(MLAttention):
         cache.keys_attended[layer] = int(chosen[-1].sum()) if as_mask else chosen.shape[1]
         if T == 1:  # a decode step: the chosen latents and rotary keys as a k-token cache, in position order
             idx = chosen[0].nonzero()[:, 0] if as_mask else chosen[0].sort().values
-            out = self.absorbed(q_nope, q_pe, latents[idx], keys[idx], None)
-            return out.reshape(1, -1)
+            return self.absorbed(q_nope, q_pe, latents, keys, None, rows=idx).reshape(1, -1)
 
         def mask_of(a: int, b: int, end: int) -> torch.Tensor:
             if as_mask:

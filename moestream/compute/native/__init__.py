@@ -43,7 +43,7 @@ _SOURCE_NAMES = (
 )  # fmt: skip
 SOURCES = tuple(Path(__file__).with_name(n) for n in _SOURCE_NAMES)
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("blocks.h", "internal.h", "gemm.h"))
-ABI_VERSION = 4
+ABI_VERSION = 5
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing")
 # AMD's family 25 (Zen 3 and Zen 4; only Zen 4 has AVX-512) runs the VNNI kernels of the types with one sum
 # per (row, token) faster in tiles of 1 row x 8 tokens than in the 2 x 4 chosen on Zen 5 (bench/RESULTS.md,
@@ -202,7 +202,8 @@ def _declare(lib: ctypes.CDLL, only: set[str] | None = None) -> None:
         "ms_attn_decode_sinks": ([vp, vp, vp, i64, i64, i64, i64, c_int, f32, vp, vp], c_int),
         "ms_attn_prefill": ([vp, vp, vp, i64, i64, i64, i64, i64, i64, c_int, f32, vp], c_int),
         "ms_route_topk": ([vp, i64, i64, i64, c_int, vp, vp], c_int),
-        "ms_mla_decode": ([vp, vp, vp, vp, c_int, vp, vp, c_int, i64, i64, i64, i64, i64, i64, f32, vp], c_int),
+        "ms_mla_decode": ([vp, vp, vp, vp, c_int, vp, vp, c_int, vp, i64, i64, i64, i64, i64, i64, i64, f32, vp], c_int),
+        "ms_index_scores": ([vp, vp, i64, i64, vp, c_int, i64, f32, vp], c_int),
         "ms_attn_block_decode": (
             [vp, vp, i64, f32, c_int, vp, vp, vp, i64, i64, i64, vp, vp, i64, vp, vp, c_int, i64, c_int, vp, vp],
             c_int,
