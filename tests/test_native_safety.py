@@ -152,8 +152,10 @@ for s, h, L, R, nope, vd in ((0, 2, 16, 8, 8, 8), (1, 0, 16, 8, 8, 8), (1, 2, 16
          ptr(out), want=native.BAD_SHAPE)  # fmt: skip
 call(lib.ms_mla_decode, ptr(x), None, ptr(x), ptr(x), 0, ptr(x), ptr(x), 0, None, 4, 4, 2, 16, 8, 8, 8, 1.0, ptr(out),
      want=native.BAD_PTR)  # fmt: skip
-call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(kv), ptr(kv), 0, None, 4, 4, 5, 16, 8, 8, 8, 1.0, ptr(out))
-call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 1, ptr(x), ptr(x), 1, None, 9, 9, 5, 20, 6, 18, 17, 1.0, ptr(out))
+call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(kv), ptr(kv), 0, None, 4, 4, 5, 16, 8, 8, 8, 1.0,
+     ptr(out))  # fmt: skip
+call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 1, ptr(x), ptr(x), 1, None, 9, 9, 5, 20, 6, 18, 17, 1.0,
+     ptr(out))  # fmt: skip
 # the rows an indexer chose: each must lie in the cache (4 rows here), else a refusal before any read
 for bad in (4, -1):
     picked = np.array([0, 2, bad], np.int64)

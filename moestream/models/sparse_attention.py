@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moestream.compute import kernels
 from moestream.models.attention import causal_mask
 from moestream.models.kv_cache import as_cached
 from moestream.models.loader import ArchMetadata, Weights
-from moestream.compute import kernels
 from moestream.models.mla import NATIVE_DTYPES, MLACache, MLAttention, deinterleave
 from moestream.models.ops import wide_torch
 from moestream.models.rope import RoPE
