@@ -203,7 +203,8 @@ def _declare(lib: ctypes.CDLL, only: set[str] | None = None) -> None:
         "ms_attn_prefill": ([vp, vp, vp, i64, i64, i64, i64, i64, i64, c_int, f32, vp], c_int),
         "ms_route_topk": ([vp, i64, i64, i64, c_int, vp, vp], c_int),
         "ms_mla_decode": (
-            [vp, vp, vp, vp, c_int, vp, vp, c_int, vp, i64, i64, i64, i64, i64, i64, i64, f32, vp], c_int
+            [vp, vp, vp, vp, c_int, vp, vp, c_int, vp, i64, i64, i64, i64, i64, i64, i64, f32, vp],
+            c_int,
         ),
         "ms_index_scores": ([vp, vp, i64, i64, vp, c_int, i64, f32, vp], c_int),
         "ms_attn_block_decode": (
