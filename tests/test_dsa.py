@@ -102,6 +102,36 @@ def test_long_prompt_in_micro_batches_matches_transformers(tiny, ubatch):
         eng.close()
 
 
+def test_prompt_queries_past_the_top_k_read_their_choice_alone(tiny, monkeypatch):
+    """A prompt's queries attend to their own top_k rows in one C call (none more, none past the query), and
+    give the logits of the masked attention over every earlier key to float32 rounding."""
+    from moestream.models import sparse_attention
+
+    _, path, toks, _, _ = tiny
+    counts, real = [], kernels.mla_sparse
+
+    def spy(*args):
+        counts.append(args[5].clone())
+        return real(*args)
+
+    def prompt_logits() -> torch.Tensor:
+        eng = Engine(path, EngineOptions(n_slots=64, exact=True, ubatch=64))
+        try:
+            with torch.inference_mode():
+                return torch.cat([eng.forward(toks[a : a + 64], a, all_logits=True) for a in range(0, N_LONG, 64)])
+        finally:
+            eng.close()
+
+    if not kernels.available():
+        pytest.skip("no native kernels on this machine")
+    monkeypatch.setattr(kernels, "mla_sparse", spy)
+    sparse = prompt_logits()
+    seen = torch.cat(counts)
+    assert len(seen) and int(seen.max()) == INDEX_TOP_K and int(seen.min()) >= 1
+    monkeypatch.setattr(sparse_attention, "NATIVE_DTYPES", ())  # the masked form over every key
+    assert torch.allclose(sparse, prompt_logits(), atol=1e-4)
+
+
 def test_the_choice_matters(tiny):
     """The dense reference (the same model attending to every key) differs from the sparse one past the top-k
     by far more than the tolerance the tests hold moestream to; before it, not at all."""

@@ -166,6 +166,18 @@ call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(x), ptr(x), 0, pt
      ptr(out))  # fmt: skip
 call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(x), ptr(x), 0, None, 4, 5, 2, 16, 8, 8, 8, 1.0,
      ptr(out), want=native.BAD_SHAPE)  # fmt: skip
+# a prompt's sparse attention: each query's count within 1..k and its rows in the cache (4 rows), else refused
+sp_rows, sp_ok = np.array([0, 2, 1, 3], np.int64), np.array([2, 1], np.int64)
+call(lib.ms_mla_sparse, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(sp_rows), ptr(sp_ok), 4, 2, 2, 2, 16, 8, 1.0, ptr(out))
+for bad_rows, bad_counts in (([0, 4, 1, 3], [2, 1]), ([0, 2, -1, 3], [2, 1]), ([0, 2, 1, 3], [3, 1]),
+                             ([0, 2, 1, 3], [2, 0])):  # fmt: skip
+    r_, c_ = np.array(bad_rows, np.int64), np.array(bad_counts, np.int64)
+    call(lib.ms_mla_sparse, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(r_), ptr(c_), 4, 2, 2, 2, 16, 8, 1.0, ptr(out),
+         want=native.BAD_SHAPE)  # fmt: skip
+call(lib.ms_mla_sparse, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(sp_rows), None, 4, 2, 2, 2, 16, 8, 1.0, ptr(out),
+     want=native.BAD_PTR)  # fmt: skip
+call(lib.ms_mla_sparse, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(sp_rows), ptr(sp_ok), 4, 1 << 31, 1 << 20, 2, 16, 8,
+     1.0, ptr(out), want=native.BAD_SHAPE)  # fmt: skip
 # the indexer's scores: (heads, dim, keys) out of range, a null pointer, odd sizes in bf16
 for h, d, s in ((0, 16, 4), (4, 0, 4), (4, 16, 0), (1 << 21, 1 << 20, 4), (4, 1 << 20, 1 << 21)):
     call(lib.ms_index_scores, ptr(x), ptr(x), h, d, ptr(x), 0, s, 1.0, ptr(out), want=native.BAD_SHAPE)

@@ -147,6 +147,22 @@ def mla_decode(
     return out
 
 
+def mla_sparse(q_lat: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor,
+               rows: torch.Tensor, counts: torch.Tensor, kq_scale: float) -> torch.Tensor:  # fmt: skip
+    """Prompt queries, each over its own cache rows: absorbed queries q_lat [T, H, L] and rotary q_pe [T, H, R]
+    (float32) attend to latents [S, L] and rotary keys [S, R] (the cache's dtype) at rows[t, :counts[t]];
+    returns the latent outputs [T, H, L] (before the value up-projection)."""
+    ql, qp = q_lat.float().contiguous(), q_pe.float().contiguous()
+    lat, kpe = latents.contiguous(), keys.contiguous()
+    idx, n = rows.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()
+    T, H, L = ql.shape
+    out = torch.empty(T, H, L)
+    native.lib().ms_mla_sparse(ql.data_ptr(), qp.data_ptr(), lat.data_ptr(), kpe.data_ptr(), _kv_type(lat),
+                               idx.data_ptr(), n.data_ptr(), lat.shape[0], T, idx.shape[1], H, L, qp.shape[2],
+                               kq_scale, out.data_ptr())  # fmt: skip
+    return out
+
+
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """The lightning indexer's scores of one query: float32 [S], sum_h weights[h] relu(scale q[h] . keys[s]) for
     q [heads, D] and weights [heads] (float32) over keys [S, D] in the cache's dtype, the heads summed in order."""

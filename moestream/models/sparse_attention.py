@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.compute import kernels
-from moestream.models.attention import causal_mask
+from moestream.models.attention import causal_mask, query_chunks
 from moestream.models.kv_cache import as_cached
 from moestream.models.loader import ArchMetadata, Weights
 from moestream.models.mla import NATIVE_DTYPES, MLACache, MLAttention, deinterleave
@@ -186,6 +186,9 @@ class SparseMLAttention(MLAttention):
             idx = chosen[0].nonzero()[:, 0] if as_mask else chosen[0].sort().values
             return self.absorbed(q_nope, q_pe, latents, keys, None, rows=idx).reshape(1, -1)
 
+        if not as_mask and kernels.available() and latents.dtype == keys.dtype in NATIVE_DTYPES:
+            return self.attend_chosen(q_nope, q_pe, latents, keys, chosen, pos, cache.query_chunk)
+
         def mask_of(a: int, b: int, end: int) -> torch.Tensor:
             if as_mask:
                 return chosen[a:b, :end]
@@ -193,6 +196,25 @@ class SparseMLAttention(MLAttention):
             return picked & causal_mask(b - a, end, pos + a)
 
         return self.attend(q_nope, q_pe, latents, keys, pos, cache.query_chunk, mask_of)
+
+    def attend_chosen(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor,
+                      chosen: torch.Tensor, pos: int, query_chunk: int) -> torch.Tensor:  # fmt: skip
+        """Each prompt query over its own top_k rows alone (those past it dropped), in position order, as a decode
+        step reads them: the attention work of top_k keys a query, not of every earlier one under a mask. The
+        up-projections are batched matmuls over a chunk of queries; the attention one C call. [T, H * v]."""
+        cfg = self.cfg
+        T = q_nope.shape[0]
+        out = torch.empty(T, cfg.n_heads, cfg.v_head_dim)
+        k_b, v_b = self.k_b.float(), self.v_b.float()
+        for a, b in query_chunks(T, query_chunk):
+            rows = chosen[a:b].sort(dim=1).values
+            counts = (rows <= torch.arange(pos + a, pos + b)[:, None]).sum(1)
+            with wide_torch():
+                q_lat = torch.bmm(q_nope[a:b].transpose(0, 1), k_b.transpose(1, 2)).transpose(0, 1)  # [n, H, L]
+            o_lat = kernels.mla_sparse(q_lat, q_pe[a:b], latents, keys, rows, counts, cfg.kq_scale)
+            with wide_torch():
+                out[a:b] = torch.bmm(o_lat.transpose(0, 1), v_b.transpose(1, 2)).transpose(0, 1)
+        return out.reshape(T, -1)
 
     def choose(self, parts: tuple[torch.Tensor, ...], layer: int, cache: DSACache, pos: int,
                rope: RoPE) -> torch.Tensor | None:  # fmt: skip

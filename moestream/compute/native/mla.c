@@ -277,6 +277,20 @@ static void softmax(float *p, int64_t S) {
     for (t = 0; t < S; t++) p[t] /= sum;
 }
 
+/* olat[i] = the attention output in the latent space of the band's B heads from b0 (their absorbed queries in
+ * qlat [B][L]) over c's rows; sc holds [B][S] scores */
+static void attend_band(const mla_ctx *c, const float *qlat, int64_t b0, int64_t B, float *sc, float *olat) {
+    const int64_t L = c->L, S = c->s;
+    scores(c, qlat, b0, B, sc);
+    for (int64_t i = 0; i < B; i++) softmax(sc + i * S, S);
+    memset(olat, 0, sizeof(float) * (size_t)(B * L));
+    for (int64_t t0 = 0; t0 < S; t0 += MLA_ROW_BLOCK) {
+        const int64_t t1 = t0 + MLA_ROW_BLOCK < S ? t0 + MLA_ROW_BLOCK : S;
+        for (int64_t g = 0; g < B; g += MLA_HEADS)
+            latent_out(c, sc + g * S, B - g < MLA_HEADS ? B - g : MLA_HEADS, t0, t1, olat + g * L);
+    }
+}
+
 /* A task is a band of heads. Its heads go over the attended rows a block at a time, so that a block read into
  * this core's cache serves every head of the band instead of being read again for each group of MLA_HEADS. */
 static void mla_task(void *vctx, int64_t band) {
@@ -293,14 +307,7 @@ static void mla_task(void *vctx, int64_t band) {
         const float *qn = c->q_nope + (b0 + i) * c->nope;
         for (int64_t l = 0; l < L; l++) qlat[i * L + l] = dot(c->k_b, c->w_type, ((b0 + i) * L + l) * c->nope, qn, c->nope, 1);
     }
-    scores(c, qlat, b0, B, sc);
-    for (int64_t i = 0; i < B; i++) softmax(sc + i * S, S);
-    memset(olat, 0, sizeof(float) * (size_t)(B * L));
-    for (int64_t t0 = 0; t0 < S; t0 += MLA_ROW_BLOCK) {
-        const int64_t t1 = t0 + MLA_ROW_BLOCK < S ? t0 + MLA_ROW_BLOCK : S;
-        for (int64_t g = 0; g < B; g += MLA_HEADS)
-            latent_out(c, sc + g * S, B - g < MLA_HEADS ? B - g : MLA_HEADS, t0, t1, olat + g * L);
-    }
+    attend_band(c, qlat, b0, B, sc, olat);
     for (int64_t i = 0; i < B; i++) { /* and up to the head's values */
         float *o = c->out + (b0 + i) * c->vd;
         for (int64_t r = 0; r < c->vd; r++) o[r] = dot(c->v_b, c->w_type, ((b0 + i) * c->vd + r) * L, olat + i * L, L, 1);
@@ -329,6 +336,56 @@ int ms_mla_decode(const float *q_nope, const float *q_pe, const void *k_b, const
                  MS_OK};
     ms_internal_dispatch(mla_task, &c, (h + band - 1) / band);
     return atomic_load(&c.rc);
+}
+
+/* Several queries of a prompt, each over its own chosen rows (DeepSeek Sparse Attention's prefill): o_lat[t][h] =
+ * sum_s softmax_s(scale (q_lat[t][h] . c_s + q_pe[t][h] . kpe_s)) c_s over rows[t][0 .. counts[t]). The absorbed
+ * queries come in and the latent outputs go out (the up-projections are matmuls of every query at once, done by
+ * the caller). A task is one query's band of heads. */
+typedef struct {
+    mla_ctx base;
+    const float *q_lat; /* [T][H][L] */
+    const int64_t *rows, *counts; /* [T][K], [T] */
+    int64_t k;
+    float *o_lat; /* [T][H][L] */
+} sparse_ctx;
+
+static void sparse_task(void *vctx, int64_t task) {
+    sparse_ctx *sp = vctx;
+    const int64_t H = sp->base.h, L = sp->base.L, R = sp->base.R, bands = (H + sp->base.band - 1) / sp->base.band;
+    const int64_t t = task / bands, b0 = task % bands * sp->base.band;
+    const int64_t B = H - b0 < sp->base.band ? H - b0 : sp->base.band;
+    mla_ctx c = sp->base;
+    c.rows = sp->rows + t * sp->k, c.s = sp->counts[t], c.q_pe = sp->base.q_pe + t * H * R;
+    float *sc = malloc(sizeof(float) * (size_t)(B * c.s));
+    if (!sc) {
+        atomic_store(&sp->base.rc, MS_NO_MEM);
+        return;
+    }
+    attend_band(&c, sp->q_lat + (t * H + b0) * L, b0, B, sc, sp->o_lat + (t * H + b0) * L);
+    free(sc);
+}
+
+int ms_mla_sparse(const float *q_lat, const float *q_pe, const void *lat, const void *kpe, int kv_type,
+                  const int64_t *rows, const int64_t *counts, int64_t n_rows, int64_t t, int64_t k, int64_t h,
+                  int64_t L, int64_t R, float scale, float *o_lat) {
+    if (!dim_ok(t) || !dim_ok(k) || !dim_ok(h) || !dim_ok(L) || !dim_ok(R) || !dim_ok(n_rows)) return MS_BAD_SHAPE;
+    if (!prod_ok(t, k) || !prod_ok(t * h, L) || !prod_ok(t * h, R) || !prod_ok(n_rows, L) || !prod_ok(n_rows, R) ||
+        !prod_ok(k, MLA_BAND_MAX))
+        return MS_BAD_SHAPE;
+    if (!kv_type_ok(kv_type)) return MS_BAD_TYPE;
+    if (!q_lat || !q_pe || !lat || !kpe || !rows || !counts || !o_lat) return MS_BAD_PTR;
+    for (int64_t i = 0; i < t; i++) {
+        if (counts[i] < 1 || counts[i] > k) return MS_BAD_SHAPE;
+        for (int64_t j = 0; j < counts[i]; j++)
+            if (rows[i * k + j] < 0 || rows[i * k + j] >= n_rows) return MS_BAD_SHAPE;
+    }
+    const int64_t band = h < MLA_BAND_MAX ? (h + MLA_HEADS - 1) / MLA_HEADS * MLA_HEADS : MLA_BAND_MAX;
+    sparse_ctx sp = {{NULL, q_pe, NULL, NULL, lat, kpe, NULL, 0, h, L, R, 0, 0, MS_KV_F32, kv_type, scale, NULL, band,
+                      MS_OK},
+                     q_lat, rows, counts, k, o_lat};
+    ms_internal_dispatch(sparse_task, &sp, t * ((h + band - 1) / band));
+    return atomic_load(&sp.base.rc);
 }
 
 /* DeepSeek Sparse Attention's lightning indexer for one query (models/sparse_attention.py, index_scores):
