@@ -15,9 +15,11 @@ deepseek32.cpp / glm-dsa.cpp):
 GLM-5.2's "shared" layers run no indexer: they attend to the tokens the last full layer chose for the same
 queries (attention.indexer.types).
 
-A decode step past top_k gathers the chosen latents and rotary keys and attends to those k alone (the
-native decode kernel reads them as a k-token cache); a prompt's queries attend, chunk by chunk as in the
-other MLA models, with the mask of their choices.
+A decode step past top_k attends to the chosen latents and rotary keys alone (the native decode kernel reads
+those rows where they lie in the cache); a prompt's queries likewise, each over its own choice in one C call
+per chunk of queries (attend_chosen), so a prompt position costs top_k keys, not every earlier one. Without
+the native kernels (and for a pooled indexer's mask) a prompt attends chunk by chunk, as the other MLA models,
+with the mask of its choices.
 """
 
 from __future__ import annotations
