@@ -103,10 +103,15 @@ static inline __attribute__((always_inline)) __m512 dots4x4_of(const void *a, co
         const float *q0 = seg ? b2 : b;
         for (int64_t j = 0; j < len; j += 16) {
             __m512 k[4];
-            for (int r = 0; r < 4; r++) k[r] = at16(rows, type, o[r] + j);
+            /* each row chunk and each query chunk loaded once into a register: the compiler would fold one of
+             * the two into every FMA, four loads where one does */
+            for (int r = 0; r < 4; r++) {
+                k[r] = at16(rows, type, o[r] + j);
+                __asm__("" : "+v"(k[r]));
+            }
             for (int i = 0; i < MLA_HEADS; i++) {
                 __m512 q = _mm512_loadu_ps(q0 + i * st + j);
-                __asm__("" : "+v"(q)); /* one load for the four rows: the compiler would fold it into each FMA */
+                __asm__("" : "+v"(q));
                 for (int r = 0; r < 4; r++) acc[4 * r + i] = _mm512_fmadd_ps(k[r], q, acc[4 * r + i]);
             }
         }
