@@ -22,7 +22,7 @@ from moestream.compute import kernels
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler
-from moestream.errors import ModelFileError
+from moestream.errors import ComputeError, ModelFileError
 from moestream.models.deepseek32 import DeepSeek32
 from moestream.models.glm_dsa import GlmDsa, GlmDsaConfig
 from moestream.models.loader import tensor_shapes
@@ -221,6 +221,28 @@ def test_a_decode_steps_native_index_scores_are_the_formula(dtype, H, D, S):
     got = index_scores(q, k, w, S - 1, D**-0.5)
     want = torch.einsum("h,hs->s", w[0], torch.relu(torch.einsum("hd,sd->hs", q[0], k.float()) * D**-0.5))
     assert got.shape == (1, S) and torch.allclose(got[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("n", "k", "levels"), [(16384, 2048, None), (300, 32, 5), (40, 40, None), (7, 1, 2)])
+def test_a_decode_steps_choice_is_torch_topk_in_position_order(n, k, levels):
+    """The native top-k: the set torch.topk picks, as ascending positions; among equal scores at the cut (few
+    distinct levels here) the first positions; a NaN score refused."""
+    if not kernels.available():
+        pytest.skip("no native kernels on this machine")
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) if levels is None else torch.randint(0, levels, (n,), generator=g).float()
+    got = kernels.topk_positions(x, k)
+    assert got.tolist() == sorted(got.tolist()) and len(set(got.tolist())) == k
+    if levels is None:
+        assert got.tolist() == sorted(x.topk(k).indices.tolist())
+    else:
+        cut = x.sort(descending=True).values[k - 1]
+        above = (x > cut).nonzero()[:, 0].tolist()
+        ties = (x == cut).nonzero()[:, 0].tolist()[: k - len(above)]
+        assert got.tolist() == sorted(above + ties)
+    x[n // 2] = float("nan")
+    with pytest.raises(ComputeError):
+        kernels.topk_positions(x, k)
 
 
 def test_chosen_rows_read_in_place_equal_the_gathered_rows():

@@ -178,6 +178,10 @@ call(lib.ms_mla_sparse, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(sp_rows), None, 4
      want=native.BAD_PTR)  # fmt: skip
 call(lib.ms_mla_sparse, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(sp_rows), ptr(sp_ok), 4, 1 << 31, 1 << 20, 2, 16, 8,
      1.0, ptr(out), want=native.BAD_SHAPE)  # fmt: skip
+# the indexer's top-k: k within 1..n
+for n_, k_ in ((0, 1), (8, 0), (8, 9), (-1, 1)):
+    call(lib.ms_topk_positions, ptr(x), n_, k_, ptr(out), want=native.BAD_SHAPE)
+call(lib.ms_topk_positions, None, 8, 2, ptr(out), want=native.BAD_PTR)
 # the indexer's scores: (heads, dim, keys) out of range, a null pointer, odd sizes in bf16
 for h, d, s in ((0, 16, 4), (4, 0, 4), (4, 16, 0), (1 << 21, 1 << 20, 4), (4, 1 << 20, 1 << 21)):
     call(lib.ms_index_scores, ptr(x), ptr(x), h, d, ptr(x), 0, s, 1.0, ptr(out), want=native.BAD_SHAPE)

@@ -163,6 +163,15 @@ def mla_sparse(q_lat: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, k
     return out
 
 
+def topk_positions(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions of the k largest of float32 x [n], in ascending order (equal values at the cut: the first
+    positions); ComputeError(NOT_FINITE) on a NaN."""
+    x = x.float().contiguous()
+    out = torch.empty(k, dtype=torch.int64)
+    native.lib().ms_topk_positions(x.data_ptr(), x.shape[0], k, out.data_ptr())
+    return out
+
+
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """The lightning indexer's scores of one query: float32 [S], sum_h weights[h] relu(scale q[h] . keys[s]) for
     q [heads, D] and weights [heads] (float32) over keys [S, D] in the cache's dtype, the heads summed in order."""

@@ -185,7 +185,7 @@ class SparseMLAttention(MLAttention):
         as_mask = chosen.dtype == torch.bool
         cache.keys_attended[layer] = int(chosen[-1].sum()) if as_mask else chosen.shape[1]
         if T == 1:  # a decode step: the chosen latents and rotary keys as a k-token cache, in position order
-            idx = chosen[0].nonzero()[:, 0] if as_mask else chosen[0].sort().values
+            idx = chosen[0].nonzero()[:, 0] if as_mask else chosen[0]  # choose() returns a step's in order
             return self.absorbed(q_nope, q_pe, latents, keys, None, rows=idx).reshape(1, -1)
 
         if not as_mask and kernels.available() and latents.dtype == keys.dtype in NATIVE_DTYPES:
@@ -221,8 +221,8 @@ class SparseMLAttention(MLAttention):
     def choose(self, parts: tuple[torch.Tensor, ...], layer: int, cache: DSACache, pos: int,
                rope: RoPE) -> torch.Tensor | None:  # fmt: skip
         """Stores the span's indexer keys; returns the keys each query attends to ([T, top_k] positions, the
-        top ones by score: where a query sees fewer, some are past it and the causal mask drops them), or
-        None when no query sees more than top_k keys."""
+        top ones by score, in ascending order for a decode step: where a query sees fewer, some are past it
+        and the causal mask drops them), or None when no query sees more than top_k keys."""
         ix = self.cfg.indexer
         q, k, w = parts[3:6]
         T = q.shape[0]
@@ -232,7 +232,12 @@ class SparseMLAttention(MLAttention):
             return None
         q = self._rotated(q.reshape(T, ix.heads, ix.head_dim), pos, rope)
         scores = index_scores(q, index_keys, w * ix.heads**-0.5, pos, ix.head_dim**-0.5)
-        return scores.topk(ix.top_k, dim=-1).indices
+        if T > 1:
+            return scores.topk(ix.top_k, dim=-1).indices
+        # a decode step: the positions in ascending order, the order its attention reads the rows in
+        if kernels.available():
+            return kernels.topk_positions(scores[0], ix.top_k)[None]
+        return scores.topk(ix.top_k, dim=-1).indices.sort(dim=-1).values
 
     def _rotated(self, x: torch.Tensor, pos: int, rope: RoPE) -> torch.Tensor:
         """x [T, heads, head_dim] with its first qk_rope dims rotated at positions pos.."""

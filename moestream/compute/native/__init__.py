@@ -207,6 +207,7 @@ def _declare(lib: ctypes.CDLL, only: set[str] | None = None) -> None:
             c_int,
         ),
         "ms_mla_sparse": ([vp, vp, vp, vp, c_int, vp, vp, i64, i64, i64, i64, i64, i64, f32, vp], c_int),
+        "ms_topk_positions": ([vp, i64, i64, vp], c_int),
         "ms_index_scores": ([vp, vp, i64, i64, vp, c_int, i64, f32, vp], c_int),
         "ms_attn_block_decode": (
             [vp, vp, i64, f32, c_int, vp, vp, vp, i64, i64, i64, vp, vp, i64, vp, vp, c_int, i64, c_int, vp, vp],

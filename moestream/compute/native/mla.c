@@ -453,3 +453,45 @@ int ms_index_scores(const float *q, const float *w, int64_t h, int64_t d, const 
     ms_internal_dispatch(index_task, &c, (s + INDEX_ROWS - 1) / INDEX_ROWS);
     return MS_OK;
 }
+
+/* The k largest of x[0..n) as their positions in ascending order (the indexer's choice, in the order the
+ * attention reads the rows): the k-th largest value found by quickselect on a copy, then one pass in order
+ * takes every larger value and as many equal ones as k leaves room for, the first positions first. A NaN
+ * score has no place in an order: the call refuses it. */
+int ms_topk_positions(const float *x, int64_t n, int64_t k, int64_t *out) {
+    if (!dim_ok(n) || k < 1 || k > n) return MS_BAD_SHAPE;
+    if (!x || !out) return MS_BAD_PTR;
+    float *v = malloc(sizeof(float) * (size_t)n);
+    if (!v) return MS_NO_MEM;
+    for (int64_t i = 0; i < n; i++) {
+        if (x[i] != x[i]) {
+            free(v);
+            return MS_NOT_FINITE;
+        }
+        v[i] = x[i];
+    }
+    int64_t lo = 0, hi = n - 1, want = k - 1; /* v[want] once ordered largest first */
+    while (lo < hi) {
+        const float pivot = v[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] > pivot) i++;
+            while (v[j] < pivot) j--;
+            if (i <= j) {
+                const float tmp = v[i];
+                v[i++] = v[j], v[j--] = tmp;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else break;
+    }
+    const float kth = v[want];
+    int64_t above = 0;
+    for (int64_t i = 0; i < n; i++) above += x[i] > kth;
+    int64_t ties = k - above, m = 0;
+    for (int64_t i = 0; i < n && m < k; i++)
+        if (x[i] > kth || (x[i] == kth && ties-- > 0)) out[m++] = i;
+    free(v);
+    return MS_OK;
+}
