@@ -19,13 +19,13 @@ import time
 
 from harness import add_results_args, run_meta, save_results, spread_ids
 
-import moestream.streaming.expert_cache as expert_cache
+import moestream.streaming.fetch as fetch
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 
 
 class TimedPack:
-    """Stands in for expert_cache.pack_lanes: calls it and records (seconds, segments, segments into new slots)."""
+    """Stands in for fetch.pack_lanes: calls it and records (seconds, segments, segments into new slots)."""
 
     def __init__(self, pack):
         self.pack = pack
@@ -56,8 +56,8 @@ def main() -> None:
     add_results_args(ap, None)
     args = ap.parse_args()
 
-    timed = TimedPack(expert_cache.pack_lanes)
-    expert_cache.pack_lanes = timed
+    timed = TimedPack(fetch.pack_lanes)
+    fetch.pack_lanes = timed
     eng = Engine(args.model, EngineOptions(ram_budget_mb=args.budget_mb, threads=args.threads))
     try:
         vocab = eng.tokenizer.vocab_size
