@@ -2,14 +2,13 @@
 
     python bench/prefill_parts.py --model /tmp/models/q36.gguf --budget-mb 7168 --repeat 3
 
-Each run is a fresh process (this script re-runs itself with --one): page cache dropped, an Engine at the
-budget, then one prompt (the compare.py prompt) and one token. Arm `committed` waits for the background
-commit of the expert slots (ExpertCache.prefault) before the prompt; arm `fresh` starts the prompt at once,
-as `moestream run` does. Timers wrap the model's parts (linear attention, full attention, the MoE block:
-routed and shared experts with their waits and packing)
-and the packing of read segments; the reader reports how long reads waited for a free buffer and its
-bandwidth while reads were in flight. Arms alternate. Needs root (drop_caches). No balloon: run it on an
-otherwise idle machine.
+Each run is a fresh process (this script re-runs itself with --one): page cache dropped, an Engine at the budget,
+then one prompt (the compare.py prompt) and one token (--tokens N: N, and the decode's ms a token). Arm `committed`
+waits for the background commit of the expert slots (ExpertCache.prefault) before the prompt; arm `fresh` starts
+the prompt at once, as `moestream run` does. Timers wrap the model's parts (linear attention, full attention, the
+MoE block: routed and shared experts with their waits and packing) and the packing of read segments (with --tokens,
+over the decode too); the reader reports how long reads waited for a free buffer and its bandwidth while reads were
+in flight. Arms alternate. Needs root (drop_caches). No balloon: run it on an otherwise idle machine.
 
 Writes bench/results/<date>-<name>.json and prints a markdown table.
 """
@@ -36,10 +35,11 @@ PARTS = (
     "dense_ffn_s",
     "pack_s",
     "commit_wait_s",
+    "decode_ms_per_token",
 )
 
 
-def one(model: str, budget_mb: int, committed: bool, threads: int) -> dict:
+def one(model: str, budget_mb: int, committed: bool, threads: int, tokens: int) -> dict:
     from moestream.engine.engine import Engine
     from moestream.engine.options import EngineOptions
     from moestream.models import deltanet, layer, moe, qwen3moe, qwen35moe
@@ -82,7 +82,7 @@ def one(model: str, budget_mb: int, committed: bool, threads: int) -> dict:
     ids = eng.tokenizer.encode(DEFAULT_PROMPT)
     spent.clear()
     cpu0 = time.process_time()
-    g = eng.generate(ids, 1)
+    g = eng.generate(ids, tokens)
     snap = eng.snapshot()
     out = dict(spent)
     out.update(
@@ -95,6 +95,7 @@ def one(model: str, budget_mb: int, committed: bool, threads: int) -> dict:
         buffer_wait_s=snap.read_buffer_wait_s,
         read_busy_mb_s=snap.read_busy_mb_s,
         n_slots=snap.n_slots,
+        decode_ms_per_token=1e3 * g.stats.decode_s / max(1, g.stats.decode_tokens - 1),
     )
     eng.close()
     return out
@@ -106,17 +107,18 @@ def main() -> int:
     ap.add_argument("--budget-mb", type=int, default=7168)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=1, help="tokens to generate (default 1: the prompt alone)")
     add_results_args(ap, "prefill-parts")
     ap.add_argument("--one", choices=("committed", "fresh"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.model, args.budget_mb, args.one == "committed", args.threads)))
+        print(json.dumps(one(args.model, args.budget_mb, args.one == "committed", args.threads, args.tokens)))
         return 0
     rows = []
     for rep in range(args.repeat):
         for arm in ("committed", "fresh") if rep % 2 == 0 else ("fresh", "committed"):
             cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--budget-mb", str(args.budget_mb)]
-            cmd += ["--threads", str(args.threads), "--one", arm]
+            cmd += ["--threads", str(args.threads), "--tokens", str(args.tokens), "--one", arm]
             res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_DIR)
             if res.returncode != 0:
                 sys.exit(f"error: the {arm} run failed:\n{res.stderr[-2000:]}")
