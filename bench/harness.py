@@ -197,6 +197,19 @@ def cpu_record() -> dict[str, Any]:
     }
 
 
+def shared_routes_dir() -> str:
+    """../shared/routes beside the checkout, or beside the folder of its worktrees (the first that exists)."""
+    near = [os.path.join(REPO_DIR, *[".."] * n, "shared", "routes") for n in (1, 2)]
+    return next((d for d in near if os.path.isdir(d)), near[0])
+
+
+def read_heat(path: str) -> tuple[np.ndarray, dict[str, Any]]:
+    """A co-activation file's decode heat [layers, experts] (../shared/routes/README.md), and the file."""
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    return np.array([layer["heat"] for layer in doc["layers"]], float), doc
+
+
 def write_json(path: str | os.PathLike[str], doc: dict[str, Any]) -> None:
     """Write a results document with the CPU it ran on (`cpu`: model and flags) added at its top level: every
     JSON the bench tools write goes through here."""

@@ -23,21 +23,19 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import statistics
 
 import numpy as np
-from harness import log, results_path, write_json
+from harness import log, read_heat, results_path, shared_routes_dir, write_json
 
 
 def layer_heat(path: str) -> tuple[np.ndarray, dict]:
-    """[layers, experts] decode heat of a co-activation file, and what the file says of itself."""
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    heat = np.array([layer["heat"] for layer in doc["layers"]], float)
-    about = {k: doc[k] for k in ("artifact", "source_trace", "k", "profile_rows") if k in doc}
-    return heat, about
+    """[layers, experts] decode heat of a co-activation file, and what the file says of itself (its top-k)."""
+    heat, doc = read_heat(path)
+    if not isinstance(doc.get("k"), int):
+        raise SystemExit(f"error: {path} does not say its top-k ('k'); is it a co-activation file?")
+    return heat, {k: doc[k] for k in ("artifact", "source_trace", "k", "profile_rows") if k in doc}
 
 
 def hottest_shares(heat: np.ndarray, shares: list[float]) -> dict[str, dict[str, float]]:
@@ -71,8 +69,7 @@ def draw_routes(heat: np.ndarray, top_k: int, samples: int, tokens: int, seed: i
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     here = os.path.dirname(os.path.abspath(__file__))
-    near = [os.path.join(here, *[".."] * n, "shared", "routes") for n in (2, 3)]
-    ap.add_argument("--routes", default=next((d for d in near if os.path.isdir(d)), near[0]))
+    ap.add_argument("--routes", default=shared_routes_dir())
     ap.add_argument("--shares", default="0.1,0.25,0.5", help="shares of a layer's experts (default 0.1,0.25,0.5)")
     ap.add_argument("--results-dir", default=os.path.join(here, "results"))
     ap.add_argument("--name", default="heat-share")
@@ -91,9 +88,9 @@ def main() -> int:
              + " |", "|---|---|---|" + "---|" * len(shares)]  # fmt: skip
     for path in files:
         heat, about = layer_heat(path)
-        k = int(about.get("k") or round(heat.sum(axis=1).max() / max(1, heat.max())))
+        k = about["k"]
         took = hottest_shares(heat, shares)
-        tokens = int(round(float(np.median(heat.sum(axis=1))) / k)) if k else None
+        tokens = round(float(np.median(heat.sum(axis=1))) / k)
         name = os.path.basename(path)
         models[name] = {"about": about, "layers": heat.shape[0], "experts": heat.shape[1], "top_k": k,
                         "decode_tokens": tokens, "hottest": took}  # fmt: skip
@@ -103,7 +100,7 @@ def main() -> int:
     md = "\n".join(["### The hottest experts' share of a layer's decode activations (median over layers)", "", *lines])
     if args.routes_out:
         heat, about = layer_heat(os.path.join(args.routes, args.draw_from))
-        drawn = draw_routes(heat, int(about["k"]), args.samples, args.tokens, args.seed)
+        drawn = draw_routes(heat, about["k"], args.samples, args.tokens, args.seed)
         np.savez_compressed(args.routes_out, **drawn)
         log(f"routes: {args.routes_out} ({args.samples} samples of {args.tokens} tokens from {args.draw_from})")
     path = results_path(args.results_dir, args.name)

@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import write_json  # noqa: E402
+from bench.harness import read_heat, shared_routes_dir, write_json  # noqa: E402
 from moestream.analysis.accesses import accesses_from_trace  # noqa: E402
 from moestream.analysis.replay import replay  # noqa: E402
 from moestream.analysis.route_files import RouteSample, RouteSet, read_routes, route_meta, route_rows  # noqa: E402
@@ -82,9 +82,7 @@ def _rank(routes: np.ndarray, n_experts: int) -> list[tuple[int, int]]:
 
 
 def _heat_profile(path: str) -> list[tuple[int, int]]:
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    heat = np.array([layer["heat"] for layer in doc["layers"]], float)
+    heat, _ = read_heat(path)
     order = np.argsort(-heat.reshape(-1), kind="stable")
     E = heat.shape[1]
     return [(int(k // E), int(k % E)) for k in order]
@@ -170,9 +168,7 @@ def plot(results: dict, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     here = os.path.dirname(os.path.abspath(__file__))
-    # ../shared/routes beside the checkout (or beside the folder of its worktrees)
-    near = [os.path.join(here, *[".."] * n, "shared", "routes") for n in (2, 3)]
-    ap.add_argument("--routes", default=next((d for d in near if os.path.isdir(d)), near[0]))
+    ap.add_argument("--routes", default=shared_routes_dir())
     ap.add_argument("--out", default=os.path.join(here, "results", f"{datetime.date.today()}-real-routes"))
     ap.add_argument("--models", default=",".join(MODELS))
     args = ap.parse_args()

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import git_commit, write_json  # noqa: E402
+from bench.harness import git_commit, shared_routes_dir, write_json  # noqa: E402
 from moestream.analysis import route_model as rm  # noqa: E402
 from moestream.analysis.accesses import accesses_from_trace  # noqa: E402
 from moestream.analysis.replay import replay  # noqa: E402
@@ -65,9 +65,7 @@ def predicted(fitted: RouteSet, held: RouteSet, classes: int = rm.CLASSES) -> tu
 def main() -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    # ../shared/routes beside the checkout, or beside the folder of its worktrees
-    near = [os.path.join(os.path.dirname(d), "shared", "routes") for d in (here, os.path.dirname(here))]
-    ap.add_argument("--routes", default=next((d for d in near if os.path.isdir(d)), near[0]))
+    ap.add_argument("--routes", default=shared_routes_dir())
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     rs = read_routes(os.path.join(args.routes, "gpt-oss-20b.npz"))
