@@ -8,12 +8,17 @@ the engine replicas) remembers, for the keys of every finished request, the repl
 replica's prompt cache now holds the prefix); a request whose longest known key names a live replica goes
 there, unless that replica runs `imbalance` more requests than the least loaded one (a prefix is worth less
 than a wait behind a whole batch). Everything else goes to the replica running the fewest requests.
+
+A request counts against the replica ranked first for it from the moment it is ranked, not only once it is
+sent: Ray Serve ranks requests that arrive together before it sends any of them (it may wait on the replicas'
+queue lengths in between), and ranking by sent requests alone would hand them all to the same replica.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -23,6 +28,7 @@ MAX_KEYS = 64  # prefix keys per request: the first messages/blocks are what a n
 MAX_ENTRIES = 100_000  # prefix keys remembered (oldest forgotten first)
 PROMPT_BLOCK = 64  # characters (or token ids) of a completion prompt per key
 DEFAULT_IMBALANCE = 4  # a prefix's replica may run this many more requests than the least loaded one
+RANKED_FOR = 60.0  # seconds a ranked request counts against its first choice if it is never sent
 ROUTE_KWARG = "route"  # the handle call's keyword argument that carries the keys
 
 
@@ -66,6 +72,12 @@ class PrefixAffinityRouter(RequestRouter):
         self.running: dict[ReplicaID, int] = {}  # requests sent and not finished, per replica
         self.keys_of: dict[str, list[str]] = {}  # internal request id -> its keys, until it finishes
         self.held: dict[ReplicaID, int] = {}  # prefix keys each replica holds: ties go to the one with fewest
+        # request id -> (its first choice, when it was ranked), until it is sent
+        self.ranked: OrderedDict[str, tuple[ReplicaID, float]] = OrderedDict()
+
+    def load_of(self, replica_id: ReplicaID) -> int:
+        """Requests a replica runs, plus those ranked to it and not yet sent."""
+        return self.running.get(replica_id, 0) + sum(1 for r, _ in self.ranked.values() if r == replica_id)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -75,19 +87,26 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
 
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
+        self.ranked.pop(request_id, None)  # ranked again (its first choice was full): count it once
+        now = time.monotonic()
+        while self.ranked and now - next(iter(self.ranked.values()))[1] > RANKED_FOR:
+            self.ranked.popitem(last=False)  # cancelled before it was sent: Ray Serve says nothing of it
+
         def load(r: RunningReplica) -> tuple[int, int, str]:
-            return self.running.get(r.replica_id, 0), self.held.get(r.replica_id, 0), r.replica_id.unique_id
+            return self.load_of(r.replica_id), self.held.get(r.replica_id, 0), r.replica_id.unique_id
 
         by_load = sorted(candidate_replicas, key=load)
         keys = (pending_request.kwargs.get(ROUTE_KWARG) if pending_request is not None else None) or []
-        if pending_request is not None and keys:
-            self.keys_of[pending_request.metadata.internal_request_id] = keys
+        if request_id is not None and keys:
+            self.keys_of[request_id] = keys
         held = self.holder(keys, {r.replica_id: r for r in candidate_replicas})
         if held is not None:
-            least = self.running.get(by_load[0].replica_id, 0)
-            if self.running.get(held.replica_id, 0) - least <= self.imbalance:
+            if self.load_of(held.replica_id) - self.load_of(by_load[0].replica_id) <= self.imbalance:
                 by_load.remove(held)
                 by_load.insert(0, held)
+        if request_id is not None:
+            self.ranked[request_id] = (by_load[0].replica_id, now)
         return [[r] for r in by_load]
 
     def holder(self, keys: list[str], live: dict[ReplicaID, RunningReplica]) -> RunningReplica | None:
@@ -101,11 +120,17 @@ class PrefixAffinityRouter(RequestRouter):
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
         self.running[replica_id] = self.running.get(replica_id, 0) + 1
+        # Ray Serve does not say which request it sent: the oldest one ranked to this replica stops counting
+        # as ranked (one that went elsewhere stops when it completes)
+        sent = next((rid for rid, (r, _) in self.ranked.items() if r == replica_id), None)
+        if sent is not None:
+            del self.ranked[sent]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
         if self.running.get(replica_id, 0) > 0:
             self.running[replica_id] -= 1
+        self.ranked.pop(internal_request_id, None)
         for key in self.keys_of.pop(internal_request_id, []):
             self._forget(key)
             self.owner[key] = replica_id
@@ -121,6 +146,8 @@ class PrefixAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.running.pop(replica_id, None)
+        for rid in [rid for rid, (r, _) in self.ranked.items() if r == replica_id]:
+            del self.ranked[rid]
         for key in [k for k, r in self.owner.items() if r == replica_id]:
             self._forget(key)
         self.held.pop(replica_id, None)
