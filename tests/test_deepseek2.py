@@ -75,9 +75,10 @@ def test_native_decode_step_reads_bf16_weights_and_16_bit_caches(v3, cache):
         q_pe = torch.randn(1, cfg.n_heads, cfg.qk_rope, generator=g)
         lat = torch.randn(S, cfg.kv_lora_rank, generator=g).to(cache)
         kpe = torch.randn(S, cfg.qk_rope, generator=g).to(cache)
-        attn.k_b, attn.v_b = attn.k_b.bfloat16(), attn.v_b.bfloat16()
+        up = attn.up
+        up.k_b, up.v_b = up.k_b.bfloat16(), up.v_b.bfloat16()
         got = attn.absorbed(q_nope, q_pe, lat, kpe, None)
-        k_b, v_b, lf, kf = attn.k_b.float(), attn.v_b.float(), lat.float(), kpe.float()
+        k_b, v_b, lf, kf = up.k_b.float(), up.v_b.float(), lat.float(), kpe.float()
         q_lat = torch.einsum("hn,hln->hl", q_nope[0], k_b)
         p = torch.softmax((q_lat @ lf.T + q_pe[0] @ kf.T) * cfg.kq_scale, dim=-1)
         want = torch.einsum("hl,hvl->hv", p @ lf, v_b)[None]
@@ -95,7 +96,7 @@ def test_both_kv_b_forms_give_the_same_logits(v3, tmp_path):
     for path in (split, legacy):
         eng = Engine(path, EngineOptions(n_slots=16))
         try:
-            assert eng.model.layers[0].mixer.k_b.shape == (4, 128, 64)
+            assert eng.model.layers[0].mixer.up.k_b.shape == (4, 128, 64)
             with torch.inference_mode():
                 out.append(eng.forward(toks, 0, all_logits=True))
         finally:

@@ -67,6 +67,25 @@ def test_qlinear_matches_reference(ggml_type, exact):
             torch.testing.assert_close(lin.dense(), _eye_dense(lin), rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not native.lane_ok(), reason="needs the lane kernels (AVX-512 VNNI or AVX2)")
+@pytest.mark.parametrize("ggml_type", [T.Q5_0, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_grouped_products_equal_each_groups_own(ggml_type):
+    """mm_groups (the per-head up-projections of latent attention): group g's rows times its own inputs, the
+    same bits as a matmul of those rows alone."""
+    groups, n, k = 6, 40, 512 if ggml_type == T.Q4_K else 192
+    raw = random_gguf(ggml_type, groups * n * k, np.random.default_rng(7))
+    lin = linear.from_gguf(raw, ggml_type, groups * n, k, False)
+    assert lin.kind == "lane"
+    x = torch.randn(3, groups, k).transpose(0, 1)  # [G, M, K], not contiguous: as the heads arrive
+    y = lin.mm_groups(x)
+    assert y.shape == (groups, 3, n)
+    for g in range(groups):
+        part = linear.QLinear(n, k, "lane", lin.weight[g * n : (g + 1) * n], ggml_type=int(ggml_type))
+        assert torch.equal(y[g], part.mm(x[g].contiguous()))
+    with pytest.raises(ComputeError):
+        lin.mm_groups(torch.randn(7, 1, k))  # rows not a whole number of groups
+
+
 def test_compute_kind_and_sizes(no_lane):
     assert linear.compute_kind(T.Q4_0, 768, 2048, False) == "int4"
     assert linear.compute_kind(T.Q4_K, 768, 2048, False) == "int4"

@@ -156,6 +156,13 @@ call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 0, ptr(kv), ptr(kv), 0, 
      ptr(out))  # fmt: skip
 call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), ptr(x), 1, ptr(x), ptr(x), 1, None, 9, 9, 5, 20, 6, 18, 17, 1.0,
      ptr(out))  # fmt: skip
+# latent in, latent out (the caller holds the up-projections at their file's bits): both null or neither, and
+# the query's and output's widths are then the latent's
+call(lib.ms_mla_decode, ptr(x), ptr(x), None, None, 0, ptr(x), ptr(x), 0, None, 4, 4, 2, 16, 8, 16, 16, 1.0, ptr(out))
+call(lib.ms_mla_decode, ptr(x), ptr(x), None, None, 0, ptr(x), ptr(x), 0, None, 4, 4, 2, 16, 8, 8, 16, 1.0, ptr(out),
+     want=native.BAD_SHAPE)  # fmt: skip
+call(lib.ms_mla_decode, ptr(x), ptr(x), ptr(x), None, 0, ptr(x), ptr(x), 0, None, 4, 4, 2, 16, 8, 8, 8, 1.0, ptr(out),
+     want=native.BAD_PTR)  # fmt: skip
 # the rows an indexer chose: each must lie in the cache (4 rows here), else a refusal before any read
 for bad in (4, -1):
     picked = np.array([0, 2, bad], np.int64)
@@ -248,6 +255,15 @@ if lib.ms_lane_supported():
                                     (n, k, 1, k, n - 1), (n, 1 << 40, 1, 1 << 40, n)):
             call(lib.ms_qmm, t, ptr(lane), nn, kk, ptr(xs), m, ldx, ptr(y), ldy, want=native.BAD_SHAPE)
         call(lib.ms_qmm, t, None, n, k, ptr(xs), 1, k, ptr(y), n, want=native.BAD_PTR)
+        # one matrix a head (a row each here), each with its own two input rows
+        xg = rng.standard_normal((n, 2, k)).astype(np.float32)
+        yg = np.zeros(n * 2 + 16, np.float32)
+        yg[n * 2:] = 7
+        call(lib.ms_qmm_groups, t, ptr(lane), n, 1, k, ptr(xg), 2, ptr(yg))
+        assert (yg[n * 2:] == 7).all()
+        for g_, nn, kk, m in ((0, 1, k, 2), (n, 0, k, 2), (n, 1, 100, 2), (n, 1, k, -1), (1 << 20, 1 << 20, k, 1)):
+            call(lib.ms_qmm_groups, t, ptr(lane), g_, nn, kk, ptr(xg), m, ptr(yg), want=native.BAD_SHAPE)
+        call(lib.ms_qmm_groups, t, None, n, 1, k, ptr(xg), 2, ptr(yg), want=native.BAD_PTR)
         call(lib.ms_lane_pack, t, ptr(raw), -1, k, ptr(lane), want=native.BAD_SHAPE)
         call(lib.ms_lane_unpack, t, ptr(lane), n, k, None, want=native.BAD_PTR)
     call(lib.ms_qmm, 16, ptr(lane), 5, 256, ptr(xs), 1, 256, ptr(y), 5, want=native.BAD_TYPE)  # IQ2_XXS: no lane form

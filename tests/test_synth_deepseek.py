@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
+from moestream.compute import native
 from moestream.engine.engine import Engine
 from moestream.engine.model_file import dense_estimate, open_model, trunk_blocks
 from moestream.engine.options import EngineOptions
@@ -226,6 +227,30 @@ def test_engine_runs_them_the_same_under_a_streaming_budget(tmp_path, name):
         eng.close()
 
 
+def _check_up_projections(attn) -> None:
+    """A quantized file's up-projections are held at its bits where the lane kernels take them (else bf16), and
+    the decode step over them equals the float formula on the same weights up to the int8 activations."""
+    up, cfg = attn.up, attn.cfg
+    if not native.lane_ok():
+        assert up.k_b.dtype == torch.bfloat16 and up.v_b.dtype == torch.bfloat16
+        return
+    assert up.k_b is None and up.v_b is None and up.k_lane.ggml_type == T.Q5_0
+    g = torch.Generator().manual_seed(5)
+    S = 40
+    q_nope = torch.randn(1, cfg.n_heads, cfg.qk_nope, generator=g)
+    q_pe = torch.randn(1, cfg.n_heads, cfg.qk_rope, generator=g)
+    lat = torch.randn(S, cfg.kv_lora_rank, generator=g).to(torch.float16)
+    kpe = torch.randn(S, cfg.qk_rope, generator=g).to(torch.float16)
+    rows = torch.tensor([0, 3, 7, 21, 39])
+    k_b, v_b, lf, kf = up.k_dense(), up.v_dense(), lat.float()[rows], kpe.float()[rows]
+    q_lat = torch.einsum("hn,hln->hl", q_nope[0], k_b)
+    assert rel_error(up.absorb(q_nope)[0], q_lat) < 1e-2
+    p = torch.softmax((q_lat @ lf.T + q_pe[0] @ kf.T) * cfg.kq_scale, dim=-1)
+    want = torch.einsum("hl,hvl->hv", p @ lf, v_b)[None]
+    got = attn.absorbed(q_nope, q_pe, lat, kpe, None, rows)
+    assert got.shape == want.shape and rel_error(got, want) < 2e-2
+
+
 def test_full_width_v2_lite_slice_runs(tmp_path):
     """Two real-width blocks (the dense one and a MoE one) in Q4_K_M: every fallback type on the way."""
     path = write_synth("deepseek-v2-lite", "Q4_K_M", tmp_path / "v2.gguf", layers=2, progress=False)
@@ -238,7 +263,7 @@ def test_full_width_v2_lite_slice_runs(tmp_path):
         eng = _engine(path)
         try:
             assert (eng.cfg.n_experts, eng.cfg.kv_lora_rank, eng.cfg.q_lora_rank, eng.cfg.top_k) == (64, 512, 0, 6)
-            assert eng.model.layers[1].mixer.k_b.dtype == torch.bfloat16  # the up-projections of a quantized file
+            _check_up_projections(eng.model.layers[1].mixer)
             m = open_model(path)
             try:  # the plan counts them at what they take
                 assert eng.model.dense_nbytes == dense_estimate(m.gguf, m.exact, trunk_blocks(m.cfg))

@@ -123,8 +123,8 @@ def delta_rule(
 def mla_decode(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
-    k_b: torch.Tensor,
-    v_b: torch.Tensor,
+    k_b: torch.Tensor | None,
+    v_b: torch.Tensor | None,
     latents: torch.Tensor,
     keys: torch.Tensor,
     v_head_dim: int,
@@ -132,18 +132,21 @@ def mla_decode(
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query's absorbed latent attention: q_nope [1, H, nope], q_pe [1, H, rope] over the cache's latents
-    [S, L] and rotary keys [S, R] (their own dtypes), with the up-projections k_b [H, nope, L], v_b [H, v, L];
-    rows: the cache rows attended, in order (None: all S), read in place instead of gathered."""
+    [S, L] and rotary keys [S, R] (their own dtypes), with the up-projections k_b [H, L, nope], v_b [H, v, L];
+    rows: the cache rows attended, in order (None: all S), read in place instead of gathered. k_b and v_b both
+    None: q_nope is the absorbed query [1, H, L] and the result the latent output [1, H, L] (the caller holds the
+    up-projections at their file's bits)."""
     qn, qp = q_nope.float().contiguous(), q_pe.float().contiguous()
     lat, kpe = latents.contiguous(), keys.contiguous()
     H, nope, rope = qn.shape[1], qn.shape[2], qp.shape[2]
-    out = torch.empty(1, H, v_head_dim)
+    out = torch.empty(1, H, v_head_dim if k_b is not None else lat.shape[1])
     idx = None if rows is None else rows.to(torch.int64).contiguous()
     n = lat.shape[0] if idx is None else idx.shape[0]
-    native.lib().ms_mla_decode(qn.data_ptr(), qp.data_ptr(), k_b.data_ptr(), v_b.data_ptr(), _kv_type(k_b),
-                               lat.data_ptr(), kpe.data_ptr(), _kv_type(lat), None if idx is None else idx.data_ptr(),
-                               lat.shape[0], n, H, lat.shape[1], rope, nope, v_head_dim, kq_scale,
-                               out.data_ptr())  # fmt: skip
+    w_type = _kv_type(k_b) if k_b is not None else KV_TYPES[torch.float32]
+    native.lib().ms_mla_decode(qn.data_ptr(), qp.data_ptr(), None if k_b is None else k_b.data_ptr(),
+                                    None if v_b is None else v_b.data_ptr(), w_type, lat.data_ptr(), kpe.data_ptr(),
+                                    _kv_type(lat), None if idx is None else idx.data_ptr(), lat.shape[0], n, H,
+                                    lat.shape[1], rope, nope, out.shape[2], kq_scale, out.data_ptr())  # fmt: skip
     return out
 
 

@@ -124,8 +124,13 @@ def dense_estimate(f: GGUFModel, exact: bool, n_blocks: int | None = None) -> in
     for t in f.tensors.values():
         if is_routed_expert_tensor(t.name) or n_blocks is not None and _block_of(t.name) >= n_blocks:
             continue
-        if t.name.endswith(UP_PROJECTIONS):
-            total += _numel(t.shape) * (4 if exact else 2)
+        if t.name.endswith(UP_PROJECTIONS):  # as models/mla.py's UpProjections holds them
+            n, k = _numel(t.shape[:-1]), t.shape[-1]
+            split = not t.name.endswith("attn_kv_b.weight")
+            if split and linear.compute_kind(t.ggml_type, n, k, exact) == "lane":
+                total += linear.packed_nbytes(t.ggml_type, n, k, exact)
+            else:
+                total += _numel(t.shape) * (4 if exact else 2)
         elif t.ggml_type in INDEX_TYPES:
             total += _numel(t.shape) * 8  # integer tables held as int64 indices
         elif len(t.shape) != 2 or "ffn_gate_inp" in t.name:

@@ -51,6 +51,11 @@ class Weights(Protocol):
 
     def linear(self, name: str, out_features: int, in_features: int) -> QLinear: ...
 
+    def per_head(self, name: str, heads: int, out_features: int, in_features: int) -> QLinear | None:
+        """A 3-D tensor of one [out, in] matrix a head as a [heads * out, in] weight at the file's own bits, or
+        None where the lane kernels do not take its type (the caller then holds it dense)."""
+        ...
+
     def linear_rows(self, name: str, out_features: int, in_features: int, order: Sequence[int]) -> QLinear:
         """As linear, its output rows reordered: row i is the file's row order[i] (llama's q/k rotary layout)."""
         ...
@@ -134,6 +139,16 @@ class GGUFWeights:
     def linear(self, name: str, out_features: int, in_features: int) -> QLinear:
         info = self._checked(name, (out_features, in_features))
         lin = linear.from_gguf(self.f.read(name), info.ggml_type, out_features, in_features, self.exact)
+        self.nbytes += lin.nbytes
+        self.linears.append(lin)
+        return lin
+
+    def per_head(self, name: str, heads: int, out_features: int, in_features: int) -> QLinear | None:
+        info = self._checked(name, (heads, out_features, in_features))
+        n = heads * out_features
+        if linear.compute_kind(info.ggml_type, n, in_features, self.exact) != "lane":
+            return None
+        lin = linear.from_gguf(self.f.read(name), info.ggml_type, n, in_features, self.exact)
         self.nbytes += lin.nbytes
         self.linears.append(lin)
         return lin

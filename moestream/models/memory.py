@@ -124,7 +124,8 @@ class LatentAttentionMemory:
 
     @property
     def input_width(self) -> int:
-        return max(self.heads * self.v_head_dim, self.q_lora_rank)
+        # the up-projections at their file's bits quantize every head's latent output at once (mm_groups)
+        return max(self.heads * self.v_head_dim, self.q_lora_rank, self.heads * self.kv_lora_rank)
 
 
 @dataclass(frozen=True)

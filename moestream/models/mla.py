@@ -32,8 +32,66 @@ from moestream.models.rows import Ops
 
 MaskOf = Callable[[int, int, int], "torch.Tensor | None"]  # (first query, last + 1, keys) -> [queries, keys]
 NATIVE_DTYPES = tuple(kernels.KV_TYPES)  # cache dtypes the native decode step reads
-# the per-head up-projections, held as dense arrays: bf16 unless exact (float32)
+# the per-head up-projections: at their file's bits where the lane kernels take them, else dense (UpProjections)
 UP_PROJECTIONS = ("attn_k_b.weight", "attn_v_b.weight", "attn_kv_b.weight")
+
+
+class UpProjections:
+    """One layer's per-head up-projections: k_b [H, L, nope] (W_UK_h transposed) takes a query into the latent
+    space, v_b [H, v, L] (W_UV_h) a latent output to the head's values. A decode step reads all of them (2 x 128
+    heads x 64K values a layer for V3): each is held at its file's bits where the lane kernels take it (`k_lane`,
+    `v_lane`: the heads' matrices stacked, multiplied against int8-quantized activations as every other matrix
+    is), else dense (`k_b`, `v_b`: bf16, float32 when exact). Newer converters store them split, older ones as
+    one attn_kv_b [H * (nope + v), L], held dense."""
+
+    def __init__(self, w: Weights, p: str, cfg: Any):
+        nh, L, nope, v = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope, cfg.v_head_dim
+        self.heads, self.latent, self.nope, self.v = nh, L, nope, v
+        wdt = torch.float32 if w.exact else torch.bfloat16
+        self.k_lane = self.v_lane = None
+        self.k_b = self.v_b = None
+        if w.has(p + "attn_k_b.weight"):
+            self.k_lane = w.per_head(p + "attn_k_b.weight", nh, L, nope)
+            self.v_lane = w.per_head(p + "attn_v_b.weight", nh, v, L)
+            if self.k_lane is None:
+                self.k_b = w.array(p + "attn_k_b.weight", (nh, L, nope), wdt)
+            if self.v_lane is None:
+                self.v_b = w.array(p + "attn_v_b.weight", (nh, v, L), wdt)
+        else:
+            kv_b = w.array(p + "attn_kv_b.weight", (nh * (nope + v), L), wdt).view(nh, nope + v, L)
+            self.k_b = kv_b[:, :nope].transpose(1, 2).contiguous()
+            self.v_b = kv_b[:, nope:].contiguous()
+
+    @property
+    def dense(self) -> bool:
+        """Both held dense (the decode step's one C call reads them in place)."""
+        return self.k_lane is None and self.v_lane is None
+
+    def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, H, nope] -> the queries in the latent space [T, H, L]."""
+        if self.k_lane is not None:
+            return self.k_lane.mm_groups(q_nope.transpose(0, 1)).transpose(0, 1)
+        with wide_torch():
+            return torch.bmm(q_nope.transpose(0, 1), self.k_b.float().transpose(1, 2)).transpose(0, 1)
+
+    def values(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """Latent outputs [T, H, L] -> the heads' values [T, H, v]."""
+        if self.v_lane is not None:
+            return self.v_lane.mm_groups(o_lat.transpose(0, 1)).transpose(0, 1)
+        with wide_torch():
+            return torch.bmm(o_lat.transpose(0, 1), self.v_b.float().transpose(1, 2)).transpose(0, 1)
+
+    def k_dense(self) -> torch.Tensor:
+        """k_b as float32 [H, L, nope] (widened for the call where it is held at its file's bits)."""
+        if self.k_lane is not None:
+            return self.k_lane.dense().view(self.heads, self.latent, self.nope)
+        return self.k_b.float()
+
+    def v_dense(self) -> torch.Tensor:
+        """v_b as float32 [H, v, L]."""
+        if self.v_lane is not None:
+            return self.v_lane.dense().view(self.heads, self.v, self.latent)
+        return self.v_b.float()
 
 
 class MLACache:
@@ -92,7 +150,7 @@ class MLAttention(SplitMixer):
         returned after the compression by `self.a` (the sparse attention's indexer)."""
         p = f"blk.{i}."
         H, nh, L, R = cfg.hidden, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope
-        nope, v, qk = cfg.qk_nope, cfg.v_head_dim, cfg.qk_nope + cfg.qk_rope
+        v, qk = cfg.v_head_dim, cfg.qk_nope + cfg.qk_rope
         self.cfg = cfg
         # the query's first projection and the kv compression read the same input: one matmul
         if cfg.q_lora_rank:
@@ -103,17 +161,7 @@ class MLAttention(SplitMixer):
         else:
             self.a = w.fused([(p + "attn_q.weight", nh * qk, H), (p + "attn_kv_a_mqa.weight", L + R, H), *extra])
         self.kv_a_norm = w.vector(p + "attn_kv_a_norm.weight", L)
-        # k_b [H, L, nope] (W_UK_h transposed) and v_b [H, v, L] (W_UV_h): newer converters store them split,
-        # older ones as one attn_kv_b [H * (nope + v), L]. Held in bf16 unless exact: a decode step reads all
-        # of them (2 x 128 heads x 64K values a layer for V3), and they come from a 4-6 bit file anyway.
-        wdt = torch.float32 if w.exact else torch.bfloat16
-        if w.has(p + "attn_k_b.weight"):
-            self.k_b = w.array(p + "attn_k_b.weight", (nh, L, nope), wdt)
-            self.v_b = w.array(p + "attn_v_b.weight", (nh, v, L), wdt)
-        else:
-            kv_b = w.array(p + "attn_kv_b.weight", (nh * (nope + v), L), wdt).view(nh, nope + v, L)
-            self.k_b = kv_b[:, :nope].transpose(1, 2).contiguous()
-            self.v_b = kv_b[:, nope:].contiguous()
+        self.up = UpProjections(w, p, cfg)
         self.o = w.linear(p + "attn_output.weight", H, nh * v)
         self.perm = deinterleave(R)
 
@@ -173,22 +221,25 @@ class MLAttention(SplitMixer):
                  mask: torch.Tensor | None, rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Attention over the cached latents without decompressing them (one query: over every one of them, or
         over `rows` of them in that order; mask: the [T, S] keys each query sees); returns [T, H, v]."""
-        scale = self.cfg.kq_scale
+        scale, up = self.cfg.kq_scale, self.up
         T = q_nope.shape[0]
         if T == 1 and kernels.available() and latents.dtype == keys.dtype in NATIVE_DTYPES and keys.shape[1]:
-            # the decode step in one C call on the lane pool (no torch op, so torch can stay at one thread),
-            # reading the cache and the up-projections in their own dtypes, the chosen rows in place
-            return kernels.mla_decode(q_nope, q_pe, self.k_b, self.v_b, latents, keys, self.cfg.v_head_dim, scale,
-                                      rows)  # fmt: skip
+            # the decode step on the lane pool (no torch op, so torch can stay at one thread), reading the cache
+            # in its own dtype, the chosen rows in place: one C call over dense up-projections, else the latent
+            # attention between the two grouped products at the file's bits
+            if up.dense:
+                return kernels.mla_decode(q_nope, q_pe, up.k_b, up.v_b, latents, keys, self.cfg.v_head_dim, scale,
+                                          rows)  # fmt: skip
+            o_lat = kernels.mla_decode(up.absorb(q_nope), q_pe, None, None, latents, keys, 0, scale, rows)
+            return up.values(o_lat)
         if rows is not None:
             latents, keys = latents[rows], keys[rows]
         lat, kpe = latents.float(), keys.float()
-        k_b, v_b = self.k_b.float(), self.v_b.float()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), k_b.transpose(1, 2))  # [H, T, L]
+        q_lat = up.absorb(q_nope).transpose(0, 1)  # [H, T, L]
         if T == 1:
             scores = (q_lat[:, 0] @ lat.T + q_pe[0] @ kpe.T) * scale  # [H, S]
             o_lat = torch.softmax(scores, dim=-1) @ lat  # [H, L]
-            return torch.bmm(o_lat[:, None], v_b.transpose(1, 2)).transpose(0, 1)  # [1, H, v]
+            return up.values(o_lat[None])  # [1, H, v]
         # one shared key [c | k_pe] of L + R values for every head: multi-query attention
         q = torch.cat([q_lat, q_pe.transpose(0, 1)], dim=-1)[None]  # [1, H, T, L + R]
         k = torch.cat([lat, kpe], dim=-1)[None, None]
@@ -196,7 +247,7 @@ class MLAttention(SplitMixer):
             o_lat = F.scaled_dot_product_attention(q, k, lat[None, None], attn_mask=mask, scale=scale, enable_gqa=True)[
                 0
             ]  # [H, T, L]
-            return torch.bmm(o_lat, v_b.transpose(1, 2)).transpose(0, 1)
+        return up.values(o_lat.transpose(0, 1))
 
     def naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor,
               mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
@@ -205,8 +256,8 @@ class MLAttention(SplitMixer):
         lat, kpe = latents.float(), keys.float()
         S = lat.shape[0]
         with wide_torch():
-            k_nope = torch.matmul(lat[None], self.k_b.float())  # [H, S, nope]
-            v = torch.matmul(lat[None], self.v_b.float().transpose(1, 2))  # [H, S, v]
+            k_nope = torch.matmul(lat[None], self.up.k_dense())  # [H, S, nope]
+            v = torch.matmul(lat[None], self.up.v_dense().transpose(1, 2))  # [H, S, v]
             k = torch.cat([k_nope, kpe[None].expand(H, S, -1)], dim=-1)[None]
             q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)[None]
             out = F.scaled_dot_product_attention(q, k, v[None], attn_mask=mask, scale=self.cfg.kq_scale)

@@ -207,15 +207,12 @@ class SparseMLAttention(MLAttention):
         cfg = self.cfg
         T = q_nope.shape[0]
         out = torch.empty(T, cfg.n_heads, cfg.v_head_dim)
-        k_b, v_b = self.k_b.float(), self.v_b.float()
         for a, b in query_chunks(T, query_chunk):
             rows = chosen[a:b].sort(dim=1).values
             counts = (rows <= torch.arange(pos + a, pos + b)[:, None]).sum(1)
-            with wide_torch():
-                q_lat = torch.bmm(q_nope[a:b].transpose(0, 1), k_b.transpose(1, 2)).transpose(0, 1)  # [n, H, L]
+            q_lat = self.up.absorb(q_nope[a:b])  # [n, H, L]
             o_lat = kernels.mla_sparse(q_lat, q_pe[a:b], latents, keys, rows, counts, cfg.kq_scale)
-            with wide_torch():
-                out[a:b] = torch.bmm(o_lat.transpose(0, 1), v_b.transpose(1, 2)).transpose(0, 1)
+            out[a:b] = self.up.values(o_lat)
         return out.reshape(T, -1)
 
     def choose(self, parts: tuple[torch.Tensor, ...], layer: int, cache: DSACache, pos: int,

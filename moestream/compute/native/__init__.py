@@ -43,7 +43,7 @@ _SOURCE_NAMES = (
 )  # fmt: skip
 SOURCES = tuple(Path(__file__).with_name(n) for n in _SOURCE_NAMES)
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("blocks.h", "internal.h", "gemm.h"))
-ABI_VERSION = 5
+ABI_VERSION = 6
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-strict-aliasing")
 # AMD's family 25 (Zen 3 and Zen 4; only Zen 4 has AVX-512) runs the VNNI kernels of the types with one sum
 # per (row, token) faster in tiles of 1 row x 8 tokens than in the 2 x 4 chosen on Zen 5 (bench/RESULTS.md,
@@ -184,6 +184,7 @@ def _declare(lib: ctypes.CDLL, only: set[str] | None = None) -> None:
         "ms_lane_pack_many": ([c_int, vp, vp, vp, vp, vp], c_int),
         "ms_lane_unpack": ([c_int, vp, i64, i64, vp], c_int),
         "ms_qmm": ([c_int, vp, i64, i64, vp, i64, i64, vp, i64], c_int),
+        "ms_qmm_groups": ([c_int, vp, i64, i64, i64, vp, i64, vp], c_int),
         "ms_qmm_scratch_bytes": ([i64, i64], i64),
         "ms_moe_scratch_bytes": ([i64, i64, i64], i64),
         "ms_moe_ffn": ([c_int, vp, vp, vp, vp, i64, i64, vp, vp, vp], c_int),

@@ -2,7 +2,8 @@
  *
  * Per head h: q_lat = K_b[h] q_nope[h] (K_b[h] is [L][nope]), scores over the cached positions
  * s_t = scale (q_lat . c_t + q_pe[h] . kpe_t), p = softmax(s), o_lat = sum_t p_t c_t, out[h] = V_b[h] o_lat
- * (V_b[h] is [vd][L]). The up-projections are bf16 or float32 (w_type), the cache float32, bf16 or f16 (kv_type);
+ * (V_b[h] is [vd][L]). The up-projections are bf16 or float32 (w_type), or the caller's (held at a quantized file's
+ * bits: the query comes in absorbed and the latent output goes out), the cache float32, bf16 or f16 (kv_type);
  * everything accumulates in float32. One task per group of MLA_HEADS heads on the lane pool: the decode step
  * runs here instead of as ~10 torch ops whose threads would compete with the pool's. */
 #include "internal.h"
@@ -308,6 +309,11 @@ static void mla_task(void *vctx, int64_t band) {
         return;
     }
     float *qlat = buf, *olat = buf + B * L, *sc = buf + 2 * B * L;
+    if (!c->k_b) { /* the caller absorbed the query and takes the latent outputs (quantized up-projections) */
+        attend_band(c, c->q_nope + b0 * L, b0, B, sc, c->out + b0 * L);
+        free(buf);
+        return;
+    }
     for (int64_t i = 0; i < B; i++) { /* the query absorbed into the latent space */
         const float *qn = c->q_nope + (b0 + i) * c->nope;
         for (int64_t l = 0; l < L; l++) qlat[i * L + l] = dot(c->k_b, c->w_type, ((b0 + i) * L + l) * c->nope, qn, c->nope, 1);
@@ -320,6 +326,8 @@ static void mla_task(void *vctx, int64_t band) {
     free(buf);
 }
 
+/* k_b and v_b both NULL: q_nope is the absorbed query [H][L] (nope == L) and out the latent output [H][L]
+ * (vd == L), the up-projections being the caller's (held at their file's bits: ms_qmm_groups) */
 int ms_mla_decode(const float *q_nope, const float *q_pe, const void *k_b, const void *v_b, int w_type,
                   const void *lat, const void *kpe, int kv_type, const int64_t *rows, int64_t n_rows, int64_t s,
                   int64_t h, int64_t L, int64_t R, int64_t nope, int64_t vd, float scale, float *out) {
@@ -329,7 +337,8 @@ int ms_mla_decode(const float *q_nope, const float *q_pe, const void *k_b, const
         !prod_ok(n_rows, R) || !prod_ok(2 * L + s, MLA_BAND_MAX))
         return MS_BAD_SHAPE;
     if (!kv_type_ok(w_type) || !kv_type_ok(kv_type)) return MS_BAD_TYPE;
-    if (!q_nope || !q_pe || !k_b || !v_b || !lat || !kpe || !out) return MS_BAD_PTR;
+    if (!q_nope || !q_pe || !k_b != !v_b || !lat || !kpe || !out) return MS_BAD_PTR;
+    if (!k_b && (nope != L || vd != L)) return MS_BAD_SHAPE; /* latent in, latent out */
     if (!rows && s > n_rows) return MS_BAD_SHAPE;
     for (int64_t t = 0; rows && t < s; t++)
         if (rows[t] < 0 || rows[t] >= n_rows) return MS_BAD_SHAPE;

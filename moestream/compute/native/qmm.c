@@ -266,6 +266,46 @@ int ms_qmm(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int
 #endif
 }
 
+/* Grouped products: y[g][t][0..n) = x[g][t][0..k) @ W_g.T for g < groups, t < m, where W_g is rows [g n, (g + 1) n)
+ * of w (the per-head up-projections of latent attention: one matrix a head, each with its own inputs). x rows are
+ * k floats, y rows n floats, both contiguous. All groups' rows run as one parallel pass. */
+int ms_qmm_groups(int type, const uint8_t *w, int64_t groups, int64_t n, int64_t k, const float *x, int64_t m,
+                  float *y) {
+#ifndef MS_LANE
+    (void)type; (void)w; (void)groups; (void)n; (void)k; (void)x; (void)m; (void)y;
+    return MS_NO_SIMD;
+#else
+    if (super_bytes(type) < 0) return MS_BAD_TYPE;
+    if (!count_ok(groups) || groups < 1 || groups > 4096 || !dims_ok(n, k) || !prod_ok(groups, n) ||
+        ms_lane_row_bytes(type, k) < 0 || !count_ok(m) || !prod_ok(groups * m, k) || !prod_ok(groups * m, n))
+        return MS_BAD_SHAPE;
+    if (m == 0) return MS_OK;
+    if (!w || !x || !y) return MS_BAD_PTR;
+    void *mem = scratch_get(xprep_bytes(groups * m, k));
+    if (!mem) return MS_NO_MEM;
+    xprep xp;
+    xprep_bind(&xp, mem, groups * m, k);
+    quant_ctx qc = {x, k, k, &xp};
+    ms_internal_dispatch(quant_task, &qc, groups * m);
+    const int64_t rb = ms_lane_row_bytes(type, k);
+    qmm_job *jobs = malloc(sizeof(qmm_job) * (size_t)groups);
+    xprep *views = malloc(sizeof(xprep) * (size_t)groups);
+    if (!jobs || !views) {
+        free(jobs);
+        free(views);
+        return MS_NO_MEM;
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        views[g] = xprep_from(&xp, g * m, k);
+        jobs[g] = (qmm_job){type, w + g * n * rb, n, k, &views[g], m, y + g * m * n, n};
+    }
+    run_jobs(jobs, (int)groups);
+    free(jobs);
+    free(views);
+    return MS_OK;
+#endif
+}
+
 /* A clamped SwiGLU: per-expert biases and the activation's constants; GPT-OSS's adds 1 to the clamped up
  * (up_shift 1), DeepSeek-V4's does not (up_shift 0, alpha 1, zero biases: silu(min(g, L)) * clamp(u, -L, L)) */
 typedef struct {
