@@ -10,6 +10,13 @@ of a decode step, whatever the engine and however the experts are cached. Given 
 llama.cpp's median decode speed there divided by the floor's speed is the most any engine can reach against it on
 this machine; the file's moestream figure sits beside it.
 
+No engine computes at the read bandwidth: its one-token matmul streams weights at some rate below it. So the
+kernel floor is measured too: moestream's lane matmul of one token (the kernel a decode step runs) on the file's
+largest dense matrix and on one routed expert's gate matrix, each copied until the copies outgrow the caches
+and multiplied in turn (--threads, the median of --repeat rounds): the token's dense bytes at the first rate
+plus its routed bytes at the second are the fastest decode step this engine's kernels allow, and llama.cpp's
+time over it the largest ratio they can reach.
+
 Writes bench/results/<date>-<name>.json and prints a markdown table.
 """
 
@@ -60,6 +67,51 @@ def read_bandwidth(threads: int, repeat: int, nbytes: int = 2 << 30) -> list[flo
     return out
 
 
+def _matrices(path: str) -> list[tuple[str, int, int, int, bytes]]:
+    """(what, type, rows, cols, raw bytes): the file's largest dense 2-D matrix, and routed expert 0's gate."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(path)
+    dense = [t for t in r.tensors if len(t.shape) == 2 and "_exps" not in t.name and "token_embd" not in t.name
+             and "output" != t.name.split(".")[0]]  # fmt: skip
+    big = max(dense, key=lambda t: int(t.n_bytes))
+    gate = next(t for t in r.tensors if t.name.endswith("ffn_gate_exps.weight"))
+    k, n = int(gate.shape[0]), int(gate.shape[1])
+    one = int(gate.n_bytes) // int(gate.shape[2])
+    raw_big = bytes(big.data.reshape(-1).view("uint8"))
+    raw_gate = bytes(gate.data.reshape(-1).view("uint8")[:one])
+    return [(big.name, int(big.tensor_type), int(big.shape[1]), int(big.shape[0]), raw_big),
+            ("expert 0 of " + gate.name, int(gate.tensor_type), n, k, raw_gate)]  # fmt: skip
+
+
+def kernel_rates(path: str, threads: int, repeat: int, total: int = 768 << 20) -> dict[str, dict]:
+    """GB/s of moestream's one-token lane matmul on each of `_matrices`, copies totalling `total` bytes."""
+    import numpy as np
+
+    from moestream.compute import linear, native
+
+    native.set_threads(threads)
+    out = {}
+    for what, ggml_type, n, k, raw in _matrices(path):
+        first = linear.from_gguf(np.frombuffer(raw, np.uint8), ggml_type, n, k, False)
+        if first.kind != "lane":
+            continue
+        copies = [first] + [linear.from_gguf(np.frombuffer(raw, np.uint8), ggml_type, n, k, False)
+                            for _ in range(max(1, total // first.nbytes) - 1)]  # fmt: skip
+        x = torch.randn(1, k)
+        for c in copies:
+            c.mm(x)
+        rates = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            for c in copies:
+                c.mm(x)
+            rates.append(sum(c.nbytes for c in copies) / (time.perf_counter() - t) / 1e9)
+        out[what] = {"type": ggml_type, "rows": n, "cols": k, "copies": len(copies), "gb_s": rates,
+                     "gb_s_median": statistics.median(rates)}  # fmt: skip
+    return out
+
+
 def decode_medians(path: str) -> dict[str, float]:
     """Median decode tok/s of each engine in a compare.py results file (its first condition)."""
     with open(path) as f:
@@ -94,6 +146,17 @@ def main() -> int:
         f"| read bandwidth, {args.threads} threads | {gbs:.1f} GB/s ({min(bw):.1f}-{max(bw):.1f}) |",
         f"| decode floor | {floor_ms:.1f} ms a token = {1e3 / floor_ms:.1f} tok/s |",
     ]
+    rates = kernel_rates(args.model, args.threads, args.repeat)
+    doc["kernel"] = rates
+    kernel_ms = None
+    if len(rates) == 2:
+        dense_rate, routed_rate = (v["gb_s_median"] for v in rates.values())
+        kernel_ms = (need["dense_bytes"] / dense_rate + need["routed_bytes_per_token"] / routed_rate) / 1e6
+        doc["kernel_floor_ms_per_token"] = kernel_ms
+        rows.append(f"| one-token lane matmul, {args.threads} threads | " + ", ".join(
+            f"{w}: {v['gb_s_median']:.1f} GB/s ({min(v['gb_s']):.1f}-{max(v['gb_s']):.1f})" for w, v in rates.items())
+            + " |")  # fmt: skip
+        rows.append(f"| kernel floor | {kernel_ms:.1f} ms a token = {1e3 / kernel_ms:.1f} tok/s |")
     if args.compare:
         med = decode_medians(args.compare)
         doc["compare"] = {"file": args.compare, "decode_tps_median": med}
@@ -101,6 +164,9 @@ def main() -> int:
             doc["max_ratio_to_llama_cpp"] = 1e3 / floor_ms / med["llama.cpp"]
             rows.append(f"| llama.cpp's decode there | {med['llama.cpp']:.2f} tok/s: the floor allows at most "
                         f"**{doc['max_ratio_to_llama_cpp']:.2f}x** |")  # fmt: skip
+            if kernel_ms is not None:
+                doc["max_ratio_at_kernel_rate"] = 1e3 / kernel_ms / med["llama.cpp"]
+                rows.append(f"| at the kernels' rate | at most **{doc['max_ratio_at_kernel_rate']:.2f}x** |")
         if "moestream" in med:
             doc["moestream_of_floor"] = med["moestream"] / (1e3 / floor_ms)
             rows.append(f"| moestream's decode there | {med['moestream']:.2f} tok/s, "
