@@ -188,6 +188,43 @@ def test_read_ahead_buffers_are_budgeted_only_where_the_cache_can_read_ahead(tin
             eng.close()
 
 
+def test_the_prefault_commits_while_idle_or_while_the_model_waits_on_reads(tiny, monkeypatch):
+    """The background commit of the cache's memory runs outside a generation, and inside one only while the model
+    thread blocks on expert reads (its core is free then); it works ahead of the fills, skipping filled slots."""
+    from moestream.streaming import arena as arena_mod
+
+    eng = Engine(tiny, EngineOptions(n_slots=16))
+    try:
+        arena = eng.cache.arena
+        assert arena.may_commit.is_set()
+        eng.generate(PROMPT_A, 2, Sampler())  # fills some slots
+        with eng.cache.generation():
+            assert not arena.may_commit.is_set()
+            with arena.waiting_on_reads():
+                assert arena.may_commit.is_set()
+                with arena.waiting_on_reads():  # two model threads
+                    pass
+                assert arena.may_commit.is_set()
+            assert not arena.may_commit.is_set()
+        assert arena.may_commit.is_set()
+        committed: list[tuple[int, int]] = []
+        real = arena_mod.libc.madvise
+
+        def recorded(addr: int, n: int, advice: int) -> int:
+            committed.append((addr, n))
+            return real(addr, n, advice)
+
+        monkeypatch.setattr(arena_mod.libc, "madvise", recorded)
+        arena.prefault(background=False)
+        base = arena_mod.libc.memory_of(arena.memory)[0]
+        slots = {(a - base) // arena.slot_nbytes for a, _ in committed}
+        filled = {s for s in range(arena.n_slots) if arena.experts[s] is not None}
+        assert filled and slots == set(range(arena.n_slots)) - filled
+        assert sum(n for _, n in committed) == len(slots) * arena.slot_nbytes
+    finally:
+        eng.close()
+
+
 def test_while_generating_each_step_grows_the_cache_by_its_allowance(tiny, baseline, tmp_path):
     """A fresh cache grows by at most prompt_slots per prompt micro-batch and decode_slots per token while the
     model generates (committing the whole cache under a running model slowed it most); outside a generation

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import mmap
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, wait
+from contextlib import contextmanager
 
 import torch
 
@@ -24,6 +26,7 @@ from moestream.streaming.reader import ExpertReader
 from moestream.streaming.slot_policy import SlotPolicy
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
+COMMIT_STEP = 2 << 20  # bytes the prefault commits at a time: a resuming model waits for one such step at most
 
 
 class SlotArena:
@@ -42,8 +45,12 @@ class SlotArena:
         self.memory = torch.frombuffer(self._map, dtype=torch.uint8)
         self.experts: list[ExpertWeights | None] = [None] * self.n_slots
         self.lock = threading.RLock()
-        self.idle = threading.Event()  # set while no generation runs: the prefault commits memory only then
+        self.idle = threading.Event()  # set while no generation runs
         self.idle.set()
+        self._reading = 0  # model threads blocked on expert reads (their cores are free meanwhile)
+        self._gate_lock = threading.Lock()
+        self.may_commit = threading.Event()  # idle, or the model waits on reads: the prefault commits then
+        self.may_commit.set()
         self.closed = False
         self._prefault_thread: threading.Thread | None = None
 
@@ -125,13 +132,37 @@ class SlotArena:
 
     # -- memory ----------------------------------------------------------------------------------------
 
+    def set_idle(self, idle: bool) -> None:
+        """No generation runs (True) or one starts (False)."""
+        with self._gate_lock:
+            (self.idle.set if idle else self.idle.clear)()
+            self._gate()
+
+    @contextmanager
+    def waiting_on_reads(self) -> Iterator[None]:
+        """The model thread blocks on expert reads inside: the prefault may use its core meanwhile."""
+        with self._gate_lock:
+            self._reading += 1
+            self._gate()
+        try:
+            yield
+        finally:
+            with self._gate_lock:
+                self._reading -= 1
+                self._gate()
+
+    def _gate(self) -> None:
+        (self.may_commit.set if self.idle.is_set() or self._reading else self.may_commit.clear)()
+
     def prefault(self, background: bool = True) -> threading.Thread | None:
         """Commit the arena's pages ahead of use (MADV_POPULATE_WRITE, in chunks, off the model's thread).
 
         A slot's first fill otherwise takes its page faults inside the pack, most of a cold cache's miss
         cost. Only worth it when the user gave the budget: the memory is promised to the cache anyway; fills
-        before it is done fault as usual. It waits while the model generates: committing fresh memory under
-        a running model slows it (SlotPolicy.begin_step: how the cache grows meanwhile).
+        before it is done fault as usual. While the model generates it commits only while the model waits on
+        expert reads (a core is free then): committing fresh memory under a running model slows it
+        (SlotPolicy.begin_step: how the cache grows meanwhile). Slots already filled are skipped, so that it
+        works ahead of the fills; it stops within a COMMIT_STEP of the model resuming.
         """
         if not background:
             self._prefault()
@@ -143,20 +174,18 @@ class SlotArena:
 
     def _prefault(self) -> None:
         base = libc.memory_of(self.memory)[0]
-        slots_per_call = max(1, (32 << 20) // max(1, self.slot_nbytes))
         stats = self.policy.stats
-        for first in range(0, self.n_slots, slots_per_call):
-            self.idle.wait()  # not while the model runs: its steps grow the cache a little each
-            # Stop as soon as the elastic cache has had to give memory back: prefaulting would take it again.
-            if self.closed or stats.shrinks:
-                return
-            with self.lock:
-                parked = self.policy.parked
-                todo = [s for s in range(first, min(self.n_slots, first + slots_per_call)) if s not in parked]
-            for slot in todo:
-                if stats.shrinks:
+        step = max(mmap.PAGESIZE, min(COMMIT_STEP, self.slot_nbytes) // mmap.PAGESIZE * mmap.PAGESIZE)
+        for slot in range(self.n_slots):
+            for off in range(0, self.slot_nbytes, step):
+                self.may_commit.wait()
+                # Stop as soon as the elastic cache has had to give memory back: prefaulting would take it again.
+                if self.closed or stats.shrinks:
                     return
-                if libc.madvise(base + slot * self.slot_nbytes, self.slot_nbytes, MADV_POPULATE_WRITE) != 0:
+                if off == 0 and (slot in self.policy.parked or self.experts[slot] is not None):
+                    break  # parked (its memory given back) or already filled
+                n = min(step, self.slot_nbytes - off)
+                if libc.madvise(base + slot * self.slot_nbytes + off, n, MADV_POPULATE_WRITE) != 0:
                     return  # kernel before 5.14: pages fault in on first use, as without prefaulting
 
     def wait_prefault(self) -> None:
@@ -171,7 +200,7 @@ class SlotArena:
 
     def close(self) -> None:
         self.closed = True
-        self.idle.set()  # a waiting prefault sees closed and ends
+        self.set_idle(True)  # a waiting prefault sees closed and ends
         if self._prefault_thread is not None:
             self._prefault_thread.join()  # it stops at the next chunk
         self.experts = [None] * self.n_slots

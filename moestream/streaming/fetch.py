@@ -209,7 +209,8 @@ class Fetch:
         # flight per call, quadratic over a prompt layer's segment reads.
         t_wait = time.perf_counter()
         try:
-            done = [self.completed.get(timeout=reader.wait_s)]
+            with self.arena.waiting_on_reads():
+                done = [self.completed.get(timeout=reader.wait_s)]
         except queue.Empty:
             raise reader.error(
                 f"no expert read finished within {reader.wait_s:g} s; the disk is not responding"
