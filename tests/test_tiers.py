@@ -190,7 +190,8 @@ def test_read_ahead_buffers_are_budgeted_only_where_the_cache_can_read_ahead(tin
 
 def test_the_prefault_commits_while_idle_or_while_the_model_waits_on_reads(tiny, monkeypatch):
     """The background commit of the cache's memory runs outside a generation, and inside one only while the model
-    thread blocks on expert reads (its core is free then); it works ahead of the fills, skipping filled slots."""
+    thread blocks on a prompt's expert reads (its core is free then); it works ahead of the fills, skipping
+    filled slots."""
     from moestream.streaming import arena as arena_mod
 
     eng = Engine(tiny, EngineOptions(n_slots=16))

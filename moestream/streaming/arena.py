@@ -140,7 +140,7 @@ class SlotArena:
 
     @contextmanager
     def waiting_on_reads(self) -> Iterator[None]:
-        """The model thread blocks on expert reads inside: the prefault may use its core meanwhile."""
+        """The model thread blocks on a prompt's expert reads inside: the prefault may use its core meanwhile."""
         with self._gate_lock:
             self._reading += 1
             self._gate()
@@ -159,9 +159,10 @@ class SlotArena:
 
         A slot's first fill otherwise takes its page faults inside the pack, most of a cold cache's miss
         cost. Only worth it when the user gave the budget: the memory is promised to the cache anyway; fills
-        before it is done fault as usual. While the model generates it commits only while the model waits on
-        expert reads (a core is free then): committing fresh memory under a running model slows it
-        (SlotPolicy.begin_step: how the cache grows meanwhile). Slots already filled are skipped, so that it
+        before it is done fault as usual. While the model generates it commits only while a prompt waits on
+        expert reads (`waiting_on_reads`: a core is free then): committing fresh memory under a running model
+        slows it, a decode step's many short waits included (SlotPolicy.begin_step: how the cache grows
+        meanwhile). Slots already filled are skipped, so that it
         works ahead of the fills; it stops within a COMMIT_STEP of the model resuming.
         """
         if not background:

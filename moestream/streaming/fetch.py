@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 from moestream.compute.experts import ExpertWeights
@@ -209,7 +210,9 @@ class Fetch:
         # flight per call, quadratic over a prompt layer's segment reads.
         t_wait = time.perf_counter()
         try:
-            with self.arena.waiting_on_reads():
+            # a prompt's waits lend the core to the cache's commit; a decode step's do not: its many short waits
+            # then ran slower (bench/RESULTS.md, the commit while waiting on reads)
+            with self.arena.waiting_on_reads() if self.cache.phase == "prompt" else nullcontext():
                 done = [self.completed.get(timeout=reader.wait_s)]
         except queue.Empty:
             raise reader.error(
