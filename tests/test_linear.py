@@ -13,7 +13,7 @@ from gguf import quants as gq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moestream.compute import linear, native
+from moestream.compute import kernels, linear, native
 from moestream.errors import ComputeError, ModelFileError
 from moestream.formats import quants
 
@@ -70,20 +70,20 @@ def test_qlinear_matches_reference(ggml_type, exact):
 @pytest.mark.skipif(not native.lane_ok(), reason="needs the lane kernels (AVX-512 VNNI or AVX2)")
 @pytest.mark.parametrize("ggml_type", [T.Q5_0, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
 def test_grouped_products_equal_each_groups_own(ggml_type):
-    """mm_groups (the per-head up-projections of latent attention): group g's rows times its own inputs, the
+    """qmm_groups (the per-head up-projections of latent attention): group g's rows times its own inputs, the
     same bits as a matmul of those rows alone."""
     groups, n, k = 6, 40, 512 if ggml_type == T.Q4_K else 192
     raw = random_gguf(ggml_type, groups * n * k, np.random.default_rng(7))
     lin = linear.from_gguf(raw, ggml_type, groups * n, k, False)
     assert lin.kind == "lane"
     x = torch.randn(3, groups, k).transpose(0, 1)  # [G, M, K], not contiguous: as the heads arrive
-    y = lin.mm_groups(x)
+    y = kernels.qmm_groups(lin.weight, lin.ggml_type, lin.out_features, x)
     assert y.shape == (groups, 3, n)
     for g in range(groups):
         part = linear.QLinear(n, k, "lane", lin.weight[g * n : (g + 1) * n], ggml_type=int(ggml_type))
         assert torch.equal(y[g], part.mm(x[g].contiguous()))
-    with pytest.raises(ComputeError):
-        lin.mm_groups(torch.randn(7, 1, k))  # rows not a whole number of groups
+    with pytest.raises(ComputeError):  # rows not a whole number of groups
+        kernels.qmm_groups(lin.weight, lin.ggml_type, lin.out_features, torch.randn(7, 1, k))
 
 
 def test_compute_kind_and_sizes(no_lane):

@@ -197,17 +197,18 @@ def test_the_prefault_commits_while_idle_or_while_the_model_waits_on_reads(tiny,
     eng = Engine(tiny, EngineOptions(n_slots=16))
     try:
         arena = eng.cache.arena
-        assert arena.may_commit.is_set()
+        gate = arena.gate
+        assert gate.may_commit.is_set()
         eng.generate(PROMPT_A, 2, Sampler())  # fills some slots
         with eng.cache.generation():
-            assert not arena.may_commit.is_set()
-            with arena.waiting_on_reads():
-                assert arena.may_commit.is_set()
-                with arena.waiting_on_reads():  # two model threads
+            assert not gate.may_commit.is_set()
+            with gate.waiting_on_reads():
+                assert gate.may_commit.is_set()
+                with gate.waiting_on_reads():  # two model threads
                     pass
-                assert arena.may_commit.is_set()
-            assert not arena.may_commit.is_set()
-        assert arena.may_commit.is_set()
+                assert gate.may_commit.is_set()
+            assert not gate.may_commit.is_set()
+        assert gate.may_commit.is_set()
         committed: list[tuple[int, int]] = []
         real = arena_mod.libc.madvise
 
@@ -235,8 +236,8 @@ def test_while_generating_each_step_grows_the_cache_by_its_allowance(tiny, basel
     try:
         cache = eng.cache
         with cache.generation():
-            assert not cache.arena.idle.is_set()  # the prefault waits while the model runs
-        assert cache.arena.idle.is_set()
+            assert not cache.arena.gate.idle.is_set()  # the prefault waits while the model runs
+        assert cache.arena.gate.idle.is_set()
         eng.generate(PROMPT_A, 1, Sampler())  # one prompt step
         assert cache.used_slots == 20 and cache.stats.evictions > 0
         eng.reset()

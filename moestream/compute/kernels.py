@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from moestream.compute import native
+from moestream.errors import ComputeError
 
 
 def available() -> bool:
@@ -148,6 +149,18 @@ def mla_decode(
                                     _kv_type(lat), None if idx is None else idx.data_ptr(), lat.shape[0], n, H,
                                     lat.shape[1], rope, nope, out.shape[2], kq_scale, out.data_ptr())  # fmt: skip
     return out
+
+
+def qmm_groups(weight: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor) -> torch.Tensor:
+    """A lane-form weight of G stacked [n, K] matrices (`rows` = G n; per-head weights), each applied to its own
+    inputs: x float32 [G, M, K] -> [G, M, n], y[g] = x[g] @ W_g.T, all groups in one call on the lane pool."""
+    G, M, K = x.shape
+    if rows % G:
+        raise ComputeError(f"grouped products of {rows} rows in {G} groups")
+    x = x.float().contiguous()
+    y = torch.empty(G, M, rows // G)
+    native.lib().ms_qmm_groups(ggml_type, weight.data_ptr(), G, rows // G, K, x.data_ptr(), M, y.data_ptr())
+    return y
 
 
 def mla_sparse(q_lat: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor,

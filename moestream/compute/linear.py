@@ -164,20 +164,6 @@ class QLinear:
             return linear_bf16(x2, self.weight)
         return F.linear(x2, self.weight)
 
-    def mm_groups(self, x: torch.Tensor) -> torch.Tensor:
-        """A lane weight of `groups` stacked [n, K] matrices (per-head weights), each applied to its own inputs:
-        x float32 [G, M, K] -> [G, M, n], y[g] = x[g] @ W_g.T, all groups in one native call."""
-        if self.kind != "lane":
-            raise ComputeError(f"grouped products need a lane-form weight, not {self.kind}")
-        G, M, K = x.shape
-        if K != self.in_features or self.out_features % G:
-            raise ComputeError(f"grouped products of {tuple(self.shape)} got an input {_desc(x)}")
-        x = x.float().contiguous()
-        y = torch.empty(G, M, self.out_features // G)
-        native.lib().ms_qmm_groups(self.ggml_type, self.weight.data_ptr(), G, self.out_features // G, K,
-                                   x.data_ptr(), M, y.data_ptr())  # fmt: skip
-        return y
-
     @property
     def nbytes(self) -> int:
         """Bytes of the compute form."""

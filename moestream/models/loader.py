@@ -94,6 +94,17 @@ def _fmt(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
+def _checked(f: GGUFModel, name: str, shape: Shape) -> TensorInfo:
+    """The tensor's info, its shape checked against the one the model's metadata gives it."""
+    info = f.tensor(name)
+    if any(d <= 0 for d in shape) or _core(info.shape) != _core(shape):
+        raise ModelFileError(
+            f"{f.path}: tensor {name} has shape {_fmt(info.shape)} but the model's metadata makes it "
+            f"{_fmt(shape)}; the file is damaged or was converted wrongly"
+        )
+    return info
+
+
 class GGUFWeights:
     """Weights read from a GGUF file the caller opened (and closes)."""
 
@@ -106,20 +117,11 @@ class GGUFWeights:
     def has(self, name: str) -> bool:
         return name in self.f.tensors
 
-    def _checked(self, name: str, shape: Shape) -> TensorInfo:
-        info = self.f.tensor(name)
-        if any(d <= 0 for d in shape) or _core(info.shape) != _core(shape):
-            raise ModelFileError(
-                f"{self.f.path}: tensor {name} has shape {_fmt(info.shape)} but the model's metadata makes it "
-                f"{_fmt(shape)}; the file is damaged or was converted wrongly"
-            )
-        return info
-
     def expect(self, name: str, shape: Shape) -> None:
-        self._checked(name, shape)
+        _checked(self.f, name, shape)
 
     def _floats(self, name: str, shape: Shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        info = self._checked(name, shape)
+        info = _checked(self.f, name, shape)
         a = quants.dequantize(self.f.read(name), info.ggml_type, info.shape)
         if not np.isfinite(a).all():
             raise ModelFileError(f"{self.f.path}: tensor {name} holds NaN or infinite values; the file is damaged")
@@ -137,14 +139,14 @@ class GGUFWeights:
         return self._floats(name, tuple(shape), dtype)
 
     def linear(self, name: str, out_features: int, in_features: int) -> QLinear:
-        info = self._checked(name, (out_features, in_features))
+        info = _checked(self.f, name, (out_features, in_features))
         lin = linear.from_gguf(self.f.read(name), info.ggml_type, out_features, in_features, self.exact)
         self.nbytes += lin.nbytes
         self.linears.append(lin)
         return lin
 
     def per_head(self, name: str, heads: int, out_features: int, in_features: int) -> QLinear | None:
-        info = self._checked(name, (heads, out_features, in_features))
+        info = _checked(self.f, name, (heads, out_features, in_features))
         n = heads * out_features
         if linear.compute_kind(info.ggml_type, n, in_features, self.exact) != "lane":
             return None
@@ -154,7 +156,7 @@ class GGUFWeights:
         return lin
 
     def linear_rows(self, name: str, out_features: int, in_features: int, order: Sequence[int]) -> QLinear:
-        info = self._checked(name, (out_features, in_features))
+        info = _checked(self.f, name, (out_features, in_features))
         if sorted(order) != list(range(out_features)):
             raise ValueError(f"{name}: the row order is not a permutation of its {out_features} rows")
         # a row is whole quantization blocks (they run along the input dimension), so rows move as bytes
@@ -170,7 +172,7 @@ class GGUFWeights:
     def linear_groups(self, name: str, groups: int, out_features: int, in_features: int) -> list[QLinear]:
         """A [out, in] weight's rows as `groups` consecutive projections of out / groups rows each (a grouped
         projection: group g reads its own slice of the input)."""
-        info = self._checked(name, (out_features, in_features))
+        info = _checked(self.f, name, (out_features, in_features))
         if out_features % groups:
             raise ModelFileError(f"{self.f.path}: {name} has {out_features} rows, not a multiple of {groups} groups")
         rows = out_features // groups
@@ -186,7 +188,7 @@ class GGUFWeights:
 
     def indices(self, name: str, shape: Shape) -> torch.Tensor:
         """An I32 table (DeepSeek-V4's tid2eid) as int64."""
-        info = self._checked(name, shape)
+        info = _checked(self.f, name, shape)
         if info.ggml_type != GGMLQuantizationType.I32:
             raise ModelFileError(f"{self.f.path}: {name} should be an I32 table; the file was converted wrongly")
         t = torch.from_numpy(np.frombuffer(as_bytes(self.f.read(name)), dtype=np.int32).copy()).long()
@@ -194,7 +196,7 @@ class GGUFWeights:
         return t.reshape(shape)
 
     def embedding(self, name: str, vocab: int, hidden: int) -> Embedding:
-        info = self._checked(name, (vocab, hidden))
+        info = _checked(self.f, name, (vocab, hidden))
         raw = self.f.read(name)  # rows decoded on lookup; never expanded to float
         self.nbytes += raw.nbytes
         return Embedding(raw, info.ggml_type, vocab, hidden)

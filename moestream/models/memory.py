@@ -124,7 +124,7 @@ class LatentAttentionMemory:
 
     @property
     def input_width(self) -> int:
-        # the up-projections at their file's bits quantize every head's latent output at once (mm_groups)
+        # the up-projections at their file's bits quantize every head's latent output at once (kernels.qmm_groups)
         return max(self.heads * self.v_head_dim, self.q_lora_rank, self.heads * self.kv_lora_rank)
 
 

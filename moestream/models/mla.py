@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from moestream.compute import kernels
+from moestream.compute.linear import QLinear
+from moestream.errors import ComputeError
 from moestream.models.attention import causal_mask, query_chunks
 from moestream.models.kv_cache import QUERY_CHUNK, KVCache, as_cached
 from moestream.models.layer import SplitMixer
@@ -70,14 +72,14 @@ class UpProjections:
     def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [T, H, nope] -> the queries in the latent space [T, H, L]."""
         if self.k_lane is not None:
-            return self.k_lane.mm_groups(q_nope.transpose(0, 1)).transpose(0, 1)
+            return _grouped(self.k_lane, q_nope.transpose(0, 1)).transpose(0, 1)
         with wide_torch():
             return torch.bmm(q_nope.transpose(0, 1), self.k_b.float().transpose(1, 2)).transpose(0, 1)
 
     def values(self, o_lat: torch.Tensor) -> torch.Tensor:
         """Latent outputs [T, H, L] -> the heads' values [T, H, v]."""
         if self.v_lane is not None:
-            return self.v_lane.mm_groups(o_lat.transpose(0, 1)).transpose(0, 1)
+            return _grouped(self.v_lane, o_lat.transpose(0, 1)).transpose(0, 1)
         with wide_torch():
             return torch.bmm(o_lat.transpose(0, 1), self.v_b.float().transpose(1, 2)).transpose(0, 1)
 
@@ -139,6 +141,13 @@ class MLACache:
 def deinterleave(rope_dim: int) -> torch.Tensor:
     """Indices taking interleaved pairs (x0, x1), (x2, x3)... to halves (x0, x2, ... | x1, x3, ...)."""
     return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, max(rope_dim, 1), 2)])
+
+
+def _grouped(lin: QLinear, x: torch.Tensor) -> torch.Tensor:
+    """x [H, T, K] through a lane weight of H stacked matrices, each head's rows times its own inputs: [H, T, n]."""
+    if x.shape[2] != lin.in_features:
+        raise ComputeError(f"grouped products of {tuple(lin.shape)} got an input of {tuple(x.shape)}")
+    return kernels.qmm_groups(lin.weight, lin.ggml_type, lin.out_features, x)
 
 
 class MLAttention(SplitMixer):

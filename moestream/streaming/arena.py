@@ -29,6 +29,41 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14+
 COMMIT_STEP = 2 << 20  # bytes the prefault commits at a time: a resuming model waits for one such step at most
 
 
+class CommitGate:
+    """When the background commit of the arena's memory may run: while no generation runs, and while a model
+    thread blocks on a prompt's expert reads (its core is free then)."""
+
+    def __init__(self) -> None:
+        self.idle = threading.Event()  # set while no generation runs
+        self.idle.set()
+        self.may_commit = threading.Event()
+        self.may_commit.set()
+        self._reading = 0  # model threads blocked on a prompt's expert reads
+        self._lock = threading.Lock()
+
+    def set_idle(self, idle: bool) -> None:
+        """No generation runs (True) or one starts (False)."""
+        with self._lock:
+            (self.idle.set if idle else self.idle.clear)()
+            self._update()
+
+    @contextmanager
+    def waiting_on_reads(self) -> Iterator[None]:
+        """The model thread blocks on a prompt's expert reads inside: the prefault may use its core meanwhile."""
+        with self._lock:
+            self._reading += 1
+            self._update()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reading -= 1
+                self._update()
+
+    def _update(self) -> None:
+        (self.may_commit.set if self.idle.is_set() or self._reading else self.may_commit.clear)()
+
+
 class SlotArena:
     """n_slots slots of store.slot_nbytes bytes; `experts[slot]` is the packed expert a slot holds. `lock`
     guards the policy against the elastic watcher's and the prefault's threads."""
@@ -45,12 +80,7 @@ class SlotArena:
         self.memory = torch.frombuffer(self._map, dtype=torch.uint8)
         self.experts: list[ExpertWeights | None] = [None] * self.n_slots
         self.lock = threading.RLock()
-        self.idle = threading.Event()  # set while no generation runs
-        self.idle.set()
-        self._reading = 0  # model threads blocked on expert reads (their cores are free meanwhile)
-        self._gate_lock = threading.Lock()
-        self.may_commit = threading.Event()  # idle, or the model waits on reads: the prefault commits then
-        self.may_commit.set()
+        self.gate = CommitGate()
         self.closed = False
         self._prefault_thread: threading.Thread | None = None
 
@@ -132,35 +162,13 @@ class SlotArena:
 
     # -- memory ----------------------------------------------------------------------------------------
 
-    def set_idle(self, idle: bool) -> None:
-        """No generation runs (True) or one starts (False)."""
-        with self._gate_lock:
-            (self.idle.set if idle else self.idle.clear)()
-            self._gate()
-
-    @contextmanager
-    def waiting_on_reads(self) -> Iterator[None]:
-        """The model thread blocks on a prompt's expert reads inside: the prefault may use its core meanwhile."""
-        with self._gate_lock:
-            self._reading += 1
-            self._gate()
-        try:
-            yield
-        finally:
-            with self._gate_lock:
-                self._reading -= 1
-                self._gate()
-
-    def _gate(self) -> None:
-        (self.may_commit.set if self.idle.is_set() or self._reading else self.may_commit.clear)()
-
     def prefault(self, background: bool = True) -> threading.Thread | None:
         """Commit the arena's pages ahead of use (MADV_POPULATE_WRITE, in chunks, off the model's thread).
 
         A slot's first fill otherwise takes its page faults inside the pack, most of a cold cache's miss
         cost. Only worth it when the user gave the budget: the memory is promised to the cache anyway; fills
         before it is done fault as usual. While the model generates it commits only while a prompt waits on
-        expert reads (`waiting_on_reads`: a core is free then): committing fresh memory under a running model
+        expert reads (CommitGate.waiting_on_reads: a core is free then): committing fresh memory under a running model
         slows it, a decode step's many short waits included (SlotPolicy.begin_step: how the cache grows
         meanwhile). Slots already filled are skipped, so that it
         works ahead of the fills; it stops within a COMMIT_STEP of the model resuming.
@@ -179,7 +187,7 @@ class SlotArena:
         step = max(mmap.PAGESIZE, min(COMMIT_STEP, self.slot_nbytes) // mmap.PAGESIZE * mmap.PAGESIZE)
         for slot in range(self.n_slots):
             for off in range(0, self.slot_nbytes, step):
-                self.may_commit.wait()
+                self.gate.may_commit.wait()
                 # Stop as soon as the elastic cache has had to give memory back: prefaulting would take it again.
                 if self.closed or stats.shrinks:
                     return
@@ -201,7 +209,7 @@ class SlotArena:
 
     def close(self) -> None:
         self.closed = True
-        self.set_idle(True)  # a waiting prefault sees closed and ends
+        self.gate.set_idle(True)  # a waiting prefault sees closed and ends
         if self._prefault_thread is not None:
             self._prefault_thread.join()  # it stops at the next chunk
         self.experts = [None] * self.n_slots

@@ -101,7 +101,7 @@ class ExpertCache:
         self._generations += 1
         if self._generations == 1:
             self.policy.growth.generating = True
-            self.arena.set_idle(False)
+            self.arena.gate.set_idle(False)
         try:
             yield
         finally:
@@ -109,7 +109,7 @@ class ExpertCache:
             if not self._generations:
                 self.policy.growth.generating = False
                 self.phase = "decode"
-                self.arena.set_idle(True)
+                self.arena.gate.set_idle(True)
 
     def begin_step(self, units: int = 1, phase: str | None = None) -> None:
         """A forward step of `units` micro-batches starts, in `phase` ('prompt' or 'decode'; the current

@@ -212,7 +212,7 @@ class Fetch:
         try:
             # a prompt's waits lend the core to the cache's commit; a decode step's do not: its many short waits
             # then ran slower (bench/RESULTS.md, the commit while waiting on reads)
-            with self.arena.waiting_on_reads() if self.cache.phase == "prompt" else nullcontext():
+            with self.arena.gate.waiting_on_reads() if self.cache.phase == "prompt" else nullcontext():
                 done = [self.completed.get(timeout=reader.wait_s)]
         except queue.Empty:
             raise reader.error(
