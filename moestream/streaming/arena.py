@@ -168,10 +168,10 @@ class SlotArena:
         A slot's first fill otherwise takes its page faults inside the pack, most of a cold cache's miss
         cost. Only worth it when the user gave the budget: the memory is promised to the cache anyway; fills
         before it is done fault as usual. While the model generates it commits only while a prompt waits on
-        expert reads (CommitGate.waiting_on_reads: a core is free then): committing fresh memory under a running model
-        slows it, a decode step's many short waits included (SlotPolicy.begin_step: how the cache grows
-        meanwhile). Slots already filled are skipped, so that it
-        works ahead of the fills; it stops within a COMMIT_STEP of the model resuming.
+        expert reads (CommitGate.waiting_on_reads: a core is free then): committing fresh memory under a
+        running model slows it, a decode step's many short waits included (SlotPolicy.begin_step: how the
+        cache grows meanwhile). Slots already filled are skipped, so that it works ahead of the fills; it
+        stops within a COMMIT_STEP of the model resuming.
         """
         if not background:
             self._prefault()
@@ -191,8 +191,11 @@ class SlotArena:
                 # Stop as soon as the elastic cache has had to give memory back: prefaulting would take it again.
                 if self.closed or stats.shrinks:
                     return
-                if off == 0 and (slot in self.policy.parked or self.experts[slot] is not None):
-                    break  # parked (its memory given back) or already filled
+                if off == 0:
+                    with self.lock:
+                        skip = slot in self.policy.parked or self.experts[slot] is not None
+                    if skip:
+                        break  # parked (its memory given back) or already filled
                 n = min(step, self.slot_nbytes - off)
                 if libc.madvise(base + slot * self.slot_nbytes + off, n, MADV_POPULATE_WRITE) != 0:
                     return  # kernel before 5.14: pages fault in on first use, as without prefaulting
