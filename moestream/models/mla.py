@@ -15,6 +15,7 @@ halves before the NeoX-style rotation, in queries and keys alike, which leaves e
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,6 +69,14 @@ class UpProjections:
     def dense(self) -> bool:
         """Both held dense (the decode step's one C call reads them in place)."""
         return self.k_lane is None and self.v_lane is None
+
+    def widened(self) -> UpProjections:
+        """The same projections with the dense ones widened to float32 once, for a loop over query chunks (each
+        absorb/values call would widen them again); the ones at the file's bits stay as they are."""
+        wide = copy.copy(self)
+        wide.k_b = None if self.k_b is None else self.k_b.float()
+        wide.v_b = None if self.v_b is None else self.v_b.float()
+        return wide
 
     def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [T, H, nope] -> the queries in the latent space [T, H, L]."""

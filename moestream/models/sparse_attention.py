@@ -207,12 +207,13 @@ class SparseMLAttention(MLAttention):
         cfg = self.cfg
         T = q_nope.shape[0]
         out = torch.empty(T, cfg.n_heads, cfg.v_head_dim)
+        up = self.up.widened()
         for a, b in query_chunks(T, query_chunk):
             rows = chosen[a:b].sort(dim=1).values
             counts = (rows <= torch.arange(pos + a, pos + b)[:, None]).sum(1)
-            q_lat = self.up.absorb(q_nope[a:b])  # [n, H, L]
+            q_lat = up.absorb(q_nope[a:b])  # [n, H, L]
             o_lat = kernels.mla_sparse(q_lat, q_pe[a:b], latents, keys, rows, counts, cfg.kq_scale)
-            out[a:b] = self.up.values(o_lat)
+            out[a:b] = up.values(o_lat)
         return out.reshape(T, -1)
 
     def choose(self, parts: tuple[torch.Tensor, ...], layer: int, cache: DSACache, pos: int,
