@@ -122,10 +122,12 @@ def _add_read_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lookahead",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=None,
         help="decode: each MoE layer guesses the next layer's experts with that layer's router and starts "
-        "reading the uncached ones while it computes (the output is the same; off by default: its guessed "
-        "reads are not in --trace, so replay would not reproduce the run)",
+        "reading the uncached ones while it computes (the output is the same). Default: automatic where the "
+        "expert cache cannot hold every expert, guessing while recent decode steps miss an expert a layer or "
+        "more; off with --trace (its guessed reads are not in the trace, so a replay would not reproduce the "
+        "run). --lookahead: always; --no-lookahead: never",
     )
     p.add_argument(
         "--route-trace",

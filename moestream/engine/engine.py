@@ -68,8 +68,11 @@ class Engine:
         self.prompt_cache = PromptCache(cache_mb * MB) if cache_mb else None
         for kv in [self.kv, *self.batch_kvs]:  # a span's attention runs a micro-batch of queries at a time
             kv.query_chunk = self.ubatch
-        self.reader = open_reader(self.file, self.cfg, o, read_ahead)
-        self.cache, self.trace = open_cache(self.file, self.reader, self.cfg, o, n_slots, read_ahead, model_path)
+        lookahead = planner.lookahead if self.plan is not None else planner.lookahead_mode(n_slots)
+        self.reader = open_reader(self.file, self.cfg, o, read_ahead, lookahead != "off")
+        self.cache, self.trace = open_cache(
+            self.file, self.reader, self.cfg, o, n_slots, read_ahead, model_path, lookahead
+        )
         # what the model's steps ask for experts: the cache, or the cache behind the workers' remote tier
         self.experts, self.remote = self.cache, None
         if o.expert_workers is not None:

@@ -18,10 +18,11 @@ from moestream.streaming.read_ahead import decode_slots, prompt_slots
 from moestream.streaming.reader import ExpertReader
 
 
-def open_reader(file: Any, cfg: Any, options: EngineOptions, read_ahead: bool) -> ExpertReader:
-    """The parallel reader over the model's files, its buffers sized for the cache's reads in flight."""
+def open_reader(file: Any, cfg: Any, options: EngineOptions, read_ahead: bool, lookahead: bool) -> ExpertReader:
+    """The parallel reader over the model's files, its buffers sized for the cache's reads in flight (with
+    the router lookahead: its guesses' too)."""
     store = file.store
-    single, runs = read_buffers(cfg, store, options.io_threads, read_ahead, options.run_reads, options.lookahead)
+    single, runs = read_buffers(cfg, store, options.io_threads, read_ahead, options.run_reads, lookahead)
     return ExpertReader(store.paths, store.max_segment_nbytes, threads=options.io_threads, direct=options.direct,
                         buffers=single, run_buffers=runs, run_len=store.run_len)  # fmt: skip
 
@@ -48,9 +49,17 @@ class StepTrace:
 
 
 def open_cache(
-    file: Any, reader: ExpertReader, cfg: Any, options: EngineOptions, n_slots: int, read_ahead: bool, model_path: str
+    file: Any,
+    reader: ExpertReader,
+    cfg: Any,
+    options: EngineOptions,
+    n_slots: int,
+    read_ahead: bool,
+    model_path: str,
+    lookahead: str = "off",
 ) -> tuple[ExpertCache, StepTrace | None]:
-    """The expert cache over n_slots slots as the options configure it, and its trace where one is asked for."""
+    """The expert cache over n_slots slots as the options configure it (lookahead: the router lookahead's
+    mode, SlotPlanner.lookahead_mode), and its trace where one is asked for."""
     o = options
     # Admission rules that can turn a miss away need scratch slots for it (carved out of the budget).
     scratch = cfg.top_k if (not o.admit_prompt or o.min_hits > 0) else 0
@@ -73,7 +82,7 @@ def open_cache(
         decode_slots=growth[1],
         admit_prompt=o.admit_prompt,
         read_ahead=read_ahead,
-        lookahead=o.lookahead,
+        lookahead=lookahead,
         min_hits=o.min_hits,
         trace=trace.record if trace is not None else None,
     )

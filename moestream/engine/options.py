@@ -56,8 +56,9 @@ class EngineOptions:
     direct: bool | None = None  # None: O_DIRECT where the file system allows
     read_ahead: bool = True
     run_reads: bool = True
-    # decode: each MoE layer guesses the next one's experts with that layer's router and starts their reads
-    lookahead: bool = False
+    # decode: each MoE layer guesses the next one's experts with that layer's router and starts their reads;
+    # None: automatically, while decode misses (planning.SlotPlanner.lookahead_mode)
+    lookahead: bool | None = None
     # cache policy
     admit_prompt: bool = True
     min_hits: int = 0

@@ -101,8 +101,9 @@ class SlotPlanner:
             options.io_threads,
             options.ubatch or UBATCH_CHOICES[-1],
             options.ram_budget_mb,
-            options.lookahead,
+            options.lookahead is True,
         )
+        self.lookahead = "on" if options.lookahead else "off"  # plan() may turn 'auto' on
         self.base_reserve_mb = DEFAULT_RESERVE_MB if options.reserve_mb is None else options.reserve_mb
         self.base_reader = self.kw["reader"]
         self._chunk: int | None = None  # attention's query chunk, once plan() has chosen the micro-batch
@@ -153,10 +154,26 @@ class SlotPlanner:
         self._chunk = ubatch
         self._ordered = o.admit_prompt and o.min_hits == 0
         plan, ahead = self._fit(ubatch, read_ahead)
+        if self.lookahead_mode(plan.n_slots) == "auto":  # its guesses' buffers, from the slots
+            self.lookahead = "auto"
+            self.base_reader = reader_nbytes(m.cfg, m.store, o.io_threads, False, lookahead=True)
+            plan, ahead = self._fit(ubatch, read_ahead)
         if self._ordered and plan.n_slots < ORDERED_ROOM * m.cfg.n_experts:
             self._ordered = False
             plan, ahead = self._fit(ubatch, read_ahead)
         return plan, ubatch, ahead
+
+    def lookahead_mode(self, n_slots: int) -> str:
+        """The router lookahead's mode for a cache of n_slots: the option's ('on' / 'off'); by default 'auto'
+        (its guesses wait on the decode's misses, ahead.GuessSwitch) where the cache cannot hold every routed
+        expert, else 'off'. A traced run keeps it off by default: the trace does not record its reads, and a
+        replay of the trace should reproduce the run."""
+        o, store = self.options, self.model.store
+        if o.lookahead is not None:
+            return "on" if o.lookahead else "off"
+        if o.trace_path is not None or n_slots >= store.n_layers * store.n_experts:
+            return "off"
+        return "auto"
 
     def _fit(self, ubatch: int, read_ahead: bool) -> tuple[BudgetPlan, bool]:
         """The prompt span and the slots beside it, and whether the read-ahead runs, for this micro-batch."""
@@ -175,7 +192,7 @@ class SlotPlanner:
         room = AHEAD_MIN_LAYERS * m.cfg.n_experts
         if not read_ahead or not room or plan.n_slots < room:  # no room with no experts: nothing to read
             return plan, False
-        kw["reader"] = reader_nbytes(m.cfg, m.store, o.io_threads, True, o.run_reads, o.lookahead)
+        kw["reader"] = reader_nbytes(m.cfg, m.store, o.io_threads, True, o.run_reads, self.lookahead != "off")
         with_ahead = replace(plan_slots(resident=rss_bytes(), **kw), span=span)
         if with_ahead.n_slots < room:
             kw["reader"] = self.base_reader

@@ -15,6 +15,31 @@ from moestream.streaming.pending import PendingExpert
 from moestream.streaming.read_ahead import ahead_choice, ahead_reads
 
 SEGMENTS = 3  # reads an expert takes one by one (gate, up, down)
+# The router lookahead's automatic mode: guessing pays where a decode step waits on reads; where the cache
+# holds what decode asks for, a guess only costs the next router's product and the wrong guesses' reads. It
+# turns on once recent decode fetches have missed ON_MISSES experts each on average, off again below
+# OFF_MISSES (a band, so that it does not flip on every token); each fetch moves the average by 1 - DECAY.
+ON_MISSES, OFF_MISSES, DECAY = 1.0, 0.5, 0.8
+
+
+class GuessSwitch:
+    """Whether decode's MoE layers guess the next layer's experts: mode 'on', 'off', or 'auto' (on while recent
+    decode fetches miss, see ON_MISSES). Misses count what a fetch reads, guessed reads it takes included, so
+    that the guesses' own success does not turn them off."""
+
+    def __init__(self, mode: str = "off"):
+        if mode not in ("on", "off", "auto"):
+            raise ValueError(f"lookahead mode {mode!r}: expected on, off or auto")
+        self.mode = mode
+        self.misses = 0.0  # decaying average of a decode fetch's misses
+        self.active = mode == "on"
+
+    def observe(self, misses: int) -> None:
+        """A decode fetch read `misses` experts."""
+        if self.mode != "auto":
+            return
+        self.misses = DECAY * self.misses + (1 - DECAY) * misses
+        self.active = self.misses >= (OFF_MISSES if self.active else ON_MISSES)
 
 
 class ReadAhead:

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 from moestream.compute.experts import ExpertWeights
 from moestream.errors import BudgetError
-from moestream.streaming.ahead import ReadAhead
+from moestream.streaming.ahead import GuessSwitch, ReadAhead
 from moestream.streaming.arena import MADV_POPULATE_WRITE, SlotArena
 from moestream.streaming.expert_store import ExpertStore
 from moestream.streaming.fetch import ORDERED_ROOM, Fetch, Group
@@ -53,7 +53,7 @@ class ExpertCache:
         self._generations = 0  # generation() contexts open (nested: a scheduler's steps in a generation)
         self.trace: TraceSink | None = None
         self.read_ahead = True  # a prompt fetch may read the next layer ahead (read_ahead.py)
-        self.lookahead = False  # a decode fetch may start the reads of the next layer's guessed experts
+        self.guesses = GuessSwitch()  # whether a decode fetch starts the reads of the next layer's guesses
 
     def configure(
         self,
@@ -63,7 +63,7 @@ class ExpertCache:
         decode_slots: int | None = None,
         admit_prompt: bool = True,
         read_ahead: bool = True,
-        lookahead: bool = False,
+        lookahead: str = "off",
         min_hits: int = 0,
         trace: TraceSink | None = None,
     ) -> None:
@@ -74,6 +74,7 @@ class ExpertCache:
         fresh memory under a running model slows it; read_ahead.prompt_slots); unlimited by default.
         admit_prompt=False: the prompt path neither admits nor refreshes, so its cold reads do not push out
         what the decode reuses. min_hits > 0 admits a key only once it has missed that many times before.
+        lookahead: the router lookahead's mode, 'on', 'off' or 'auto' (ahead.GuessSwitch).
         """
         policy = self.policy
         policy.min_slots = min_slots
@@ -81,7 +82,7 @@ class ExpertCache:
         policy.growth.decode_slots = self.n_slots if decode_slots is None else decode_slots
         policy.admission.prompt, policy.admission.min_hits = admit_prompt, min_hits
         self.read_ahead = read_ahead
-        self.lookahead = lookahead
+        self.guesses = GuessSwitch(lookahead)
         self.trace = trace
 
     @contextmanager
@@ -131,6 +132,11 @@ class ExpertCache:
         reads complete (those that complete together in one group). A group stays pinned until the next yield.
         admit=False: what is read is used once and not kept; ordered: in the order of ids (Fetch)."""
         return Fetch(self, layer, ids, admit, ordered).groups()
+
+    @property
+    def lookahead(self) -> bool:
+        """Whether the router lookahead guesses now (the MoE layers ask before they compute a guess)."""
+        return self.guesses.active
 
     def guess(self, layer: int, ids: list[int]) -> None:
         """The experts `layer` will probably ask for (the router lookahead: the previous layer's input through

@@ -91,6 +91,8 @@ class Fetch:
             phase = stats.by_phase[self.cache.phase]
             phase[0] += len(req.hits)
             phase[1] += len(req.missed) + len(taken)
+            if self.cache.phase == "decode":
+                self.cache.guesses.observe(len(req.missed) + len(taken))
             stats.ahead_unused += len(unused)
         self.hitq = deque((ids[n], slot) for n, slot in req.hits)
         self.pending = deque(ids[n] for n in req.missed)
