@@ -4,16 +4,15 @@ be as many, and most guessed reads must be ones the next layer then takes."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from moestream.cli.main import main
 from moestream.engine.engine import Engine
 from moestream.engine.options import EngineOptions
 from moestream.engine.planning import SlotPlanner, reader_nbytes
-from moestream.streaming.budget import MB
 from moestream.models.moe import MoE
 from moestream.streaming.ahead import OFF_MISSES, ON_MISSES, GuessSwitch
+from moestream.streaming.budget import MB
 from moestream.synth.shapes import write_synth
 
 PROMPT = list(range(5, 25))
@@ -142,12 +141,13 @@ def test_a_budget_that_misses_plans_the_guesses_buffers(model):
     try:
         store, cfg = engine.cache.store, engine.cfg
         every = store.n_layers * store.n_experts
-        base = SlotPlanner(engine.file, 512, EngineOptions(ram_budget_mb=1 << 16, lookahead=False, ubatch=64, prefill_span=64))
+        sizes = dict(ubatch=64, prefill_span=64)
+        base = SlotPlanner(engine.file, 512, EngineOptions(ram_budget_mb=1 << 16, lookahead=False, **sizes))
         full, _, _ = base.plan(False)
         held = full.resident + full.compute + full.reader + full.reserve
         for slots, mode in ((every // 2, "auto"), (2 * every, "off")):
             budget_mb = (held + slots * full.slot_nbytes) // MB + 1
-            planner = SlotPlanner(engine.file, 512, EngineOptions(ram_budget_mb=budget_mb, ubatch=64, prefill_span=64))
+            planner = SlotPlanner(engine.file, 512, EngineOptions(ram_budget_mb=budget_mb, **sizes))
             plan, _, _ = planner.plan(False)
             assert planner.lookahead == mode
             guesses = reader_nbytes(cfg, store, 4, False, lookahead=True)
