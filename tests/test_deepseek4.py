@@ -138,6 +138,38 @@ def test_hash_layer_experts_are_requested_before_any_layer_runs(tiny, monkeypatc
         assert asked == want
 
 
+def test_a_decode_step_reads_hash_layers_ahead_without_waiting(tiny, monkeypatch):
+    """In decode the hash layers' known experts are not waited for before the layers run: where the reader
+    has buffers for reads ahead (the lookahead's, planned for a cache that misses), the first hash layer's
+    reads start at once (the layer's fetch takes them), the next ones' when the layer before is fetched; the
+    tokens are those of a cache that holds every expert."""
+    model, path, toks, _ = tiny
+    n_hash = model.config.mlp_layer_types.count("hash_moe")
+    seen: list[tuple] = []
+    real_prefetch = ExpertCache.prefetch
+
+    def prefetch(self, layer, ids):
+        n = real_prefetch(self, layer, ids)
+        if self.phase == "decode":
+            seen.append((layer, self.ahead.layer, sorted(self.ahead.known)))
+        return n
+
+    outputs, ahead = [], []
+    for slots in (64, 12):  # every expert cached (no lookahead), then a small cache (its buffers planned)
+        if slots == 12:
+            monkeypatch.setattr(ExpertCache, "prefetch", prefetch)
+        eng = Engine(path, EngineOptions(n_slots=slots))
+        try:
+            outputs.append(eng.generate(toks[:20], 4, Sampler()).tokens)
+            ahead.append(eng.snapshot().ahead_reads)
+        finally:
+            eng.close()
+    assert outputs[0] == outputs[1] and ahead[1] > 0
+    assert seen and all(layer < n_hash for layer, _, _ in seen)
+    for layer, first, known in seen:  # the first layer's reads under way, the later ones' waiting their turn
+        assert first == 0 and known == list(range(1, layer + 1))
+
+
 def test_compressed_cache_is_what_the_budget_counts_and_grows_by_the_entries(tiny):
     cfg = _cfg(tiny[1])
     mem = DeepSeek4.memory(cfg)

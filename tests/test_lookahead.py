@@ -41,8 +41,7 @@ def test_same_tokens_and_counts_guessed_reads_taken(model):
     tokens, snap = _run(model, True, slots)
     assert tokens == plain
     assert snap.hits + snap.misses == base.hits + base.misses
-    assert base.ahead_reads == 0
-    assert snap.ahead_reads > 0
+    assert snap.ahead_reads > base.ahead_reads  # without it only hash layers' known experts read ahead
     assert snap.ahead_unused < snap.ahead_reads / 2
 
 

@@ -48,6 +48,7 @@ class ReadAhead:
         self.pending: dict[tuple[int, int], PendingExpert] = {}  # (layer, expert) -> its reads
         self.layer = -1  # the layer read ahead, -1 if none
         self.guessed: tuple[int, list[int]] | None = None  # (layer, experts) the router lookahead guessed
+        self.known: dict[int, list[int]] = {}  # layer -> the experts it will ask for (hash routing), this step
 
     def start(self, layer: int) -> None:
         """Start reading the first experts of `layer` that are not cached (read_ahead.ahead_choice of them, in
@@ -64,6 +65,11 @@ class ReadAhead:
         # What it reads waits in the reader's buffers until the layer's fetch (ahead_choice keeps it within the
         # buffers planned for it).
         self._read(layer, experts, lambda fresh: ahead_choice(fresh, n_experts, run_len), prompt=True)
+
+    def next_ids(self, layer: int) -> list[int]:
+        """What to read ahead for `layer`: its known experts, else the lookahead's guess (take_guess)."""
+        known = self.known.pop(layer, None)
+        return known if known is not None else self.take_guess(layer)
 
     def take_guess(self, layer: int) -> list[int]:
         """The guessed experts of `layer` (none if the guess was for another layer), forgetting the guess."""

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 from moestream.compute.experts import ExpertWeights
 from moestream.errors import BudgetError
-from moestream.streaming.ahead import GuessSwitch, ReadAhead
+from moestream.streaming.ahead import SEGMENTS, GuessSwitch, ReadAhead
 from moestream.streaming.arena import MADV_POPULATE_WRITE, SlotArena
 from moestream.streaming.expert_store import ExpertStore
 from moestream.streaming.fetch import ORDERED_ROOM, Fetch, Group
@@ -117,6 +117,7 @@ class ExpertCache:
         phase if None): the LRU may grow by this step's allowance (SlotPolicy.begin_step)."""
         if phase is not None:
             self.phase = phase
+        self.ahead.known.clear()  # what an abandoned step knew
         with self.arena.lock:
             self.policy.begin_step(units, self.phase == "prompt")
 
@@ -145,11 +146,21 @@ class ExpertCache:
         self.ahead.guessed = (layer, ids) if self.lookahead and self.phase == "decode" else None
 
     def prefetch(self, layer: int, ids: list[int]) -> int:
-        """Read these experts of `layer` into the cache now, before the layer runs: experts known ahead of the
-        compute (DeepSeek-V4's hash-routed layers, from the token ids). Skipped where they would take more than
-        a quarter of the cache (they would push out what the step needs first). Returns how many were asked."""
+        """Experts of `layer` known ahead of the compute (DeepSeek-V4's hash-routed layers, from the token
+        ids): a decode step starts their reads a layer ahead, as the lookahead does its guesses (the first
+        such layer's now, each next one's when the fetch of the layer before starts), so that they overlap
+        the compute, where the reader has buffers to spare for them (the lookahead's); a prompt, or a traced
+        run (whose replay reads the accesses in order), reads them now and waits. Skipped where they would
+        take more than a quarter of the cache (they would push out what the step needs first). Returns how
+        many were asked."""
         if not ids or 4 * len(ids) > self.capacity:
             return 0
+        if self.phase == "decode" and self.trace is None and self.reader.ahead_buffers(runs=False) >= SEGMENTS:
+            if self.ahead.layer < 0 and not self.ahead.known:
+                self.ahead.start_ids(layer, ids)
+            else:
+                self.ahead.known[layer] = ids
+            return len(ids)
         for _group in self.fetch_groups(layer, ids):
             pass
         return len(ids)

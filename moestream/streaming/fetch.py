@@ -104,8 +104,8 @@ class Fetch:
             self._launch()
             if self._reads_ahead():
                 self.cache.ahead.start(self.layer + 1)
-            elif guessed := self.cache.ahead.take_guess(self.layer + 1):
-                self.cache.ahead.start_ids(self.layer + 1, guessed)
+            elif nxt := self.cache.ahead.next_ids(self.layer + 1):
+                self.cache.ahead.start_ids(self.layer + 1, nxt)
             trace = self.cache.trace
             if self.hitq and trace is not None:
                 for e, _slot in self.hitq:
